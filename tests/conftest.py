@@ -1,0 +1,64 @@
+"""Shared fixtures: a real Kafka broker and a real Triton server for the whole session.
+
+Both run as local processes started by the project's own devstack code (the
+default, and what CI uses), or as containers through testcontainers when a
+Docker engine answers or ``WORKER_TEST_DOCKER=1``.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from worker.devstack.containers import ContainerKafka, ContainerTriton, docker_available
+from worker.devstack.stack import LocalStack
+
+
+def _report(config: pytest.Config, line: str) -> None:
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_line(line)
+
+
+@pytest.fixture(scope="session")
+def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """Kafka (one node) and Triton (every model), started side by side once per session."""
+    if docker_available():
+        kafka, triton = ContainerKafka(), ContainerTriton()
+        kafka.start()
+        try:
+            triton.start()
+        except BaseException:
+            kafka.stop()
+            raise
+        yield type("ContainerStack", (), {"kafka": kafka, "triton": triton})()
+        triton.stop()
+        kafka.stop()
+        return
+    local = LocalStack.create(tmp_path_factory.mktemp("stack"), log=lambda _: None)
+    local.start()
+    timings = ", ".join(f"{k} {v:.1f}s" for k, v in local.timings_s.items())
+    _report(request.config, f"\nlocal stack ready: {timings}")
+    yield local
+    local.stop()
+
+
+@pytest.fixture(scope="session")
+def kafka(stack: Any) -> Any:
+    """The session's Kafka: ``bootstrap_servers`` plus admin helpers."""
+    return stack.kafka
+
+
+@pytest.fixture(scope="session")
+def triton(stack: Any) -> Any:
+    """The session's Triton: ``grpc_address``, ``http_address``; stop/kill/restart."""
+    return stack.triton
+
+
+@pytest.fixture
+def unique() -> str:
+    """A short unique suffix for topic and group names, so tests never share state."""
+    return uuid.uuid4().hex[:10]

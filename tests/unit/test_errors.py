@@ -1,0 +1,187 @@
+"""The error taxonomy: codes, retry flags, and the mapping of gRPC and Triton failures."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+from tritonclient.utils import InferenceServerException
+
+from worker import errors
+
+pytestmark = pytest.mark.unit
+
+NON_RETRYABLE = (
+    errors.DecodeError,
+    errors.InvalidRequest,
+    errors.ModelNotFound,
+    errors.TooLarge,
+    errors.InferenceError,
+    errors.RetriesExhausted,
+    errors.OutputTooLarge,
+    errors.Forbidden,
+)
+RETRYABLE = (
+    errors.TritonUnavailable,
+    errors.TritonTimeout,
+    errors.TritonOverloaded,
+    errors.ModelNotReady,
+)
+
+
+def test_dead_letter_codes_are_the_eight_non_retryable_ones() -> None:
+    """ERROR_CODES lists exactly the codes of the non-retryable errors, in contract order."""
+    assert errors.ERROR_CODES == (
+        "DECODE_ERROR",
+        "INVALID_REQUEST",
+        "MODEL_NOT_FOUND",
+        "TOO_LARGE",
+        "INFERENCE_ERROR",
+        "RETRIES_EXHAUSTED",
+        "OUTPUT_TOO_LARGE",
+        "FORBIDDEN",
+    )
+    assert tuple(cls.code for cls in NON_RETRYABLE) == errors.ERROR_CODES
+    assert not any(cls.retryable for cls in NON_RETRYABLE)
+
+
+def test_retryable_errors_never_reach_a_dead_letter_code() -> None:
+    """Retryable errors are flagged and have codes outside the dead-letter set."""
+    assert all(cls.retryable for cls in RETRYABLE)
+    assert not {cls.code for cls in RETRYABLE} & set(errors.ERROR_CODES)
+    assert errors.TritonUnavailable.code == "TRITON_UNAVAILABLE"
+
+
+def test_message_is_kept_and_is_the_text() -> None:
+    """The message is both an attribute and the exception text."""
+    error = errors.InvalidRequest("inputs[1].data: 15 elements, shape [4, 4] needs 16")
+    assert error.message == str(error) == "inputs[1].data: 15 elements, shape [4, 4] needs 16"
+
+
+def test_retries_exhausted_names_the_last_error() -> None:
+    """RETRIES_EXHAUSTED says how many attempts and what failed last."""
+    error = errors.RetriesExhausted.after(errors.TritonTimeout("deadline of 5000 ms passed"), 3)
+    assert error.message == (
+        "gave up after 3 attempts; last error TRITON_TIMEOUT: deadline of 5000 ms passed"
+    )
+
+
+@pytest.mark.parametrize(
+    ("code", "message", "expected"),
+    [
+        (None, "connection lost", errors.TritonUnavailable),
+        (
+            grpc.StatusCode.UNAVAILABLE,
+            "failed to connect to all addresses",
+            errors.TritonUnavailable,
+        ),
+        (grpc.StatusCode.UNAVAILABLE, "Exceeds maximum queue size", errors.TritonOverloaded),
+        (grpc.StatusCode.UNAVAILABLE, "Request timeout expired", errors.TritonTimeout),
+        (
+            grpc.StatusCode.UNAVAILABLE,
+            "Request for unknown model: 'm' version 1 is not at ready state",
+            errors.ModelNotReady,
+        ),
+        (
+            grpc.StatusCode.UNAVAILABLE,
+            "Request for unknown model: 'm' is not found",
+            errors.ModelNotFound,
+        ),
+        (grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded", errors.TritonTimeout),
+        (grpc.StatusCode.RESOURCE_EXHAUSTED, "too many requests", errors.TritonOverloaded),
+        (
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            "Sent message larger than max (9000000 vs. 4194304)",
+            errors.TooLarge,
+        ),
+        (
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            "Received message larger than max (9000000 vs. 4194304)",
+            errors.OutputTooLarge,
+        ),
+        (grpc.StatusCode.CANCELLED, "Cancelled", errors.TritonUnavailable),
+        (grpc.StatusCode.UNKNOWN, "Stream removed", errors.TritonUnavailable),
+        (grpc.StatusCode.UNKNOWN, "Exception calling application", errors.InferenceError),
+        (
+            grpc.StatusCode.NOT_FOUND,
+            "Request for unknown model: 'x' is not found",
+            errors.ModelNotFound,
+        ),
+        (
+            grpc.StatusCode.NOT_FOUND,
+            "Request for unknown model: 'x' has no available versions",
+            errors.ModelNotReady,
+        ),
+        (grpc.StatusCode.INVALID_ARGUMENT, "unexpected shape", errors.InvalidRequest),
+        (grpc.StatusCode.PERMISSION_DENIED, "denied", errors.Forbidden),
+        (grpc.StatusCode.UNAUTHENTICATED, "no token", errors.Forbidden),
+        (grpc.StatusCode.INTERNAL, "model raised", errors.InferenceError),
+        (grpc.StatusCode.UNIMPLEMENTED, "unsupported", errors.InferenceError),
+    ],
+)
+def test_from_grpc(
+    code: grpc.StatusCode | None, message: str, expected: type[errors.WorkerError]
+) -> None:
+    """gRPC statuses map to the error class that decides retrying."""
+    error = errors.from_grpc(code, message)
+    assert type(error) is expected
+    assert message in error.message
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("Request for unknown model: 'nope' is not found", errors.ModelNotFound),
+        ("Request for unknown model: 'm' version 3 is not found", errors.ModelNotFound),
+        ("Request for unknown model: 'm' version 1 is not at ready state", errors.ModelNotReady),
+        ("Request for unknown model: 'm' has no available versions", errors.ModelNotReady),
+        ("model 'm' is not ready", errors.ModelNotReady),
+        ("[request id: r-1] Exceeds maximum queue size", errors.TritonOverloaded),
+        ("Request timeout expired", errors.TritonTimeout),
+        ("Server is stopping", errors.TritonUnavailable),
+        (
+            "[request id: <id_unknown>] unexpected shape for input 'INPUT0' for model 'simple'. "
+            "Expected [-1,16], got [1,15]. ",
+            errors.InvalidRequest,
+        ),
+        (
+            "[request id: r] expected 2 inputs but got 1 inputs for model 'simple'. Got input(s) "
+            "['INPUT0'], but missing required input(s) ['INPUT1']. Please provide all required "
+            "input(s).",
+            errors.InvalidRequest,
+        ),
+        (
+            "[request id: r] inference input 'INPUT0' data-type is 'FP32', but model 'simple' "
+            "expects 'INT32'",
+            errors.InvalidRequest,
+        ),
+        ("inference request batch-size must be <= 8 for 'simple'", errors.InvalidRequest),
+        ("[request id: r] unexpected inference output 'X' for model 'm'", errors.InvalidRequest),
+        (
+            "Failed to process the request(s) for model 'pyfail_0_0', message: ValueError: boom",
+            errors.InferenceError,
+        ),
+        ("something nobody has seen before", errors.InferenceError),
+    ],
+)
+def test_from_stream_error(text: str, expected: type[errors.WorkerError]) -> None:
+    """Texts Triton puts in a stream response's error_message map conservatively."""
+    error = errors.from_stream_error(text)
+    assert type(error) is expected
+    assert error.message == f"Triton: {text}"
+
+
+def test_from_exception_covers_the_client_stack() -> None:
+    """gRPC, tritonclient, timeout and connection exceptions map to the taxonomy."""
+    rpc = grpc.aio.AioRpcError(
+        grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), "socket closed"
+    )
+    assert type(errors.from_exception(rpc)) is errors.TritonUnavailable
+    client = InferenceServerException(
+        "Request for unknown model: 'x' is not found", "StatusCode.NOT_FOUND"
+    )
+    assert type(errors.from_exception(client)) is errors.ModelNotFound
+    assert type(errors.from_exception(TimeoutError())) is errors.TritonTimeout
+    assert type(errors.from_exception(ConnectionResetError("reset"))) is errors.TritonUnavailable
+    assert type(errors.from_exception(ValueError("odd"))) is errors.InferenceError
+    own = errors.TooLarge("big")
+    assert errors.from_exception(own) is own

@@ -1,0 +1,204 @@
+"""Wiring and lifecycle: ``start()`` → ``run()`` → ``stop()``, every task in one TaskGroup.
+
+Shutdown (``request_stop``, the first SIGTERM/SIGINT): stop fetching, let the
+in-flight records finish within ``shutdown_timeout_s``, commit, close. A second
+signal (``force_stop``) abandons what is still in flight; those records are not
+committed and will be consumed again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Mapping
+
+import structlog
+from aiokafka.structs import ConsumerRecord, TopicPartition
+
+from worker.config import Settings
+from worker.handler import RecordHandler
+from worker.intake import Intake
+from worker.observability import HealthServer, Metrics
+from worker.offsets import OffsetTracker
+from worker.publisher import Publisher
+from worker.triton import TritonPool
+from worker.window import Window
+
+log = structlog.get_logger(__name__)
+
+_HEALTH_INTERVAL_S = 2.0
+#: Kafka's default broker limit; results above max_output_bytes never get that far.
+_PRODUCER_HEADROOM_BYTES = 64 * 1024
+
+
+class Worker:
+    """The inference worker: Kafka in, Triton streams, Kafka out."""
+
+    def __init__(self, settings: Settings, metrics: Metrics | None = None) -> None:
+        self.settings = settings
+        self.metrics = metrics or Metrics()
+        self.window = Window(settings.max_in_flight, settings.max_in_flight_per_partition)
+        self.offsets = OffsetTracker()
+        self.pool = TritonPool(settings.triton_url, settings.triton_streams)
+        self.publisher = Publisher(
+            settings.bootstrap_servers,
+            output_topic=settings.output_topic,
+            dlq_topic=settings.dlq_topic,
+            client_id=settings.client_id,
+            linger_ms=settings.linger_ms,
+            max_request_bytes=settings.max_output_bytes + _PRODUCER_HEADROOM_BYTES,
+        )
+        self.handler = RecordHandler(settings, self.pool, self.publisher, self.metrics)
+        self.intake = Intake(settings, self.window, self.offsets, self.metrics, self._dispatch)
+        self.health: HealthServer | None = None
+        self.triton_up = False
+        self.started = asyncio.Event()
+        self._tasks: asyncio.TaskGroup | None = None
+        self._records: set[asyncio.Task[None]] = set()
+        self._stop = asyncio.Event()
+        self._stopped = False
+        self.metrics.window_limit.set(settings.max_in_flight)
+
+    # -- lifecycle ---------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Connect everything; the consumer joins its group last, when all else is ready."""
+        if self.settings.metrics_port:
+            self.health = HealthServer(
+                self.metrics.registry, self.readiness, port=self.settings.metrics_port
+            )
+            await self.health.start()
+        await self.pool.start()
+        await self.publisher.start()
+        await self.intake.start()
+        log.info("worker_started", settings=self.settings.redacted())
+
+    async def run(self) -> None:
+        """Run until ``request_stop``; then drain, commit and close."""
+        await self.start()
+        try:
+            async with asyncio.TaskGroup() as tasks:
+                self._tasks = tasks
+                fetching = tasks.create_task(self.intake.run(), name="intake")
+                background = [
+                    tasks.create_task(self.intake.commit_loop(), name="commits"),
+                    tasks.create_task(self._health_loop(), name="health"),
+                ]
+                self.started.set()
+                await self._stop.wait()
+                self.intake.request_stop()
+                await fetching
+                await self._drain()
+                for task in background:
+                    task.cancel()
+        finally:
+            self._tasks = None
+            await self.stop()
+
+    def request_stop(self) -> None:
+        """Begin a graceful shutdown (first signal)."""
+        self._stop.set()
+
+    def force_stop(self) -> None:
+        """Abandon in-flight records (second signal); they stay uncommitted."""
+        self._stop.set()
+        for task in list(self._records):
+            task.cancel()
+
+    async def _drain(self) -> None:
+        """Wait for in-flight records within the bound, then commit what is done."""
+        timeout_s = self.settings.shutdown_timeout_s
+        try:
+            await asyncio.wait_for(self.window.wait_empty(), timeout_s)
+        except TimeoutError:
+            log.warning("drain_timeout", in_flight=self.window.in_flight, timeout_s=timeout_s)
+            for task in list(self._records):
+                task.cancel()
+        await asyncio.gather(*self._records, return_exceptions=True)
+        await self.intake.commit()
+
+    async def stop(self) -> None:
+        """Close Triton streams, the producer, the consumer, the HTTP server. Idempotent."""
+        if self._stopped:
+            return
+        self._stopped = True
+        await self.pool.close(drain_timeout_s=5.0)
+        await self.publisher.stop()
+        await self.intake.stop()
+        if self.health is not None:
+            await self.health.stop()
+        log.info("worker_stopped")
+
+    # -- records -----------------------------------------------------------------
+
+    def _dispatch(self, record: ConsumerRecord[bytes, bytes], generation: int) -> None:
+        assert self._tasks is not None
+        task = self._tasks.create_task(self._process(record, generation))
+        self._records.add(task)
+        task.add_done_callback(self._records.discard)
+        self.metrics.in_flight.set(self.window.in_flight)
+
+    async def _process(self, record: ConsumerRecord[bytes, bytes], generation: int) -> None:
+        tp = TopicPartition(record.topic, record.partition)
+        structlog.contextvars.bind_contextvars(
+            topic=record.topic, partition=record.partition, offset=record.offset
+        )
+        try:
+            await self.handler.handle(record)
+        except asyncio.CancelledError:
+            # Forced stop: the record is not done, its offset is not committed.
+            self.window.release(tp)
+            raise
+        except BaseException:
+            self.window.release(tp)
+            raise
+        # Done only after the broker acknowledged the result or dead letter.
+        self.offsets.done(tp, record.offset, generation)
+        self.window.release(tp)
+        self.metrics.in_flight.set(self.window.in_flight)
+
+    # -- health ------------------------------------------------------------------
+
+    async def _health_loop(self) -> None:
+        while True:
+            self.triton_up = await self.pool.server_ready()
+            self.metrics.triton_up.set(1 if self.triton_up else 0)
+            await asyncio.sleep(_HEALTH_INTERVAL_S)
+
+    def readiness(self) -> tuple[bool, Mapping[str, object]]:
+        """Ready when the consumer runs and Triton is reachable."""
+        detail = {
+            "consumer": "running" if self.intake.running else "stopped",
+            "triton": "up" if self.triton_up else "down",
+        }
+        return self.intake.running and self.triton_up, detail
+
+
+async def serve(settings: Settings, worker: Worker | None = None) -> int:
+    """Run a worker under SIGTERM/SIGINT handling; return the process exit code."""
+    import signal
+
+    worker = worker or Worker(settings)
+    loop = asyncio.get_running_loop()
+    signals = (signal.SIGTERM, signal.SIGINT)
+    received = 0
+
+    def on_signal(signum: int) -> None:
+        nonlocal received
+        received += 1
+        if received == 1:
+            log.info("shutdown_requested", signal=signal.Signals(signum).name)
+            worker.request_stop()
+        else:
+            log.warning("forced_exit", signal=signal.Signals(signum).name)
+            worker.force_stop()
+
+    for signum in signals:
+        loop.add_signal_handler(signum, on_signal, signum)
+    try:
+        await worker.run()
+    finally:
+        for signum in signals:
+            with contextlib.suppress(Exception):
+                loop.remove_signal_handler(signum)
+    return 0 if received <= 1 else 1

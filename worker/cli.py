@@ -1,0 +1,87 @@
+"""Command line: ``run``, ``dev``, ``demo``, ``produce``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+from collections.abc import Coroutine, Sequence
+from typing import Any
+
+from worker import __version__
+from worker.devcli import add_dev_parser
+
+#: Exit code for invalid configuration (the process never started).
+EXIT_CONFIG = 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kafka-triton-worker",
+        description="Kafka stream-processing inference worker for NVIDIA Triton.",
+    )
+    parser.add_argument("--version", action="version", version=__version__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    run = commands.add_parser(
+        "run",
+        help="consume requests, infer on Triton, publish results and dead letters",
+        description="Every flag can also be set by its WORKER_* environment variable.",
+    )
+    run.set_defaults(handler=run_worker)
+    # Flags are parsed by the settings loader itself, so that env and flags share
+    # one set of checks and one error format.
+    run.add_argument("settings", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    add_dev_parser(commands)
+    from worker.democli import add_demo_parsers
+
+    add_demo_parsers(commands)
+    return parser
+
+
+def run_worker(args: argparse.Namespace) -> int:
+    """``run``: load settings (exit 2 with one line if invalid), then serve until signalled."""
+    from worker.config import ConfigError, add_run_arguments, load_settings
+
+    if "-h" in args.settings or "--help" in args.settings:
+        helper = argparse.ArgumentParser(prog="kafka-triton-worker run")
+        add_run_arguments(helper)
+        helper.print_help()
+        return 0
+    try:
+        settings = load_settings(os.environ, args.settings, isatty=sys.stderr.isatty())
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+
+    from worker.app import serve
+    from worker.observability import configure_logging
+    from worker.publisher import DeadLetterWriteFailed
+
+    configure_logging(settings.log_format, settings.log_level)
+    try:
+        return run_async(serve(settings))
+    except BaseExceptionGroup as group:
+        matched, _ = group.split(DeadLetterWriteFailed)
+        if matched is None:
+            raise
+        # Crash loudly rather than lose a record: its offset was never committed.
+        print(f"fatal: {matched.exceptions[0]}; its offset was not committed", file=sys.stderr)
+        return 3
+
+
+def run_async(main: Coroutine[Any, Any, int]) -> int:
+    """Run on uvloop where it is installed (faster I/O), else on asyncio's own loop."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(main)
+    return uvloop.run(main)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``python -m worker`` and the ``kafka-triton-worker`` script."""
+    parser = build_parser()
+    args = parser.parse_args(list(argv) if argv is not None else sys.argv[1:])
+    code: int = args.handler(args)
+    return code

@@ -1,0 +1,126 @@
+"""One record, start to end: decode, validate, infer (with retries), publish the outcome.
+
+Every record ends in exactly one of: a result, or a dead letter. The caller marks
+it done only when this returns, that is once the broker has acknowledged what
+was written.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from datetime import UTC, datetime
+
+import structlog
+from aiokafka.structs import ConsumerRecord
+
+from worker import codec, errors
+from worker.config import Settings
+from worker.observability import Metrics
+from worker.publisher import Publisher
+from worker.triton import TritonPool
+from worker.validation import check_request
+
+log = structlog.get_logger(__name__)
+
+#: Retries of retryable failures (Triton unavailable, timeouts, overload), per record.
+MAX_ATTEMPTS = 5
+_BACKOFF_BASE_S = 0.1
+_BACKOFF_CAP_S = 5.0
+
+
+class RecordHandler:
+    """Turns a consumed record into a published result or dead letter."""
+
+    def __init__(
+        self, settings: Settings, pool: TritonPool, publisher: Publisher, metrics: Metrics
+    ) -> None:
+        self._settings = settings
+        self._pool = pool
+        self._publisher = publisher
+        self._metrics = metrics
+
+    async def handle(self, record: ConsumerRecord[bytes, bytes]) -> None:
+        """Process ``record``; returns once its result or dead letter is acknowledged."""
+        attempts = 0
+        try:
+            request = codec.decode_request(
+                record.value,
+                record.headers,
+                topic=record.topic,
+                partition=record.partition,
+                offset=record.offset,
+                default_model=self._settings.default_model,
+                max_request_bytes=self._settings.max_request_bytes,
+            )
+            structlog.contextvars.bind_contextvars(request_id=request.request_id)
+            spec = await self._pool.model_spec(request.model_name, request.model_version)
+            check_request(spec, request)
+            response, attempts = await self._infer(request)
+            value, encoding_headers = codec.encode_result(
+                request, response, max_result_bytes=self._settings.max_output_bytes
+            )
+            headers = codec.result_headers(
+                record.headers,
+                request,
+                encoding_headers,
+                topic=record.topic,
+                partition=record.partition,
+                offset=record.offset,
+                served_model_version=response.model_version,
+            )
+            await self._publisher.publish_result(value, record.key, headers)
+            self._metrics.results_published_total.labels(
+                model=self._metrics.model_label(request.model_name)
+            ).inc()
+        except errors.WorkerError as error:
+            await self._dead_letter(record, error, max(attempts, 1))
+        self._metrics.end_to_end_latency_seconds.observe(
+            max(0.0, time.time() - record.timestamp / 1000)
+        )
+
+    async def _infer(self, request: codec.DecodedRequest) -> tuple[object, int]:
+        """Infer with retries of retryable failures, within the request's deadline."""
+        timeout_s = self._settings.request_timeout_ms / 1000
+        deadline = time.monotonic() + timeout_s
+        model = self._metrics.model_label(request.model_name)
+        attempt = 0
+        while True:
+            attempt += 1
+            started = time.monotonic()
+            try:
+                response = await self._pool.infer(
+                    request.infer_request, max(0.001, deadline - started)
+                )
+            except errors.WorkerError as error:
+                if not error.retryable:
+                    raise
+                backoff_s = random.uniform(0, min(_BACKOFF_CAP_S, _BACKOFF_BASE_S * 2**attempt))
+                if attempt >= MAX_ATTEMPTS or time.monotonic() + backoff_s >= deadline:
+                    raise errors.RetriesExhausted.after(error, attempt) from error
+                self._metrics.retries_total.labels(reason=error.code).inc()
+                await asyncio.sleep(backoff_s)
+                continue
+            self._metrics.inference_latency_seconds.labels(model=model).observe(
+                time.monotonic() - started
+            )
+            return response, attempt
+
+    async def _dead_letter(
+        self, record: ConsumerRecord[bytes, bytes], error: errors.WorkerError, attempts: int
+    ) -> None:
+        headers = codec.dead_letter_headers(
+            record.headers,
+            error,
+            attempts=attempts,
+            topic=record.topic,
+            partition=record.partition,
+            offset=record.offset,
+            timestamp_ms=record.timestamp,
+            group_id=self._settings.group_id,
+            failed_at=datetime.now(UTC),
+        )
+        log.warning("dead_letter", code=error.code, error=error.message, attempts=attempts)
+        await self._publisher.publish_dead_letter(record.value, record.key, headers)
+        self._metrics.dead_letters_total.labels(code=error.code).inc()

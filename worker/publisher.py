@@ -1,0 +1,98 @@
+"""Results and dead letters to Kafka; a record counts as done only once the broker acks it."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any
+
+import structlog
+from aiokafka import AIOKafkaProducer
+from aiokafka.errors import KafkaError, MessageSizeTooLargeError
+
+from worker import errors
+
+log = structlog.get_logger(__name__)
+
+Headers = Sequence[tuple[str, bytes]]
+
+
+class DeadLetterWriteFailed(RuntimeError):
+    """A dead letter could not be written after every retry: the worker must stop.
+
+    Its offset never moves past the record; crashing loudly is better than losing it.
+    """
+
+
+class Publisher:
+    """An idempotent producer (``acks=all``) writing results and dead letters."""
+
+    def __init__(
+        self,
+        bootstrap_servers: str,
+        *,
+        output_topic: str,
+        dlq_topic: str,
+        client_id: str,
+        linger_ms: int,
+        max_request_bytes: int,
+        dead_letter_attempts: int = 5,
+    ) -> None:
+        self.output_topic = output_topic
+        self.dlq_topic = dlq_topic
+        self._dead_letter_attempts = dead_letter_attempts
+        self._producer = AIOKafkaProducer(
+            bootstrap_servers=bootstrap_servers,
+            client_id=client_id,
+            acks="all",
+            enable_idempotence=True,
+            linger_ms=linger_ms,
+            max_request_size=max_request_bytes,
+            compression_type=None,
+        )
+
+    async def start(self) -> None:
+        await self._producer.start()
+
+    async def stop(self) -> None:
+        """Flush what is pending and close. Idempotent."""
+        await self._producer.stop()
+
+    async def publish_result(self, value: bytes, key: bytes | None, headers: Headers) -> Any:
+        """Write a result and wait for the broker's ack.
+
+        Raises OutputTooLarge when the broker (or the producer's own limit)
+        refuses the record for its size; other Kafka errors propagate.
+        """
+        try:
+            sent = await self._producer.send(
+                self.output_topic, value=value, key=key, headers=list(headers)
+            )
+            return await sent
+        except MessageSizeTooLargeError:
+            raise errors.OutputTooLarge(
+                f"result of {len(value)} bytes is larger than the output topic accepts"
+            ) from None
+
+    async def publish_dead_letter(
+        self, value: bytes | None, key: bytes | None, headers: Headers
+    ) -> Any:
+        """Write a dead letter, retrying with backoff; DeadLetterWriteFailed if it never lands."""
+        delay_s = 0.2
+        for attempt in range(1, self._dead_letter_attempts + 1):
+            try:
+                sent = await self._producer.send(
+                    self.dlq_topic, value=value, key=key, headers=list(headers)
+                )
+                return await sent
+            except KafkaError as exc:
+                log.warning(
+                    "dead_letter_write_failed", attempt=attempt, error=f"{type(exc).__name__}: {exc}"
+                )
+                if attempt == self._dead_letter_attempts:
+                    raise DeadLetterWriteFailed(
+                        f"dead letter to {self.dlq_topic!r} failed {attempt} times: {exc}"
+                    ) from exc
+                await asyncio.sleep(delay_s)
+                delay_s = min(delay_s * 2, 5.0)
+        raise AssertionError("unreachable")

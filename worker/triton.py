@@ -1,0 +1,269 @@
+"""A pool of Triton ``ModelStreamInfer`` streams, with id correlation and deadlines.
+
+Each stream is the bidirectional gRPC call that
+``tritonclient.grpc.aio.InferenceServerClient.stream_infer`` opens. The worker
+feeds it ready-made ``ModelInferRequest`` messages (the codec builds them
+straight from the Kafka value) instead of dicts of ``InferInput``, which would
+force a numpy copy of every tensor.
+
+A stream's request iterator stays open until every response it owes has
+arrived: tritonserver 2.51 can crash when a client half-closes a stream with
+requests in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc  # type: ignore[import-untyped, unused-ignore]
+import structlog
+from tritonclient.grpc import InferenceServerException, service_pb2
+from tritonclient.grpc.aio import InferenceServerClient
+
+from worker import errors
+from worker.validation import ModelSpec
+
+log = structlog.get_logger(__name__)
+
+#: How long a negative model lookup (unknown model) is remembered.
+_NEGATIVE_CACHE_S = 5.0
+
+
+class _Stream:
+    """One ModelStreamInfer call: a queue of requests in, responses matched by id out."""
+
+    def __init__(self, stub: object, index: int) -> None:
+        self.index = index
+        self._stub = stub
+        self._outbox: asyncio.Queue[service_pb2.ModelInferRequest | None] = asyncio.Queue()
+        self.pending: dict[str, asyncio.Future[service_pb2.ModelInferResponse]] = {}
+        self.broken: errors.WorkerError | None = None
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    async def _requests(self) -> AsyncIterator[service_pb2.ModelInferRequest]:
+        while True:
+            request = await self._outbox.get()
+            if request is None:
+                return
+            yield request
+
+    async def run(self) -> None:
+        """Read responses until the stream ends; then fail whatever is still owed."""
+        call = self._stub.ModelStreamInfer(self._requests())  # type: ignore[attr-defined]
+        try:
+            async for response in call:
+                self._deliver(response)
+            self.broken = errors.TritonUnavailable("the inference stream was closed by Triton")
+        except grpc.aio.AioRpcError as exc:
+            self.broken = errors.from_grpc(exc.code(), exc.details() or "")
+            if not self.broken.retryable:
+                self.broken = errors.TritonUnavailable(f"the inference stream broke: {exc.details()}")
+        except asyncio.CancelledError:
+            call.cancel()
+            self.broken = errors.TritonUnavailable("the inference stream was cancelled")
+            raise
+        finally:
+            self._fail_pending(self.broken or errors.TritonUnavailable("stream ended"))
+
+    def _deliver(self, response: service_pb2.ModelStreamInferResponse) -> None:
+        correlation = response.infer_response.id
+        future = self.pending.pop(correlation, None)
+        if future is None:
+            # A response for a request already timed out (or unknown): never used twice.
+            log.debug("late_response_dropped", correlation=correlation, stream=self.index)
+        elif not future.done():
+            if response.error_message:
+                future.set_exception(errors.from_stream_error(response.error_message))
+            else:
+                future.set_result(response.infer_response)
+        if not self.pending:
+            self._idle.set()
+
+    def _fail_pending(self, error: errors.WorkerError) -> None:
+        pending, self.pending = self.pending, {}
+        for future in pending.values():
+            if not future.done():
+                future.set_exception(error)
+        self._idle.set()
+
+    def submit(
+        self, request: service_pb2.ModelInferRequest
+    ) -> asyncio.Future[service_pb2.ModelInferResponse]:
+        future: asyncio.Future[service_pb2.ModelInferResponse] = (
+            asyncio.get_running_loop().create_future()
+        )
+        self.pending[request.id] = future
+        self._idle.clear()
+        self._outbox.put_nowait(request)
+        return future
+
+    def forget(self, correlation: str) -> None:
+        self.pending.pop(correlation, None)
+        if not self.pending:
+            self._idle.set()
+
+    async def close(self, drain_timeout_s: float) -> None:
+        """Wait (bounded) for every owed response, then end the request iterator."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._idle.wait(), drain_timeout_s)
+        self._outbox.put_nowait(None)
+
+
+@dataclass(frozen=True, slots=True)
+class _CachedSpec:
+    spec: ModelSpec | None
+    error: errors.WorkerError | None
+    expires_at: float
+
+
+class TritonPool:
+    """``streams`` concurrent inference streams to one Triton server, re-opened when they break."""
+
+    def __init__(self, url: str, streams: int) -> None:
+        self.url = url
+        self._size = streams
+        self._client: InferenceServerClient | None = None
+        self._streams: list[_Stream] = []
+        self._tasks: list[asyncio.Task[None]] = []
+        self._ids = itertools.count(1)
+        self._specs: dict[tuple[str, str], _CachedSpec] = {}
+        self._spec_locks: dict[tuple[str, str], asyncio.Lock] = {}
+        self._closing = False
+        self._reopen_backoff_s = 0.1
+
+    async def start(self) -> None:
+        """Create the channel and open the streams (no server round trip needed)."""
+        self._client = InferenceServerClient(self.url)
+        for index in range(self._size):
+            self._open(index)
+
+    def _open(self, index: int) -> None:
+        assert self._client is not None
+        stream = _Stream(self._client._client_stub, index)
+        task = asyncio.get_running_loop().create_task(
+            self._supervise(stream), name=f"triton-stream-{index}"
+        )
+        if index < len(self._streams):
+            self._streams[index], self._tasks[index] = stream, task
+        else:
+            self._streams.append(stream)
+            self._tasks.append(task)
+
+    async def _supervise(self, stream: _Stream) -> None:
+        await stream.run()
+        if self._closing:
+            return
+        log.warning("triton_stream_broken", stream=stream.index, error=str(stream.broken))
+        # Back off before re-opening, so a down server is not hammered; the other
+        # streams keep serving meanwhile.
+        await asyncio.sleep(self._reopen_backoff_s)
+        self._reopen_backoff_s = min(self._reopen_backoff_s * 2, 5.0)
+        if not self._closing:
+            self._open(stream.index)
+
+    def _pick(self) -> _Stream:
+        live = [s for s in self._streams if s.broken is None] or self._streams
+        return min(live, key=lambda s: len(s.pending))
+
+    async def infer(
+        self, request: service_pb2.ModelInferRequest, timeout_s: float
+    ) -> service_pb2.ModelInferResponse:
+        """Send one request on the least-loaded stream; its response, or a WorkerError.
+
+        The request's ``id`` is replaced by a correlation id unique to this pool.
+        """
+        if self._closing:
+            raise errors.TritonUnavailable("the worker is shutting down")
+        stream = self._pick()
+        if stream.broken is not None:
+            raise stream.broken
+        correlation = str(next(self._ids))
+        request.id = correlation
+        future = stream.submit(request)
+        try:
+            response = await asyncio.wait_for(future, timeout_s)
+        except TimeoutError:
+            stream.forget(correlation)
+            raise errors.TritonTimeout(
+                f"no response from Triton within {timeout_s * 1000:.0f} ms"
+            ) from None
+        except asyncio.CancelledError:
+            stream.forget(correlation)
+            raise
+        self._reopen_backoff_s = 0.1
+        return response
+
+    async def model_spec(self, name: str, version: str) -> ModelSpec:
+        """The model's inputs, outputs and batching, fetched once and cached."""
+        key = (name, version)
+        cached = self._specs.get(key)
+        if cached is not None and cached.spec is not None:
+            return cached.spec
+        lock = self._spec_locks.setdefault(key, asyncio.Lock())
+        async with lock:
+            cached = self._specs.get(key)
+            now = time.monotonic()
+            if cached is not None and (cached.spec is not None or cached.expires_at > now):
+                if cached.spec is not None:
+                    return cached.spec
+                assert cached.error is not None
+                raise cached.error
+            try:
+                spec = await self._fetch_spec(name, version)
+            except errors.WorkerError as exc:
+                if not exc.retryable:
+                    self._specs[key] = _CachedSpec(None, exc, now + _NEGATIVE_CACHE_S)
+                raise
+            self._specs[key] = _CachedSpec(spec, None, float("inf"))
+            return spec
+
+    async def _fetch_spec(self, name: str, version: str) -> ModelSpec:
+        assert self._client is not None
+        try:
+            metadata = await self._client.get_model_metadata(name, version)
+            config = await self._client.get_model_config(name, version)
+        except InferenceServerException as exc:
+            raise _from_client_error(exc, f"model {name!r}") from None
+        return ModelSpec.from_triton(metadata, config)
+
+    async def server_ready(self, timeout_s: float = 2.0) -> bool:
+        """True when Triton answers ``ServerReady`` within the timeout."""
+        if self._client is None:
+            return False
+        try:
+            return bool(await asyncio.wait_for(self._client.is_server_ready(), timeout_s))
+        except (TimeoutError, InferenceServerException, grpc.aio.AioRpcError):
+            return False
+
+    def in_flight(self) -> int:
+        return sum(len(s.pending) for s in self._streams)
+
+    async def close(self, drain_timeout_s: float = 10.0) -> None:
+        """Drain every stream (bounded), end them, close the channel. Idempotent."""
+        if self._closing:
+            return
+        self._closing = True
+        await asyncio.gather(*(s.close(drain_timeout_s) for s in self._streams))
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(
+                asyncio.gather(*self._tasks, return_exceptions=True), drain_timeout_s
+            )
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._client is not None:
+            await self._client.close()
+
+
+def _from_client_error(exc: InferenceServerException, what: str) -> errors.WorkerError:
+    """Map a tritonclient exception (status text like ``StatusCode.NOT_FOUND``)."""
+    status = exc.status() or ""
+    code = getattr(grpc.StatusCode, status.removeprefix("StatusCode."), None)
+    error = errors.from_grpc(code, f"{what}: {exc.message()}")
+    return error
