@@ -36,6 +36,7 @@ from worker.errors import (
     InvalidRequest,
     ModelNotFound,
     OutputTooLarge,
+    RetriesExhausted,
     TooLarge,
     WorkerError,
 )
@@ -553,11 +554,20 @@ def dead_letter_headers(
     group_id: str,
     failed_at: datetime,
 ) -> list[tuple[str, bytes]]:
-    """Headers of a dead letter: the original ones first, then the explanation."""
+    """Headers of a dead letter: the original ones first, then the explanation.
+
+    A retryable error is reported as RETRIES_EXHAUSTED naming it, so that
+    x-error-code is always one of the dead-letter codes. x-error-retryable
+    tells whether the cause was transient, i.e. whether replaying the record
+    later may succeed: true exactly for RETRIES_EXHAUSTED.
+    """
+    if error.retryable:
+        error = RetriesExhausted.after(error, attempts)
+    transient = isinstance(error, RetriesExhausted)
     added = [
         (X_ERROR_CODE, error.code.encode()),
         (X_ERROR_MESSAGE, truncate_utf8(error.message)),
-        (X_ERROR_RETRYABLE, b"true" if error.retryable else b"false"),
+        (X_ERROR_RETRYABLE, b"true" if transient else b"false"),
         (X_ATTEMPTS, str(attempts).encode()),
         (X_SOURCE_TOPIC, topic.encode()),
         (X_SOURCE_PARTITION, str(partition).encode()),

@@ -156,6 +156,10 @@ ERROR_CODES: Final[tuple[str, ...]] = (
 # ModelStreamInfer stream as plain text without a status code, so the text is
 # all there is to go by. Matching is on lower-cased substrings; anything not
 # recognised is treated as a permanent inference error.
+#
+# A backend's report of an exception raised by the model itself; checked first
+# so that words inside the model's own message cannot make it look transient.
+_MODEL_RAISED_TEXTS: Final = ("failed to process the request(s) for model",)
 _OVERLOADED_TEXTS: Final = ("exceeds maximum queue size",)
 _TIMEOUT_TEXTS: Final = ("request timeout expired",)
 _NOT_READY_TEXTS: Final = (
@@ -196,6 +200,8 @@ def from_stream_error(message: str) -> WorkerError:
     """Map the `error_message` of a ModelStreamInferResponse to a WorkerError."""
     text = message.lower()
     detail = f"Triton: {message}"
+    if _contains(text, _MODEL_RAISED_TEXTS):
+        return InferenceError(detail)
     if _contains(text, _OVERLOADED_TEXTS):
         return TritonOverloaded(detail)
     if _contains(text, _TIMEOUT_TEXTS):

@@ -229,7 +229,12 @@ class DeadLetterHeaders(msgspec.Struct, frozen=True):
     ] = msgspec.field(name="x-error-message")
     error_retryable: Annotated[
         Literal["true", "false"],
-        msgspec.Meta(description="Whether the failure was of a kind that retrying may fix."),
+        msgspec.Meta(
+            description=(
+                "true when the cause was transient (RETRIES_EXHAUSTED): replaying the record "
+                "later may succeed; false when the record itself or the model is at fault."
+            )
+        ),
     ] = msgspec.field(name="x-error-retryable")
     attempts: Annotated[
         _Digits, msgspec.Meta(description="How many times inference was tried (0: never).")

@@ -60,6 +60,7 @@ def configure_logging(log_format: str, level: str, *, stream: TextIO | None = No
         structlog.stdlib.add_logger_name,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
     ]
+    target = stream if stream is not None else sys.stderr
     renderer: list[structlog.typing.Processor]
     if log_format == "json":
         # Tracebacks become one escaped string, so an error stays one line.
@@ -68,7 +69,7 @@ def configure_logging(log_format: str, level: str, *, stream: TextIO | None = No
             structlog.processors.JSONRenderer(serializer=_orjson_dumps),
         ]
     else:
-        renderer = [structlog.dev.ConsoleRenderer()]
+        renderer = [structlog.dev.ConsoleRenderer(colors=target.isatty())]
     structlog.configure(
         processors=[*shared, structlog.stdlib.ProcessorFormatter.wrap_for_formatter],
         logger_factory=structlog.stdlib.LoggerFactory(),
@@ -81,7 +82,7 @@ def configure_logging(log_format: str, level: str, *, stream: TextIO | None = No
         foreign_pre_chain=shared,
         processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, *renderer],
     )
-    handler = _WorkerLogHandler(stream if stream is not None else sys.stderr)
+    handler = _WorkerLogHandler(target)
     handler.setFormatter(formatter)
     root = logging.getLogger()
     root.addHandler(handler)

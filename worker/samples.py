@@ -125,11 +125,12 @@ def echo_bytes_inputs(rng: np.random.Generator, batch: int = 1) -> list[Tensor]:
 def faulty_inputs(
     rng: np.random.Generator, *, fail: bool = False, delay_ms: int = 0
 ) -> list[Tensor]:
-    values = rng.standard_normal((1, 4)).astype(np.float32)
+    # `faulty` does not batch: its shapes carry no batch dimension.
+    values = rng.standard_normal(4).astype(np.float32)
     return [
-        Tensor("INPUT0", "FP32", (1, 4), values),
-        Tensor("FAIL", "BOOL", (1, 1), np.array([[fail]], dtype=np.bool_)),
-        Tensor("DELAY_MS", "INT32", (1, 1), np.array([[delay_ms]], dtype=np.int32)),
+        Tensor("INPUT0", "FP32", (4,), values),
+        Tensor("FAIL", "BOOL", (1,), np.array([fail], dtype=np.bool_)),
+        Tensor("DELAY_MS", "INT32", (1,), np.array([delay_ms], dtype=np.int32)),
     ]
 
 

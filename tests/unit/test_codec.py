@@ -635,7 +635,7 @@ def test_dead_letter_headers_complete_and_after_originals() -> None:
     assert dict(built[2:]) == {
         "x-error-code": b"RETRIES_EXHAUSTED",
         "x-error-message": b"gave up after 4 attempts; last error TRITON_UNAVAILABLE: stream broke",
-        "x-error-retryable": b"false",
+        "x-error-retryable": b"true",
         "x-attempts": b"4",
         "x-source-topic": b"requests",
         "x-source-partition": b"3",
@@ -659,9 +659,31 @@ def test_dead_letter_message_truncated_on_utf8_boundary() -> None:
         group_id="g",
         failed_at=datetime(2024, 1, 1, tzinfo=UTC),
     )
+    assert dict(built)["x-error-retryable"] == b"false"
     message = dict(built)["x-error-message"]
     assert len(message) <= 1024
     text = message.decode("utf-8")
     assert text.endswith("...")
     assert set(text[:-3]) == {"é"}
     assert len(text) - 3 == 510
+
+
+def test_retryable_error_in_a_dead_letter_becomes_retries_exhausted() -> None:
+    """x-error-code is always a dead-letter code, even if a retryable error arrives."""
+    built = codec.dead_letter_headers(
+        [],
+        TritonUnavailable("connection refused"),
+        attempts=2,
+        topic="t",
+        partition=0,
+        offset=0,
+        timestamp_ms=0,
+        group_id="g",
+        failed_at=datetime(2024, 1, 1, tzinfo=UTC),
+    )
+    headers = dict(built)
+    assert headers["x-error-code"] == b"RETRIES_EXHAUSTED"
+    assert headers["x-error-retryable"] == b"true"
+    assert headers["x-error-message"] == (
+        b"gave up after 2 attempts; last error TRITON_UNAVAILABLE: connection refused"
+    )

@@ -145,7 +145,7 @@ def test_unknown_env_var_is_named_with_a_suggestion() -> None:
 
 def test_unrelated_env_vars_are_ignored() -> None:
     """Variables without the WORKER_ prefix are none of the worker's business."""
-    settings = load_settings(_env(PATH="/bin", HOME="/root", KAFKA_HEAP_OPTS="-Xmx1g"))
+    settings = load_settings(_env(PATH="/bin", HOME="/home/app", KAFKA_HEAP_OPTS="-Xmx1g"))
     assert settings.output_topic == "results"
 
 

@@ -160,6 +160,11 @@ def test_from_grpc(
             "Failed to process the request(s) for model 'pyfail_0_0', message: ValueError: boom",
             errors.InferenceError,
         ),
+        (
+            "Failed to process the request(s) for model 'py_0_0', message: "
+            "RuntimeError: cache is not ready",
+            errors.InferenceError,
+        ),
         ("something nobody has seen before", errors.InferenceError),
     ],
 )

@@ -234,6 +234,7 @@ def test_fp16_has_no_typed_contents() -> None:
 
 
 def _elements(datatype: str) -> st.SearchStrategy[Any]:
+    """Valid JSON elements of `datatype`, covering its whole range."""
     dt = tensors.DATATYPES[datatype]
     if datatype == "BOOL":
         return st.booleans()
