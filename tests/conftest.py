@@ -24,7 +24,9 @@ def _report(config: pytest.Config, line: str) -> None:
 
 
 @pytest.fixture(scope="session")
-def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+def stack(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Any]:
     """Kafka (one node) and Triton (every model), started side by side once per session."""
     if docker_available():
         kafka, triton = ContainerKafka(), ContainerTriton()

@@ -100,8 +100,9 @@ async def send(
     await producer.start()
     try:
         futures = [
-            await producer.send(topic, r.value, key=r.request_id.encode(), headers=r.headers,
-                                partition=partition)
+            await producer.send(
+                topic, r.value, key=r.request_id.encode(), headers=r.headers, partition=partition
+            )
             for r in requests
         ]
         await asyncio.gather(*futures)
@@ -127,14 +128,22 @@ def request_id_of(record: ConsumerRecord[bytes, bytes]) -> str:
 
 
 async def collect(
-    bootstrap: str, topics: Topics, expected: int, timeout_s: float = 60.0,
+    bootstrap: str,
+    topics: Topics,
+    expected: int,
+    timeout_s: float = 60.0,
     into: Collected | None = None,
 ) -> Collected:
     """Read results and dead letters until ``expected`` distinct request ids have answers."""
     got = into or Collected()
-    consumer = AIOKafkaConsumer(topics.output, topics.dlq, bootstrap_servers=bootstrap,
-                                auto_offset_reset="earliest", enable_auto_commit=False,
-                                isolation_level="read_committed")
+    consumer = AIOKafkaConsumer(
+        topics.output,
+        topics.dlq,
+        bootstrap_servers=bootstrap,
+        auto_offset_reset="earliest",
+        enable_auto_commit=False,
+        isolation_level="read_committed",
+    )
     await consumer.start()
     deadline = time.monotonic() + timeout_s
     try:
@@ -162,8 +171,12 @@ def spawn_worker(env: Mapping[str, str], log_path: Path) -> subprocess.Popen[byt
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("WORKER_")}
     full_env.update(env)
     with log_path.open("wb") as log:
-        return subprocess.Popen([sys.executable, "-m", "worker", "run"], env=full_env,
-                                stdout=log, stderr=subprocess.STDOUT)
+        return subprocess.Popen(
+            [sys.executable, "-m", "worker", "run"],
+            env=full_env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
 
 
 def rss_bytes(pid: int) -> int:
@@ -191,18 +204,25 @@ def result_outputs(record: ConsumerRecord[bytes, bytes]) -> dict[str, Any]:
 
     if content_type == "application/x-protobuf":
         response = service_pb2.ModelInferResponse.FromString(value)
-        return {o.name: decode(o.datatype, list(o.shape), raw)
-                for o, raw in zip(response.outputs, response.raw_output_contents, strict=True)}
+        return {
+            o.name: decode(o.datatype, list(o.shape), raw)
+            for o, raw in zip(response.outputs, response.raw_output_contents, strict=True)
+        }
     if content_type == "application/octet-stream":
         length = int(header_value(record.headers, "inference-header-content-length") or b"0")
         doc = json.loads(value[:length])
         out, position = {}, length
         for o in doc["outputs"]:
             size = o["parameters"]["binary_data_size"]
-            out[o["name"]] = decode(o["datatype"], o["shape"], value[position:position + size])
+            out[o["name"]] = decode(o["datatype"], o["shape"], value[position : position + size])
             position += size
         return out
     doc = json.loads(value)
-    return {o["name"]: (o["data"] if o["datatype"] == "BYTES"
-                        else np.asarray(o["data"], dtype=np.float64).reshape(o["shape"]))
-            for o in doc["outputs"]}
+    return {
+        o["name"]: (
+            o["data"]
+            if o["datatype"] == "BYTES"
+            else np.asarray(o["data"], dtype=np.float64).reshape(o["shape"])
+        )
+        for o in doc["outputs"]
+    }

@@ -37,16 +37,20 @@ def add_demo_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParse
     source = produce.add_mutually_exclusive_group(required=True)
     source.add_argument("--file", type=Path, help="JSON (one request or a list) or NDJSON file")
     source.add_argument("--generate", type=int, metavar="N", help="generate N sample requests")
-    produce.add_argument("--models", default="double,mlp,echo_bytes",
-                         help="models for generated requests")
+    produce.add_argument(
+        "--models", default="double,mlp,echo_bytes", help="models for generated requests"
+    )
     produce.add_argument("--bad", action="store_true", help="add one request per bad kind")
     produce.set_defaults(handler=run_produce)
 
 
 def _progress(console: Console) -> Progress:
     return Progress(
-        TextColumn("{task.description:<22}"), BarColumn(), MofNCompleteColumn(),
-        TimeElapsedColumn(), console=console,
+        TextColumn("{task.description:<22}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
     )
 
 
@@ -56,15 +60,19 @@ async def send_all(
     """Produce requests (keyed by request id); return each one's send time."""
     task = progress.add_task(f"producing to {topic}", total=len(requests))
     sent_at: dict[str, float] = {}
-    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=5,
-                                max_request_size=8 << 20)
+    producer = AIOKafkaProducer(
+        bootstrap_servers=bootstrap, acks="all", linger_ms=5, max_request_size=8 << 20
+    )
     await producer.start()
     try:
         futures = []
         for request in requests:
             sent_at[request.request_id] = time.time()
-            futures.append(await producer.send(
-                topic, request.value, key=request.request_id.encode(), headers=request.headers))
+            futures.append(
+                await producer.send(
+                    topic, request.value, key=request.request_id.encode(), headers=request.headers
+                )
+            )
             progress.advance(task)
         await asyncio.gather(*futures)
     finally:
@@ -80,9 +88,13 @@ def _read_file(path: Path) -> list[samples.SampleRequest]:
     except json.JSONDecodeError:
         docs = [json.loads(line) for line in text.splitlines() if line.strip()]
     return [
-        samples.SampleRequest(json.dumps(doc).encode(), [("content-type", b"application/json")],
-                              str(doc.get("model_name", "")), "json",
-                              str(doc.get("id", f"{path.name}-{i}")))
+        samples.SampleRequest(
+            json.dumps(doc).encode(),
+            [("content-type", b"application/json")],
+            str(doc.get("model_name", "")),
+            "json",
+            str(doc.get("id", f"{path.name}-{i}")),
+        )
         for i, doc in enumerate(docs)
     ]
 
@@ -114,8 +126,10 @@ def run_demo(args: argparse.Namespace) -> int:
     with console.status("starting a local Kafka broker and Triton server..."):
         stack = LocalStack.create(workdir, log=console.print)
         stack.start()
-    console.print(f"stack ready in {stack.timings_s['total']:.1f}s: "
-                  f"kafka {stack.kafka.bootstrap_servers}, triton {stack.triton.grpc_address}")
+    console.print(
+        f"stack ready in {stack.timings_s['total']:.1f}s: "
+        f"kafka {stack.kafka.bootstrap_servers}, triton {stack.triton.grpc_address}"
+    )
     try:
         code = asyncio.run(_demo(stack, args, console, workdir))
     except BaseException:
@@ -125,9 +139,11 @@ def run_demo(args: argparse.Namespace) -> int:
         stack.save()
         for name, address in stack.describe().items():
             console.print(f"{name}: {address}")
-        console.print("the stack is left running (topics and data kept); run a worker against it "
-                      "with [bold]python -m worker run[/bold], stop it with "
-                      "[bold]python -m worker dev down[/bold]")
+        console.print(
+            "the stack is left running (topics and data kept); run a worker against it "
+            "with [bold]python -m worker run[/bold], stop it with "
+            "[bold]python -m worker dev down[/bold]"
+        )
     else:
         stack.stop()
     return code
@@ -138,21 +154,26 @@ async def _demo(stack: Any, args: argparse.Namespace, console: Console, workdir:
     from worker.config import load_settings
     from worker.observability import configure_logging
 
-    topics = {"input": "inference-requests", "output": "inference-results",
-              "dlq": "inference-dead-letters"}
+    topics = {
+        "input": "inference-requests",
+        "output": "inference-results",
+        "dlq": "inference-dead-letters",
+    }
     await stack.kafka.create_topics([topics["input"]], partitions=4)
     await stack.kafka.create_topics([topics["output"], topics["dlq"]], partitions=4)
-    settings = load_settings({
-        "WORKER_BOOTSTRAP_SERVERS": stack.kafka.bootstrap_servers,
-        "WORKER_INPUT_TOPICS": topics["input"],
-        "WORKER_OUTPUT_TOPIC": topics["output"],
-        "WORKER_DLQ_TOPIC": topics["dlq"],
-        "WORKER_GROUP_ID": "demo-worker",
-        "WORKER_TRITON_URL": stack.triton.grpc_address,
-        "WORKER_METRICS_PORT": "0",
-        "WORKER_MAX_REQUEST_BYTES": str(DEMO_MAX_REQUEST_BYTES),
-        "WORKER_LOG_FORMAT": "json",
-    })
+    settings = load_settings(
+        {
+            "WORKER_BOOTSTRAP_SERVERS": stack.kafka.bootstrap_servers,
+            "WORKER_INPUT_TOPICS": topics["input"],
+            "WORKER_OUTPUT_TOPIC": topics["output"],
+            "WORKER_DLQ_TOPIC": topics["dlq"],
+            "WORKER_GROUP_ID": "demo-worker",
+            "WORKER_TRITON_URL": stack.triton.grpc_address,
+            "WORKER_METRICS_PORT": "0",
+            "WORKER_MAX_REQUEST_BYTES": str(DEMO_MAX_REQUEST_BYTES),
+            "WORKER_LOG_FORMAT": "json",
+        }
+    )
     log_path = workdir / "worker.log"
     log_file = log_path.open("w")
     configure_logging("json", "info", stream=log_file)
@@ -163,8 +184,12 @@ async def _demo(stack: Any, args: argparse.Namespace, console: Console, workdir:
     requests = samples.good_requests(args.requests) + samples.bad_requests(DEMO_MAX_REQUEST_BYTES)
     with _progress(console) as progress:
         sent_at = await send_all(stack.kafka.bootstrap_servers, topics["input"], requests, progress)
-        answers = await collect(stack.kafka.bootstrap_servers, [topics["output"], topics["dlq"]],
-                                {r.request_id for r in requests}, progress)
+        answers = await collect(
+            stack.kafka.bootstrap_servers,
+            [topics["output"], topics["dlq"]],
+            {r.request_id for r in requests},
+            progress,
+        )
     worker.request_stop()
     await running
     log_file.close()
@@ -176,13 +201,17 @@ async def _demo(stack: Any, args: argparse.Namespace, console: Console, workdir:
 
 
 async def collect(
-    bootstrap: str, topics: Sequence[str], want: set[str], progress: Progress,
+    bootstrap: str,
+    topics: Sequence[str],
+    want: set[str],
+    progress: Progress,
     timeout_s: float = 120.0,
 ) -> dict[str, tuple[str, str | None, Any]]:
     """Read results and dead letters until every wanted request id has an answer."""
     task = progress.add_task("results + dead letters", total=len(want))
-    consumer = AIOKafkaConsumer(*topics, bootstrap_servers=bootstrap, auto_offset_reset="earliest",
-                                enable_auto_commit=False)
+    consumer = AIOKafkaConsumer(
+        *topics, bootstrap_servers=bootstrap, auto_offset_reset="earliest", enable_auto_commit=False
+    )
     await consumer.start()
     answers: dict[str, tuple[str, str | None, Any]] = {}
     deadline = time.monotonic() + timeout_s
@@ -196,17 +225,24 @@ async def collect(
                     if not rid and r.key:
                         rid = r.key.decode()
                     if rid in want and rid not in answers:
-                        answers[rid] = (r.topic, code.decode() if code else None,
-                                        (r.timestamp / 1000, r.value, r.headers))
+                        answers[rid] = (
+                            r.topic,
+                            code.decode() if code else None,
+                            (r.timestamp / 1000, r.value, r.headers),
+                        )
                         progress.advance(task)
     finally:
         await consumer.stop()
     return answers
 
 
-def _summary(console: Console, requests: Sequence[samples.SampleRequest],
-             answers: dict[str, tuple[str, str | None, Any]], sent_at: dict[str, float],
-             topics: dict[str, str]) -> None:
+def _summary(
+    console: Console,
+    requests: Sequence[samples.SampleRequest],
+    answers: dict[str, tuple[str, str | None, Any]],
+    sent_at: dict[str, float],
+    topics: dict[str, str],
+) -> None:
     latencies = sorted(answers[r][2][0] - sent_at[r] for r in answers)
     codes = Counter(code for _, code, _ in answers.values() if code)
     results = sum(1 for _, code, _ in answers.values() if code is None)

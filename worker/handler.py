@@ -11,6 +11,7 @@ import asyncio
 import random
 import time
 from datetime import UTC, datetime
+from typing import Any
 
 import structlog
 from aiokafka.structs import ConsumerRecord
@@ -80,7 +81,7 @@ class RecordHandler:
             max(0.0, time.time() - record.timestamp / 1000)
         )
 
-    async def _infer(self, request: codec.DecodedRequest) -> tuple[object, int]:
+    async def _infer(self, request: codec.DecodedRequest) -> tuple[Any, int]:
         """Infer with retries of retryable failures, within the request's deadline."""
         timeout_s = self._settings.request_timeout_ms / 1000
         deadline = time.monotonic() + timeout_s

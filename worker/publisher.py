@@ -87,7 +87,9 @@ class Publisher:
                 return await sent
             except KafkaError as exc:
                 log.warning(
-                    "dead_letter_write_failed", attempt=attempt, error=f"{type(exc).__name__}: {exc}"
+                    "dead_letter_write_failed",
+                    attempt=attempt,
+                    error=f"{type(exc).__name__}: {exc}",
                 )
                 if attempt == self._dead_letter_attempts:
                     raise DeadLetterWriteFailed(

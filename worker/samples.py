@@ -70,23 +70,33 @@ def encode_request(
             "id": request_id,
             **body_model,
             "inputs": [
-                {"name": t.name, "shape": list(t.shape), "datatype": t.datatype,
-                 "data": t.json_data()}
+                {
+                    "name": t.name,
+                    "shape": list(t.shape),
+                    "datatype": t.datatype,
+                    "data": t.json_data(),
+                }
                 for t in tensors
             ],
         }
         return json.dumps(doc).encode(), [("content-type", b"application/json"), *headers]
     if encoding == "binary":
         blobs = [t.raw() for t in tensors]
-        header = json.dumps({
-            "id": request_id,
-            **body_model,
-            "inputs": [
-                {"name": t.name, "shape": list(t.shape), "datatype": t.datatype,
-                 "parameters": {"binary_data_size": len(blob)}}
-                for t, blob in zip(tensors, blobs, strict=True)
-            ],
-        }).encode()
+        header = json.dumps(
+            {
+                "id": request_id,
+                **body_model,
+                "inputs": [
+                    {
+                        "name": t.name,
+                        "shape": list(t.shape),
+                        "datatype": t.datatype,
+                        "parameters": {"binary_data_size": len(blob)},
+                    }
+                    for t, blob in zip(tensors, blobs, strict=True)
+                ],
+            }
+        ).encode()
         return header + b"".join(blobs), [
             ("content-type", b"application/octet-stream"),
             ("inference-header-content-length", str(len(header)).encode()),
@@ -141,8 +151,9 @@ MODEL_INPUTS: dict[str, Callable[[np.random.Generator], list[Tensor]]] = {
 }
 
 
-def good_requests(count: int, seed: int = 7, models: Sequence[str] = ("double", "mlp",
-                  "echo_bytes")) -> list[SampleRequest]:
+def good_requests(
+    count: int, seed: int = 7, models: Sequence[str] = ("double", "mlp", "echo_bytes")
+) -> list[SampleRequest]:
     """``count`` valid requests cycling over models and all three encodings."""
     rng = np.random.default_rng(seed)
     out = []
@@ -163,39 +174,68 @@ def bad_requests(max_request_bytes: int = 1 << 20) -> list[SampleRequest]:
     def doc(**changes: Any) -> bytes:
         base: dict[str, Any] = {
             "model_name": "double",
-            "inputs": [{"name": "INPUT0", "shape": [1, 4], "datatype": "FP32",
-                        "data": [1.0, 2.0, 3.0, 4.0]}],
+            "inputs": [
+                {
+                    "name": "INPUT0",
+                    "shape": [1, 4],
+                    "datatype": "FP32",
+                    "data": [1.0, 2.0, 3.0, 4.0],
+                }
+            ],
         }
         base.update(changes)
         return json.dumps(base).encode()
 
     def inp(**changes: Any) -> list[dict[str, Any]]:
-        item: dict[str, Any] = {"name": "INPUT0", "shape": [1, 4], "datatype": "FP32",
-                                "data": [1.0, 2.0, 3.0, 4.0]}
+        item: dict[str, Any] = {
+            "name": "INPUT0",
+            "shape": [1, 4],
+            "datatype": "FP32",
+            "data": [1.0, 2.0, 3.0, 4.0],
+        }
         item.update(changes)
         return [item]
 
     good_bin, bin_headers = encode_request("double", double_inputs(rng, 1, 4), "binary", "b")
-    lying_headers = [(k, v) if k != "inference-header-content-length" else (k, b"999999")
-                     for k, v in bin_headers]
+    lying_headers = [
+        (k, v) if k != "inference-header-content-length" else (k, b"999999") for k, v in bin_headers
+    ]
     cases: list[tuple[str, bytes, Headers, str]] = [
         ("invalid-json", b'{"inputs": [', json_ct, "DECODE_ERROR"),
         ("not-the-schema", doc(inputs="nope"), json_ct, "DECODE_ERROR"),
         ("unknown-datatype", doc(inputs=inp(datatype="FP8")), json_ct, "DECODE_ERROR"),
         ("data-length", doc(inputs=inp(shape=[2, 4])), json_ct, "INVALID_REQUEST"),
         ("wrong-input-name", doc(inputs=inp(name="X")), json_ct, "INVALID_REQUEST"),
-        ("wrong-datatype", doc(inputs=inp(datatype="INT32", data=[1, 2, 3, 4])), json_ct,
-         "INVALID_REQUEST"),
+        (
+            "wrong-datatype",
+            doc(inputs=inp(datatype="INT32", data=[1, 2, 3, 4])),
+            json_ct,
+            "INVALID_REQUEST",
+        ),
         ("unknown-model", doc(model_name="no_such_model"), json_ct, "MODEL_NOT_FOUND"),
         ("oversized", b" " * (max_request_bytes + 1), json_ct, "TOO_LARGE"),
-        ("invalid-utf8", b'{"model_name": "double\xff\xfe", "inputs": []}', json_ct,
-         "DECODE_ERROR"),
-        ("protobuf-garbage", b"\xff\xff\xff\x0f\x01garbage",
-         [("content-type", b"application/x-protobuf")], "DECODE_ERROR"),
+        (
+            "invalid-utf8",
+            b'{"model_name": "double\xff\xfe", "inputs": []}',
+            json_ct,
+            "DECODE_ERROR",
+        ),
+        (
+            "protobuf-garbage",
+            b"\xff\xff\xff\x0f\x01garbage",
+            [("content-type", b"application/x-protobuf")],
+            "DECODE_ERROR",
+        ),
         ("binary-header-past-end", good_bin, lying_headers, "DECODE_ERROR"),
     ]
     return [
-        SampleRequest(value, [*headers, ("x-request-id", f"bad-{name}".encode())], "double",
-                      "json", f"bad-{name}", expected_code=code)
+        SampleRequest(
+            value,
+            [*headers, ("x-request-id", f"bad-{name}".encode())],
+            "double",
+            "json",
+            f"bad-{name}",
+            expected_code=code,
+        )
         for name, value, headers, code in cases
     ]

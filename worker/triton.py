@@ -63,7 +63,9 @@ class _Stream:
         except grpc.aio.AioRpcError as exc:
             self.broken = errors.from_grpc(exc.code(), exc.details() or "")
             if not self.broken.retryable:
-                self.broken = errors.TritonUnavailable(f"the inference stream broke: {exc.details()}")
+                self.broken = errors.TritonUnavailable(
+                    f"the inference stream broke: {exc.details()}"
+                )
         except asyncio.CancelledError:
             call.cancel()
             self.broken = errors.TritonUnavailable("the inference stream was cancelled")

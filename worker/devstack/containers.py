@@ -48,7 +48,6 @@ class ContainerKafka(KafkaAdmin):
 
         # The advertised listener must name the host port, so it is chosen up front.
         self._port = free_port()
-        self.bootstrap_servers = f"127.0.0.1:{self._port}"
         self._container: Any = (
             DockerContainer(KAFKA_IMAGE)
             .with_bind_ports(9092, self._port)
@@ -57,6 +56,10 @@ class ContainerKafka(KafkaAdmin):
             .with_env("KAFKA_AUTO_CREATE_TOPICS_ENABLE", "false")
             .with_env("KAFKA_GROUP_INITIAL_REBALANCE_DELAY_MS", "0")
         )
+
+    @property
+    def bootstrap_servers(self) -> str:
+        return f"127.0.0.1:{self._port}"
 
     def start(self, timeout_s: float = 120.0) -> float:
         from testcontainers.core.waiting_utils import wait_container_is_ready

@@ -108,10 +108,12 @@ def ensure_kafka_jars(log: Callable[[str], None] = print) -> Path:
 class KafkaAdmin:
     """Admin helpers over ``bootstrap_servers`` (async; the tests and the demo call them)."""
 
-    bootstrap_servers: str
+    @property
+    def bootstrap_servers(self) -> str:
+        raise NotImplementedError
+
     #: Replication factor for new topics.
     default_replication: int = 1
-
 
     async def create_topics(
         self, names: Sequence[str], partitions: int = 1, replication: int | None = None
@@ -243,8 +245,9 @@ class KafkaCluster(KafkaAdmin):
         self.jars = jars
         self.workdir = workdir
         self.nodes = [
-            KafkaNode(node_id=i + 1, broker_port=free_port(), controller_port=free_port(),
-                      workdir=workdir)
+            KafkaNode(
+                node_id=i + 1, broker_port=free_port(), controller_port=free_port(), workdir=workdir
+            )
             for i in range(nodes)
         ]
         self.cluster_id = ""
@@ -299,18 +302,35 @@ class KafkaCluster(KafkaAdmin):
             return
         java = java_binary()
         cp = f"{self.jars}/*"
-        self.cluster_id = subprocess.run(
-            [java, "-cp", cp, "kafka.tools.StorageTool", "random-uuid"],
-            capture_output=True, text=True, check=True,
-        ).stdout.strip().splitlines()[-1]
+        self.cluster_id = (
+            subprocess.run(
+                [java, "-cp", cp, "kafka.tools.StorageTool", "random-uuid"],
+                capture_output=True,
+                text=True,
+                check=True,
+            )
+            .stdout.strip()
+            .splitlines()[-1]
+        )
         voters = ",".join(f"{n.node_id}@127.0.0.1:{n.controller_port}" for n in self.nodes)
         for node in self.nodes:
             node.data_dir.mkdir(parents=True, exist_ok=True)
             node.config_path.write_text(node.properties(voters, len(self.nodes)))
             done = subprocess.run(
-                [java, "-cp", cp, "kafka.tools.StorageTool", "format", "-t", self.cluster_id,
-                 "-c", str(node.config_path)],
-                capture_output=True, text=True, check=False,
+                [
+                    java,
+                    "-cp",
+                    cp,
+                    "kafka.tools.StorageTool",
+                    "format",
+                    "-t",
+                    self.cluster_id,
+                    "-c",
+                    str(node.config_path),
+                ],
+                capture_output=True,
+                text=True,
+                check=False,
             )
             if done.returncode != 0:
                 raise StartupError(f"kafka storage format failed:\n{done.stdout}{done.stderr}")
@@ -324,9 +344,11 @@ class KafkaCluster(KafkaAdmin):
         """Ready means a real Kafka API call answered by each node, and all brokers registered."""
         want = {n.node_id for n in self.nodes if self._procs[n.node_id].running()}
         for node in nodes:
+
             def probe(node: KafkaNode = node) -> bool:
                 brokers = run_sync(lambda: _registered_brokers(node.address))
                 return want <= brokers
+
             self._procs[node.node_id].wait_ready(probe, timeout_s)
 
     # -- state for `dev up` / `dev down` ----------------------------------
@@ -337,9 +359,12 @@ class KafkaCluster(KafkaAdmin):
             "workdir": str(self.workdir),
             "cluster_id": self.cluster_id,
             "nodes": [
-                {"node_id": n.node_id, "broker_port": n.broker_port,
-                 "controller_port": n.controller_port,
-                 "pid": self._procs[n.node_id].pid if n.node_id in self._procs else None}
+                {
+                    "node_id": n.node_id,
+                    "broker_port": n.broker_port,
+                    "controller_port": n.controller_port,
+                    "pid": self._procs[n.node_id].pid if n.node_id in self._procs else None,
+                }
                 for n in self.nodes
             ],
         }
@@ -354,8 +379,9 @@ class KafkaCluster(KafkaAdmin):
         cluster.nodes = []
         cluster._procs = {}
         for item in state["nodes"]:
-            node = KafkaNode(item["node_id"], item["broker_port"], item["controller_port"],
-                             cluster.workdir)
+            node = KafkaNode(
+                item["node_id"], item["broker_port"], item["controller_port"], cluster.workdir
+            )
             cluster.nodes.append(node)
             proc = node.process(cluster.jars)
             proc.pid = item["pid"]
@@ -363,9 +389,7 @@ class KafkaCluster(KafkaAdmin):
         return cluster
 
 
-async def _with_admin(
-    bootstrap: str, call: Callable[[AIOKafkaAdminClient], Awaitable[_T]]
-) -> _T:
+async def _with_admin(bootstrap: str, call: Callable[[AIOKafkaAdminClient], Awaitable[_T]]) -> _T:
     client = AIOKafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=10000)
     await client.start()
     try:

@@ -63,7 +63,7 @@ def terminate_group(pid: int, timeout_s: float = 15.0) -> None:
         time.sleep(0.02)
 
 
-def stop_all(processes: "Sequence[ManagedProcess]", timeout_s: float = 20.0) -> None:
+def stop_all(processes: Sequence[ManagedProcess], timeout_s: float = 20.0) -> None:
     """SIGTERM every process at once, then SIGKILL what is left after the timeout.
 
     Nodes of a cluster must be signalled together: stopped one by one, the last

@@ -25,9 +25,10 @@ from worker.devstack.triton import TritonServer, ensure_triton
 def fetch(log: Callable[[str], None] = print) -> None:
     """Download what the stack needs (Kafka jars, the Triton wheel), once; cached after."""
     with ThreadPoolExecutor(max_workers=2) as pool:
-        jobs = [pool.submit(ensure_kafka_jars, log), pool.submit(ensure_triton, log)]
-        for job in jobs:
-            job.result()
+        jars = pool.submit(ensure_kafka_jars, log)
+        triton = pool.submit(ensure_triton, log)
+        jars.result()
+        triton.result()
 
 
 @dataclass
@@ -127,8 +128,9 @@ class LocalStack:
         return rows
 
 
-def up(*, kafka_nodes: int = 1, models: Sequence[str] | None = None,
-       log: Callable[[str], None] = print) -> LocalStack:
+def up(
+    *, kafka_nodes: int = 1, models: Sequence[str] | None = None, log: Callable[[str], None] = print
+) -> LocalStack:
     """Start a stack that outlives this process (``dev up``)."""
     existing = LocalStack.load()
     if existing is not None and any(alive for _, _, alive in existing.processes()):
