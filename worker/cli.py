@@ -23,15 +23,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=__version__)
     commands = parser.add_subparsers(dest="command", required=True)
+    # `run` flags are parsed by the settings loader itself (see `main`), so that env
+    # and flags share one set of checks and one error format.
     run = commands.add_parser(
         "run",
         help="consume requests, infer on Triton, publish results and dead letters",
-        description="Every flag can also be set by its WORKER_* environment variable.",
+        add_help=False,
     )
     run.set_defaults(handler=run_worker)
-    # Flags are parsed by the settings loader itself, so that env and flags share
-    # one set of checks and one error format.
-    run.add_argument("settings", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     add_dev_parser(commands)
     from worker.democli import add_demo_parsers
 
@@ -44,7 +43,10 @@ def run_worker(args: argparse.Namespace) -> int:
     from worker.config import ConfigError, add_run_arguments, load_settings
 
     if "-h" in args.settings or "--help" in args.settings:
-        helper = argparse.ArgumentParser(prog="kafka-triton-worker run")
+        helper = argparse.ArgumentParser(
+            prog="kafka-triton-worker run",
+            description="Every flag can also be set by its WORKER_* environment variable.",
+        )
         add_run_arguments(helper)
         helper.print_help()
         return 0
@@ -82,6 +84,10 @@ def run_async(main: Coroutine[Any, Any, int]) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``python -m worker`` and the ``kafka-triton-worker`` script."""
     parser = build_parser()
-    args = parser.parse_args(list(argv) if argv is not None else sys.argv[1:])
+    args, extra = parser.parse_known_args(list(argv) if argv is not None else sys.argv[1:])
+    if args.command == "run":
+        args.settings = extra
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     code: int = args.handler(args)
     return code

@@ -1,0 +1,212 @@
+"""``python -m worker run`` as a real process: health endpoints, SIGTERM drain, bounded memory."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import subprocess
+import urllib.error
+import urllib.request
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka.structs import TopicPartition
+
+from tests.support import Topics, create, request_id_of, rss_bytes, spawn_worker, worker_env
+from worker import samples
+from worker.devstack.process import free_port
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
+
+
+class Answers:
+    """Counts results and dead letters as they arrive, on one long-lived consumer."""
+
+    def __init__(self, bootstrap: str, topics: Topics) -> None:
+        self.ids: set[str] = set()
+        self._consumer = AIOKafkaConsumer(
+            topics.output,
+            topics.dlq,
+            bootstrap_servers=bootstrap,
+            auto_offset_reset="earliest",
+            enable_auto_commit=False,
+        )
+
+    async def __aenter__(self) -> Answers:
+        await self._consumer.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self._consumer.stop()
+
+    async def until(self, count: int, proc: subprocess.Popen[bytes], log: Path) -> None:
+        """Read until ``count`` distinct request ids are answered (fails if the worker dies)."""
+        while len(self.ids) < count:
+            assert proc.poll() is None, f"worker exited early:\n{log.read_text()[-3000:]}"
+            batch = await self._consumer.getmany(timeout_ms=500)
+            for records in batch.values():
+                self.ids.update(request_id_of(r) for r in records)
+
+
+def _metric_sum(port: int, name: str) -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(name + "{") or line.startswith(name + " ")
+    )
+
+
+def _get(port: int, path: str) -> tuple[int, dict[str, Any] | str]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as response:
+            body = response.read().decode()
+            status = response.status
+    except urllib.error.HTTPError as exc:
+        body, status = exc.read().decode(), exc.code
+    try:
+        return status, json.loads(body)
+    except json.JSONDecodeError:
+        return status, body
+
+
+async def _produce_fast(
+    bootstrap: str, topic: str, requests: list[samples.SampleRequest], partitions: int
+) -> None:
+    producer = AIOKafkaProducer(
+        bootstrap_servers=bootstrap, linger_ms=20, acks=1, max_batch_size=512 * 1024
+    )
+    await producer.start()
+    try:
+        pending = []
+        for i, r in enumerate(requests):
+            pending.append(
+                await producer.send(
+                    topic,
+                    r.value,
+                    key=r.request_id.encode(),
+                    headers=r.headers,
+                    partition=i % partitions,
+                )
+            )
+        await asyncio.gather(*pending)
+    finally:
+        await producer.stop()
+
+
+@pytest.fixture
+async def answers(kafka: Any, unique: str) -> AsyncIterator[tuple[Topics, Answers]]:
+    topics = Topics.fresh(unique)
+    await create(kafka, topics, partitions=4)
+    async with Answers(kafka.bootstrap_servers, topics) as got:
+        yield topics, got
+
+
+async def test_sigterm_drains_commits_and_exits_zero(
+    kafka: Any, triton: Any, answers: tuple[Topics, Answers], tmp_path: Path
+) -> None:
+    """SIGTERM mid-stream: exit 0; every offset below the commit point has its answer."""
+    topics, got = answers
+    port = free_port()
+    requests = samples.good_requests(3000, seed=21)
+    await _produce_fast(kafka.bootstrap_servers, topics.input, requests, partitions=4)
+    log = tmp_path / "worker.log"
+    proc = spawn_worker(
+        worker_env(kafka, triton, topics, metrics_port=str(port), commit_interval_ms="60000"), log
+    )
+    try:
+        await got.until(300, proc, log)
+        status, body = _get(port, "/readyz")
+        assert status == 200, body
+        assert _get(port, "/healthz")[0] == 200
+        proc.send_signal(signal.SIGTERM)
+        code = await asyncio.to_thread(proc.wait, 60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert code == 0, log.read_text()[-3000:]
+
+    committed = await kafka.committed_offsets(topics.group)
+    assert sum(committed.values()) >= 300  # the commit happened at shutdown, not on a timer
+    wanted = await _ids_below(kafka.bootstrap_servers, topics.input, committed)
+    missing = wanted - await _all_answers(kafka.bootstrap_servers, topics)
+    assert not missing, f"{len(missing)} committed requests have no answer"
+
+
+async def _ids_below(bootstrap: str, topic: str, committed: dict[TopicPartition, int]) -> set[str]:
+    """Request ids of every input record below its partition's committed offset."""
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
+    await consumer.start()
+    ids: set[str] = set()
+    try:
+        parts = [tp for tp, off in committed.items() if off > 0]
+        consumer.assign(parts)
+        await consumer.seek_to_beginning(*parts)
+        remaining = dict(committed)
+        while any(remaining[tp] > 0 for tp in parts):
+            batch = await consumer.getmany(timeout_ms=1000)
+            for tp, records in batch.items():
+                for r in records:
+                    if r.offset < committed[tp]:
+                        ids.add(request_id_of(r))
+                        remaining[tp] = committed[tp] - r.offset - 1
+    finally:
+        await consumer.stop()
+    return ids
+
+
+async def _all_answers(bootstrap: str, topics: Topics) -> set[str]:
+    async with Answers(bootstrap, topics) as got:
+        consumer = got._consumer
+        ends = await consumer.end_offsets(
+            [TopicPartition(topics.output, 0), TopicPartition(topics.dlq, 0)]
+        )
+        while True:
+            positions = {tp: await consumer.position(tp) for tp in ends}
+            if all(positions[tp] >= end for tp, end in ends.items()):
+                break
+            batch = await consumer.getmany(timeout_ms=500)
+            for records in batch.values():
+                got.ids.update(request_id_of(r) for r in records)
+        return got.ids
+
+
+async def test_backlog_of_100k_keeps_memory_bounded(
+    kafka: Any, triton: Any, answers: tuple[Topics, Answers], tmp_path: Path
+) -> None:
+    """A 100,000-record backlog: fetched-not-done stays within the window, RSS stays flat."""
+    topics, got = answers
+    port = free_port()
+    requests = samples.good_requests(100_000, seed=33, models=("double",))
+    await _produce_fast(kafka.bootstrap_servers, topics.input, requests, partitions=4)
+    log = tmp_path / "worker.log"
+    env = worker_env(
+        kafka, triton, topics, metrics_port=str(port), max_in_flight="128", max_poll_records="100"
+    )
+    proc = spawn_worker(env, log)
+    bound = 128 + 4 * 100  # the window plus one fetch per partition
+    try:
+        await got.until(2_000, proc, log)
+        rss_early = rss_bytes(proc.pid)
+        samples_taken = []
+        for target in (5_000, 8_000, 11_000):
+            await got.until(target, proc, log)
+            consumed = _metric_sum(port, "worker_records_consumed_total")
+            finished = _metric_sum(port, "worker_results_published_total") + _metric_sum(
+                port, "worker_dead_letters_total"
+            )
+            samples_taken.append(consumed - finished)
+        rss_late = rss_bytes(proc.pid)
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.to_thread(proc.wait, 60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert max(samples_taken) <= bound, samples_taken
+    growth_mb = (rss_late - rss_early) / 2**20
+    assert growth_mb < 40, f"RSS grew {growth_mb:.1f} MiB while draining the backlog"

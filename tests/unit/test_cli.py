@@ -1,0 +1,62 @@
+"""The command line refuses bad configuration at start-up: exit code 2, one line naming it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.unit
+
+_REQUIRED = {
+    "WORKER_INPUT_TOPICS": "requests",
+    "WORKER_OUTPUT_TOPIC": "results",
+    "WORKER_DLQ_TOPIC": "dead-letters",
+}
+
+
+def _run(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("WORKER_")}
+    return subprocess.run(
+        [sys.executable, "-m", "worker", "run", *args],
+        env={**clean, **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+@pytest.mark.parametrize(
+    ("env", "args", "named"),
+    [
+        ({**_REQUIRED, "WORKER_MAX_IN_FLIGHT": "abc"}, (), "WORKER_MAX_IN_FLIGHT"),
+        ({**_REQUIRED, "WORKER_MAX_INFLIGHT": "8"}, (), "WORKER_MAX_INFLIGHT"),
+        ({**_REQUIRED, "WORKER_TRITON_URL": "http://x"}, (), "WORKER_TRITON_URL"),
+        ({"WORKER_OUTPUT_TOPIC": "r", "WORKER_DLQ_TOPIC": "d"}, (), "WORKER_INPUT_TOPICS"),
+        (_REQUIRED, ("--max-in-flight", "0"), "--max-in-flight"),
+        (_REQUIRED, ("--no-such-flag",), "--no-such-flag"),
+    ],
+)
+def test_invalid_configuration_exits_2_with_one_line(
+    env: dict[str, str], args: tuple[str, ...], named: str
+) -> None:
+    """An invalid value, an unknown variable or flag, a missing setting: exit 2, one line."""
+    done = _run(env, *args)
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    assert named in lines[0]
+    assert done.stdout == ""
+
+
+def test_flags_win_over_environment_at_start_up() -> None:
+    """A valid flag overrides an invalid env value, so only the env-only setting is judged."""
+    done = _run(
+        {**_REQUIRED, "WORKER_MAX_IN_FLIGHT": "abc"}, "--max-in-flight", "4", "--metrics-port", "-1"
+    )
+    assert done.returncode == 2
+    assert "--metrics-port" in done.stderr
+    assert "WORKER_MAX_IN_FLIGHT" not in done.stderr
