@@ -10,8 +10,10 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, TypeVar
 
 import structlog
 from aiokafka.structs import ConsumerRecord
@@ -29,6 +31,18 @@ log = structlog.get_logger(__name__)
 MAX_ATTEMPTS = 5
 _BACKOFF_BASE_S = 0.1
 _BACKOFF_CAP_S = 5.0
+_T = TypeVar("_T")
+
+
+@dataclass(slots=True)
+class _Budget:
+    """One monotonic deadline per record, shared by all its retries."""
+
+    deadline: float
+    failures: int = 0
+
+    def remaining_s(self) -> float:
+        return self.deadline - time.monotonic()
 
 
 class RecordHandler:
@@ -44,7 +58,7 @@ class RecordHandler:
 
     async def handle(self, record: ConsumerRecord[bytes, bytes]) -> None:
         """Process ``record``; returns once its result or dead letter is acknowledged."""
-        attempts = 0
+        budget = _Budget(time.monotonic() + self._settings.request_timeout_ms / 1000)
         try:
             request = codec.decode_request(
                 record.value,
@@ -56,9 +70,11 @@ class RecordHandler:
                 max_request_bytes=self._settings.max_request_bytes,
             )
             structlog.contextvars.bind_contextvars(request_id=request.request_id)
-            spec = await self._pool.model_spec(request.model_name, request.model_version)
+            spec = await self._retrying(
+                budget, lambda _: self._pool.model_spec(request.model_name, request.model_version)
+            )
             check_request(spec, request)
-            response, attempts = await self._infer(request)
+            response = await self._infer(request, budget)
             value, encoding_headers = codec.encode_result(
                 request, response, max_result_bytes=self._settings.max_output_bytes
             )
@@ -76,37 +92,41 @@ class RecordHandler:
                 model=self._metrics.model_label(request.model_name)
             ).inc()
         except errors.WorkerError as error:
-            await self._dead_letter(record, error, max(attempts, 1))
+            # Retries exhausted: every try failed. Otherwise the last try was the fatal one.
+            exhausted = isinstance(error, errors.RetriesExhausted)
+            await self._dead_letter(record, error, budget.failures + (0 if exhausted else 1))
         self._metrics.end_to_end_latency_seconds.observe(
             max(0.0, time.time() - record.timestamp / 1000)
         )
 
-    async def _infer(self, request: codec.DecodedRequest) -> tuple[Any, int]:
-        """Infer with retries of retryable failures, within the request's deadline."""
-        timeout_s = self._settings.request_timeout_ms / 1000
-        deadline = time.monotonic() + timeout_s
+    async def _infer(self, request: codec.DecodedRequest, budget: _Budget) -> Any:
         model = self._metrics.model_label(request.model_name)
-        attempt = 0
-        while True:
-            attempt += 1
+
+        async def once(timeout_s: float) -> Any:
             started = time.monotonic()
-            try:
-                response = await self._pool.infer(
-                    request.infer_request, max(0.001, deadline - started)
-                )
-            except errors.WorkerError as error:
-                if not error.retryable:
-                    raise
-                backoff_s = random.uniform(0, min(_BACKOFF_CAP_S, _BACKOFF_BASE_S * 2**attempt))
-                if attempt >= MAX_ATTEMPTS or time.monotonic() + backoff_s >= deadline:
-                    raise errors.RetriesExhausted.after(error, attempt) from error
-                self._metrics.retries_total.labels(reason=error.code).inc()
-                await asyncio.sleep(backoff_s)
-                continue
+            response = await self._pool.infer(request.infer_request, timeout_s)
             self._metrics.inference_latency_seconds.labels(model=model).observe(
                 time.monotonic() - started
             )
-            return response, attempt
+            return response
+
+        return await self._retrying(budget, once)
+
+    async def _retrying(self, budget: _Budget, call: Callable[[float], Awaitable[_T]]) -> _T:
+        """Call with the remaining time; retry retryable failures with full-jitter backoff."""
+        while True:
+            try:
+                return await call(max(0.001, budget.remaining_s()))
+            except errors.WorkerError as error:
+                if not error.retryable:
+                    raise
+                budget.failures += 1
+                cap_s = min(_BACKOFF_CAP_S, _BACKOFF_BASE_S * 2**budget.failures)
+                backoff_s = random.uniform(0, cap_s)
+                if budget.failures >= MAX_ATTEMPTS or backoff_s >= budget.remaining_s():
+                    raise errors.RetriesExhausted.after(error, budget.failures) from error
+                self._metrics.retries_total.labels(reason=error.code).inc()
+                await asyncio.sleep(backoff_s)
 
     async def _dead_letter(
         self, record: ConsumerRecord[bytes, bytes], error: errors.WorkerError, attempts: int

@@ -32,6 +32,8 @@ log = structlog.get_logger(__name__)
 
 #: How long a negative model lookup (unknown model) is remembered.
 _NEGATIVE_CACHE_S = 5.0
+#: A stream whose oldest request waits longer than this is avoided for new requests.
+_STUCK_AFTER_S = 0.25
 
 
 class _Stream:
@@ -41,7 +43,9 @@ class _Stream:
         self.index = index
         self._stub = stub
         self._outbox: asyncio.Queue[service_pb2.ModelInferRequest | None] = asyncio.Queue()
+        # Insertion-ordered: the first entry is the oldest request still owed.
         self.pending: dict[str, asyncio.Future[service_pb2.ModelInferResponse]] = {}
+        self._sent_at: dict[str, float] = {}
         self.broken: errors.WorkerError | None = None
         self._idle = asyncio.Event()
         self._idle.set()
@@ -73,8 +77,15 @@ class _Stream:
         finally:
             self._fail_pending(self.broken or errors.TritonUnavailable("stream ended"))
 
+    def oldest_age_s(self, now: float) -> float:
+        """How long the oldest owed response has been waiting (0 when none)."""
+        for correlation in self.pending:
+            return now - self._sent_at[correlation]
+        return 0.0
+
     def _deliver(self, response: service_pb2.ModelStreamInferResponse) -> None:
         correlation = response.infer_response.id
+        self._sent_at.pop(correlation, None)
         future = self.pending.pop(correlation, None)
         if future is None:
             # A response for a request already timed out (or unknown): never used twice.
@@ -89,6 +100,7 @@ class _Stream:
 
     def _fail_pending(self, error: errors.WorkerError) -> None:
         pending, self.pending = self.pending, {}
+        self._sent_at.clear()
         for future in pending.values():
             if not future.done():
                 future.set_exception(error)
@@ -101,12 +113,14 @@ class _Stream:
             asyncio.get_running_loop().create_future()
         )
         self.pending[request.id] = future
+        self._sent_at[request.id] = time.monotonic()
         self._idle.clear()
         self._outbox.put_nowait(request)
         return future
 
     def forget(self, correlation: str) -> None:
         self.pending.pop(correlation, None)
+        self._sent_at.pop(correlation, None)
         if not self.pending:
             self._idle.set()
 
@@ -170,8 +184,15 @@ class TritonPool:
             self._open(stream.index)
 
     def _pick(self) -> _Stream:
+        """The least-loaded live stream, avoiding streams stuck behind a slow request.
+
+        Triton answers a stream in request order, so a request queued behind a
+        slow one waits for it; streams whose oldest request is older than
+        ``_STUCK_AFTER_S`` are used only when every stream is.
+        """
         live = [s for s in self._streams if s.broken is None] or self._streams
-        return min(live, key=lambda s: len(s.pending))
+        now = time.monotonic()
+        return min(live, key=lambda s: (s.oldest_age_s(now) > _STUCK_AFTER_S, len(s.pending)))
 
     async def infer(
         self, request: service_pb2.ModelInferRequest, timeout_s: float
