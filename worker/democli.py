@@ -22,7 +22,7 @@ from worker import samples
 from worker.codec import header_value
 
 #: Small enough that the "oversized" sample still fits a default broker message.
-DEMO_MAX_REQUEST_BYTES = 256 * 1024
+DEMO_MAX_REQUEST_BYTES = samples.BAD_SAMPLES_MAX_REQUEST_BYTES
 
 
 def add_demo_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -40,7 +40,11 @@ def add_demo_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParse
     produce.add_argument(
         "--models", default="double,mlp,echo_bytes", help="models for generated requests"
     )
-    produce.add_argument("--bad", action="store_true", help="add one request per bad kind")
+    produce.add_argument(
+        "--bad", action="store_true",
+        help="add one request per bad kind (the oversized one assumes "
+        "WORKER_MAX_REQUEST_BYTES=256KiB)",
+    )
     produce.set_defaults(handler=run_produce)
 
 

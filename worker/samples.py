@@ -166,8 +166,17 @@ def good_requests(
     return out
 
 
-def bad_requests(max_request_bytes: int = 1 << 20) -> list[SampleRequest]:
-    """One request per kind of bad input, each with the dead-letter code it must get."""
+#: The request size limit the bad samples assume: the "oversized" one is one byte
+#: more, and still fits a broker's default 1 MiB message limit.
+BAD_SAMPLES_MAX_REQUEST_BYTES = 256 * 1024
+
+
+def bad_requests(max_request_bytes: int = BAD_SAMPLES_MAX_REQUEST_BYTES) -> list[SampleRequest]:
+    """One request per kind of bad input, each with the dead-letter code it must get.
+
+    The oversized one gets TOO_LARGE from a worker whose WORKER_MAX_REQUEST_BYTES
+    is ``max_request_bytes``.
+    """
     rng = np.random.default_rng(3)
     json_ct: Headers = [("content-type", b"application/json")]
 

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import subprocess
+import sys
 import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator
@@ -211,3 +213,39 @@ async def test_backlog_of_100k_keeps_memory_bounded(
     assert max(samples_taken) <= bound, samples_taken
     growth_mb = (rss_late - rss_early) / 2**20
     assert growth_mb < 40, f"RSS grew {growth_mb:.1f} MiB while draining the backlog"
+
+
+async def test_produce_command_sends_generated_and_bad_requests(
+    kafka: Any, answers: tuple[Topics, Answers]
+) -> None:
+    """`python -m worker produce --generate N --bad` puts N good plus every bad request on a topic."""
+    topics, _ = answers
+    done = await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-m", "worker", "produce", "--bootstrap-servers",
+         kafka.bootstrap_servers, "--topic", topics.input, "--generate", "25", "--bad"],
+        capture_output=True, text=True, timeout=120, check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    consumer = AIOKafkaConsumer(bootstrap_servers=kafka.bootstrap_servers)
+    await consumer.start()
+    try:
+        parts = [TopicPartition(topics.input, p) for p in range(4)]
+        ends = await consumer.end_offsets(parts)
+    finally:
+        await consumer.stop()
+    assert sum(ends.values()) == 25 + len(samples.bad_requests())
+
+
+def test_demo_answers_every_request_and_exits_zero() -> None:
+    """`python -m worker demo` (what `make demo` runs) answers every request and stops all."""
+    done = subprocess.run(
+        [sys.executable, "-m", "worker", "demo", "--requests", "90"],
+        capture_output=True, text=True, timeout=200, check=False,
+        env={k: v for k, v in os.environ.items() if not k.startswith("WORKER_")}
+        | {"COLUMNS": "120"},
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "unanswered" in done.stdout
+    row = next(line for line in done.stdout.splitlines() if "unanswered" in line)
+    assert row.split("│")[2].strip() == "0"
