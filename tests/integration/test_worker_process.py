@@ -222,9 +222,23 @@ async def test_produce_command_sends_generated_and_bad_requests(
     topics, _ = answers
     done = await asyncio.to_thread(
         subprocess.run,
-        [sys.executable, "-m", "worker", "produce", "--bootstrap-servers",
-         kafka.bootstrap_servers, "--topic", topics.input, "--generate", "25", "--bad"],
-        capture_output=True, text=True, timeout=120, check=False,
+        [
+            sys.executable,
+            "-m",
+            "worker",
+            "produce",
+            "--bootstrap-servers",
+            kafka.bootstrap_servers,
+            "--topic",
+            topics.input,
+            "--generate",
+            "25",
+            "--bad",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
     )
     assert done.returncode == 0, done.stderr
     consumer = AIOKafkaConsumer(bootstrap_servers=kafka.bootstrap_servers)
@@ -241,7 +255,10 @@ def test_demo_answers_every_request_and_exits_zero() -> None:
     """`python -m worker demo` (what `make demo` runs) answers every request and stops all."""
     done = subprocess.run(
         [sys.executable, "-m", "worker", "demo", "--requests", "90"],
-        capture_output=True, text=True, timeout=200, check=False,
+        capture_output=True,
+        text=True,
+        timeout=200,
+        check=False,
         env={k: v for k, v in os.environ.items() if not k.startswith("WORKER_")}
         | {"COLUMNS": "120"},
     )
