@@ -41,7 +41,8 @@ def add_demo_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParse
         "--models", default="double,mlp,echo_bytes", help="models for generated requests"
     )
     produce.add_argument(
-        "--bad", action="store_true",
+        "--bad",
+        action="store_true",
         help="add one request per bad kind (the oversized one assumes "
         "WORKER_MAX_REQUEST_BYTES=256KiB)",
     )

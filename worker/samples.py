@@ -144,6 +144,15 @@ def faulty_inputs(
     ]
 
 
+def faulty_request(
+    rng: np.random.Generator, request_id: str, *, delay_ms: int = 0, fail: bool = False
+) -> SampleRequest:
+    """A JSON request for ``faulty`` that sleeps ``delay_ms`` (and fails when asked)."""
+    tensors = faulty_inputs(rng, delay_ms=delay_ms, fail=fail)
+    value, headers = encode_request("faulty", tensors, "json", request_id)
+    return SampleRequest(value, headers, "faulty", "json", request_id)
+
+
 MODEL_INPUTS: dict[str, Callable[[np.random.Generator], list[Tensor]]] = {
     "double": double_inputs,
     "mlp": mlp_inputs,

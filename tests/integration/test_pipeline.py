@@ -21,7 +21,7 @@ from tests.support import (
     settings_for,
 )
 from worker import samples
-from worker.samples import ENCODINGS, SampleRequest, encode_request, faulty_inputs
+from worker.samples import ENCODINGS, SampleRequest, encode_request, faulty_request
 from worker.window import Window
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
@@ -119,13 +119,8 @@ async def test_bad_inputs_get_one_dead_letter_each_and_good_ones_flow(
 
 
 def _slow_and_fast(rng: np.random.Generator, slow_ms: int, fast: int) -> list[SampleRequest]:
-    out = []
-    for i in range(fast + 1):
-        delay = slow_ms if i == 0 else 0
-        rid = f"{'slow' if i == 0 else 'fast'}-{i}"
-        value, headers = encode_request("faulty", faulty_inputs(rng, delay_ms=delay), "json", rid)
-        out.append(SampleRequest(value, headers, "faulty", "json", rid))
-    return out
+    slow = faulty_request(rng, "slow-0", delay_ms=slow_ms)
+    return [slow] + [faulty_request(rng, f"fast-{i}") for i in range(1, fast + 1)]
 
 
 async def test_commit_never_passes_an_unfinished_record(
@@ -172,10 +167,7 @@ async def test_window_bounds_in_flight_and_pauses_fetching(
     topics = Topics.fresh(unique)
     await create(kafka, topics, partitions=2)
     rng = np.random.default_rng(4)
-    requests = []
-    for i in range(120):
-        value, headers = encode_request("faulty", faulty_inputs(rng, delay_ms=20), "json", f"w{i}")
-        requests.append(SampleRequest(value, headers, "faulty", "json", f"w{i}"))
+    requests = [faulty_request(rng, f"w{i}", delay_ms=20) for i in range(120)]
     settings = settings_for(
         kafka, triton, topics, max_in_flight="8", max_in_flight_per_partition="8"
     )

@@ -16,6 +16,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
+from tests.support import mlp_reference
 from worker.devstack.paths import models_dir
 from worker.devstack.process import StartupError
 from worker.devstack.triton import (
@@ -96,19 +97,6 @@ def _faulty_inputs(
     ]
 
 
-def _mlp_reference(rows: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
-    """The mlp model's computation, with its weights drawn from the same seed."""
-    rng = np.random.default_rng(1234)
-    w1 = (rng.standard_normal((64, 128)) / 8.0).astype(np.float32)
-    b1 = (rng.standard_normal(128) * 0.1).astype(np.float32)
-    w2 = (rng.standard_normal((128, 10)) / np.sqrt(128.0)).astype(np.float32)
-    b2 = (rng.standard_normal(10) * 0.1).astype(np.float32)
-    logits = np.maximum(rows @ w1 + b1, 0.0) @ w2 + b2
-    exp = np.exp(logits - logits.max(axis=1, keepdims=True))
-    probs: npt.NDArray[np.float32] = (exp / exp.sum(axis=1, keepdims=True)).astype(np.float32)
-    return probs
-
-
 def test_double_doubles_a_batch(
     client: grpcclient.InferenceServerClient, server: TritonServer
 ) -> None:
@@ -129,7 +117,7 @@ def test_mlp_matches_the_numpy_reference(
     probs = _infer(client, server, "mlp", [_tensor("INPUT0", rows, "FP32")]).as_numpy("PROBS")
 
     assert probs.shape == (4, 10)
-    np.testing.assert_allclose(probs, _mlp_reference(rows), rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(probs, mlp_reference(rows), rtol=1e-5, atol=1e-7)
     np.testing.assert_allclose(probs.sum(axis=1), np.ones(4), rtol=1e-5)
 
 

@@ -218,7 +218,7 @@ async def test_backlog_of_100k_keeps_memory_bounded(
 async def test_produce_command_sends_generated_and_bad_requests(
     kafka: Any, answers: tuple[Topics, Answers]
 ) -> None:
-    """`python -m worker produce --generate N --bad` puts N good plus every bad request on a topic."""
+    """`produce --generate N --bad` puts N good requests plus every bad kind on a topic."""
     topics, _ = answers
     done = await asyncio.to_thread(
         subprocess.run,
