@@ -15,6 +15,8 @@ from collections.abc import Mapping
 import structlog
 from aiokafka.structs import ConsumerRecord, TopicPartition
 
+from worker import security
+from worker.audit import Audit
 from worker.config import Settings
 from worker.handler import RecordHandler
 from worker.intake import Intake
@@ -39,7 +41,12 @@ class Worker:
         self.metrics = metrics or Metrics()
         self.window = Window(settings.max_in_flight, settings.max_in_flight_per_partition)
         self.offsets = OffsetTracker()
-        self.pool = TritonPool(settings.triton_url, settings.triton_streams)
+        self.pool = TritonPool(
+            settings.triton_url,
+            settings.triton_streams,
+            client_kwargs=security.triton_client_kwargs(settings),
+            auth=security.TritonAuth(settings),
+        )
         self.publisher = Publisher(
             settings.bootstrap_servers,
             output_topic=settings.output_topic,
@@ -47,8 +54,10 @@ class Worker:
             client_id=settings.client_id,
             linger_ms=settings.linger_ms,
             max_request_bytes=settings.max_output_bytes + _PRODUCER_HEADROOM_BYTES,
+            client_kwargs=security.kafka_client_kwargs(settings),
         )
-        self.handler = RecordHandler(settings, self.pool, self.publisher, self.metrics)
+        self.audit = Audit(settings, self.publisher.send_audit)
+        self.handler = RecordHandler(settings, self.pool, self.publisher, self.metrics, self.audit)
         self.intake = Intake(settings, self.window, self.offsets, self.metrics, self._dispatch)
         self.health: HealthServer | None = None
         self.triton_up = False

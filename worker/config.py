@@ -28,6 +28,13 @@ TOOLING_ENV_NAMES: frozenset[str] = frozenset({"WORKER_TEST_DOCKER", "WORKER_DEV
 LogFormat = Literal["json", "console"]
 LogLevel = Literal["debug", "info", "warning", "error"]
 OffsetReset = Literal["earliest", "latest"]
+Ordering = Literal["unordered", "key", "partition"]
+Delivery = Literal["at_least_once", "exactly_once"]
+SecurityProtocol = Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"]
+SaslMechanism = Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "OAUTHBEARER"]
+WindowMode = Literal["fixed", "adaptive"]
+ShmMode = Literal["none", "system"]
+AuditMode = Literal["none", "log", "topic", "both"]
 
 _MIB = 1024 * 1024
 _TOPIC_RE = re.compile(r"[A-Za-z0-9._-]{1,249}")
@@ -112,12 +119,31 @@ def _seconds() -> Parser:
     return Parser("seconds > 0", "SECONDS", "a number of seconds > 0", float, valid)
 
 
+def _seconds_or_zero() -> Parser:
+    def valid(v: object) -> bool:
+        return isinstance(v, int | float) and not isinstance(v, bool) and 0 <= v < math.inf
+
+    return Parser("number >= 0", "N", "a number >= 0", float, valid)
+
+
+def _optional_choice(*options: str) -> Parser:
+    base = _choice(*options)
+    return Parser(
+        base.type_doc,
+        base.metavar,
+        base.expected,
+        lambda raw: base.convert(raw) if raw else None,
+        lambda v: v is None or base.valid(v),
+    )
+
+
 def _choice(*options: str) -> Parser:
     return Parser(
         " \\| ".join(options),
         "{" + ",".join(options) + "}",
         "one of " + ", ".join(options),
-        str.lower,
+        # Case-insensitive, but the value is always the canonical spelling.
+        lambda raw: next((o for o in options if o.lower() == raw.lower()), raw),
         lambda v: v in options,
     )
 
@@ -129,6 +155,45 @@ def _text(optional: bool = False) -> Parser:
         "a non-empty string",
         (lambda s: s or None) if optional else str,
         lambda v: (optional and v is None) or (isinstance(v, str) and bool(v.strip())),
+    )
+
+
+def _bool() -> Parser:
+    truth = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
+
+    def convert(raw: str) -> bool:
+        if raw.lower() not in truth:
+            raise ValueError(raw)
+        return truth[raw.lower()]
+
+    return Parser(
+        "true \\| false", "{true,false}", "true or false", convert, lambda v: isinstance(v, bool)
+    )
+
+
+def _allowlist() -> Parser:
+    """``topic=model|model;topic2=*``: which models each input topic may ask for."""
+
+    def convert(raw: str) -> tuple[tuple[str, tuple[str, ...]], ...]:
+        rules = []
+        for part in filter(None, (p.strip() for p in raw.split(";"))):
+            topic, sep, models = part.partition("=")
+            if not sep:
+                raise ValueError(part)
+            rules.append((topic.strip(), tuple(m.strip() for m in models.split("|") if m.strip())))
+        return tuple(rules)
+
+    def valid(v: object) -> bool:
+        return isinstance(v, tuple) and all(
+            _is_topic(topic) and len(models) > 0 for topic, models in v
+        )
+
+    return Parser(
+        "topic=model\\|model;...",
+        "RULES",
+        "rules like 'requests=double|mlp;other=*' (topic=models separated by |)",
+        convert,
+        valid,
     )
 
 
@@ -264,7 +329,7 @@ class Settings:
     max_in_flight_per_partition: int = _setting(
         64, _int(1), "Most requests in flight from one partition.")
     request_timeout_ms: int = _setting(
-        30_000, _int(1), "Deadline of one request, shared by all its retries.")
+        30_000, _int(1), "Client-side deadline of one try on a Triton stream.")
     max_request_bytes: int = _setting(
         8 * _MIB, _bytes(1), "Largest request value accepted; larger ones get TOO_LARGE.")
     max_output_bytes: int = _setting(
@@ -279,6 +344,104 @@ class Settings:
         default_doc="console on a terminal, else json", contextual_default=_log_format_for)
     log_level: LogLevel = _setting(  # noqa: RUF009
         "info", _choice("debug", "info", "warning", "error"), "Least level logged.")
+
+    # -- reliability ---------------------------------------------------------------
+    max_attempts: int = _setting(
+        5, _int(1, 100), "Tries of a request that fails for a retryable reason.")
+    retry_backoff_ms: int = _setting(
+        100, _int(1), "First retry backoff; it doubles per try (full jitter).")
+    retry_backoff_max_ms: int = _setting(5000, _int(1), "Longest retry backoff.")
+    record_deadline_ms: int = _setting(
+        300_000, _int(1), "Overall deadline of one record across all its tries.")
+    breaker_failure_threshold: int = _setting(
+        5, _int(1), "Consecutive Triton failures that open the circuit breaker.")
+    breaker_probe_interval_ms: int = _setting(
+        1000, _int(10), "How often Triton health is probed (and the open breaker retried).")
+    max_poll_interval_ms: int = _setting(
+        300_000, _int(1000), "Kafka max.poll.interval.ms of the consumer.")
+    session_timeout_ms: int = _setting(
+        10_000, _int(1000), "Kafka session timeout: how soon a dead member is noticed.")
+    revoke_timeout_s: float = _setting(
+        10.0, _seconds(), "Bound on waiting for a revoked partition's in-flight records.")
+    ordering: Ordering = _setting(  # noqa: RUF009
+        "unordered", _choice("unordered", "key", "partition"),
+        "unordered; key: one at a time per key in offset order; partition: results "
+        "published in offset order per partition.")
+    delivery: Delivery = _setting(  # noqa: RUF009
+        "at_least_once", _choice("at_least_once", "exactly_once"),
+        "exactly_once: results, dead letters and offsets in one Kafka transaction.")
+    transactional_id_prefix: str = _setting(
+        "kafka-triton-worker", _text(),
+        "exactly_once: prefix of the producers' transactional ids (one per input partition).")
+    # -- performance ---------------------------------------------------------------
+    batch_max_size: int = _setting(
+        1, _int(1, 1024),
+        "Client-side micro-batching: most requests coalesced into one Triton request "
+        "(1 disables it).")
+    batch_delay_ms: float = _setting(
+        2.0, _seconds_or_zero(), "Longest wait for a micro-batch to fill, in milliseconds.")
+    window_mode: WindowMode = _setting(  # noqa: RUF009
+        "fixed", _choice("fixed", "adaptive"),
+        "adaptive: the window grows while latency stays low and shrinks on overload, "
+        "between WORKER_MIN_IN_FLIGHT and WORKER_MAX_IN_FLIGHT.")
+    min_in_flight: int = _setting(4, _int(1), "Lower bound of the adaptive window.")
+    triton_shm: ShmMode = _setting(  # noqa: RUF009
+        "none", _choice("none", "system"),
+        "system: send large tensors through system shared memory (Triton on the same host).")
+    shm_min_bytes: int = _setting(
+        _MIB, _bytes(1), "Tensors at least this large go through shared memory.")
+    shm_pool_bytes: int = _setting(
+        256 * _MIB, _bytes(_MIB), "Total size of the registered shared-memory regions.")
+    # -- security ------------------------------------------------------------------
+    security_protocol: SecurityProtocol = _setting(  # noqa: RUF009
+        "PLAINTEXT", _choice("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"),
+        "Kafka security protocol, for the consumer and every producer.")
+    sasl_mechanism: SaslMechanism | None = _setting(  # noqa: RUF009
+        None, _optional_choice("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "OAUTHBEARER"),
+        "Kafka SASL mechanism.")
+    sasl_username: str | None = _setting(None, _text(optional=True), "Kafka SASL user name.")
+    sasl_password: str | None = _setting(
+        None, _text(optional=True), "Kafka SASL password (prefer WORKER_SASL_PASSWORD_FILE).",
+        secret=True)
+    sasl_password_file: str | None = _setting(
+        None, _text(optional=True), "File holding the Kafka SASL password.")
+    sasl_oauth_token_file: str | None = _setting(
+        None, _text(optional=True), "OAUTHBEARER: file holding the token (re-read on refresh).")
+    sasl_oauth_token_command: str | None = _setting(
+        None, _text(optional=True), "OAUTHBEARER: command printing a token (run on refresh).")
+    ssl_cafile: str | None = _setting(
+        None, _text(optional=True), "CA bundle that signs the Kafka brokers' certificates.")
+    ssl_certfile: str | None = _setting(
+        None, _text(optional=True), "Client certificate for Kafka (mutual TLS).")
+    ssl_keyfile: str | None = _setting(
+        None, _text(optional=True), "Client private key for Kafka (mutual TLS).")
+    triton_ssl: bool = _setting(False, _bool(), "Connect to Triton over gRPC with TLS.")
+    triton_ssl_cafile: str | None = _setting(
+        None, _text(optional=True), "CA bundle that signs Triton's certificate.")
+    triton_ssl_certfile: str | None = _setting(
+        None, _text(optional=True), "Client certificate for Triton (mutual TLS).")
+    triton_ssl_keyfile: str | None = _setting(
+        None, _text(optional=True), "Client private key for Triton (mutual TLS).")
+    triton_auth_header: str = _setting(
+        "authorization", _text(), "gRPC metadata header carrying the Triton token.")
+    triton_auth_token_file: str | None = _setting(
+        None, _text(optional=True),
+        "File holding the Triton token (sent as the whole header value, e.g. 'Bearer x'); "
+        "re-read when it changes.")
+    audit: AuditMode = _setting(  # noqa: RUF009
+        "none", _choice("none", "log", "topic", "both"),
+        "One audit record per request: to a log stream, an audit topic, or both.")
+    audit_topic: str | None = _setting(
+        None, _text(optional=True), "Topic of the audit records (audit=topic or both).")
+    max_tensor_elements: int = _setting(
+        16 * _MIB, _int(1), "Most elements in one input tensor; more get TOO_LARGE.")
+    max_tensor_bytes: int = _setting(
+        64 * _MIB, _bytes(1), "Largest input tensor in bytes; larger get TOO_LARGE.")
+    model_allowlist: tuple[tuple[str, tuple[str, ...]], ...] = _setting(
+        (), _allowlist(),
+        "Models each input topic may use ('requests=double|mlp;other=*'); others get "
+        "FORBIDDEN. Empty allows all.",
+        default_doc="empty (all models allowed)")
     # fmt: on
 
     def __post_init__(self) -> None:
@@ -295,6 +458,38 @@ class Settings:
         ):
             if topic in self.input_topics:
                 raise ConfigError(name, f"{name}: must not be an input topic, got {topic!r}")
+        self._check_combinations()
+
+    def _check_combinations(self) -> None:
+        """Settings that only make sense together; each error names the one to fix."""
+        sasl = self.security_protocol.startswith("SASL_")
+        problems = [
+            ("WORKER_SASL_MECHANISM", sasl and self.sasl_mechanism is None,
+             f"required when WORKER_SECURITY_PROTOCOL is {self.security_protocol}"),
+            ("WORKER_SASL_MECHANISM", not sasl and self.sasl_mechanism is not None,
+             "needs WORKER_SECURITY_PROTOCOL SASL_PLAINTEXT or SASL_SSL"),
+            ("WORKER_SASL_PASSWORD", self.sasl_password is not None
+             and self.sasl_password_file is not None,
+             "set either WORKER_SASL_PASSWORD or WORKER_SASL_PASSWORD_FILE, not both"),
+            ("WORKER_AUDIT_TOPIC", self.audit in ("topic", "both") and self.audit_topic is None,
+             f"required when WORKER_AUDIT is {self.audit}"),
+            ("WORKER_MIN_IN_FLIGHT", self.min_in_flight > self.max_in_flight,
+             "must not exceed WORKER_MAX_IN_FLIGHT"),
+            ("WORKER_RETRY_BACKOFF_MAX_MS", self.retry_backoff_max_ms < self.retry_backoff_ms,
+             "must not be below WORKER_RETRY_BACKOFF_MS"),
+            ("WORKER_SSL_KEYFILE", (self.ssl_certfile is None) != (self.ssl_keyfile is None),
+             "WORKER_SSL_CERTFILE and WORKER_SSL_KEYFILE go together"),
+            ("WORKER_TRITON_SSL_KEYFILE",
+             (self.triton_ssl_certfile is None) != (self.triton_ssl_keyfile is None),
+             "WORKER_TRITON_SSL_CERTFILE and WORKER_TRITON_SSL_KEYFILE go together"),
+        ]
+        for name, wrong, why in problems:
+            if wrong:
+                raise ConfigError(name, f"{name}: {why}")
+
+    def __repr__(self) -> str:
+        # The dataclass repr would print secrets; show the redacted view instead.
+        return f"Settings({self.redacted()!r})"
 
     def redacted(self) -> dict[str, object]:
         """The settings as plain data for the start-up log; secret values show as ``***``."""

@@ -19,18 +19,16 @@ import structlog
 from aiokafka.structs import ConsumerRecord
 
 from worker import codec, errors
+from worker.audit import Audit
 from worker.config import Settings
 from worker.observability import Metrics
 from worker.publisher import Publisher
+from worker.security import check_model_allowed
 from worker.triton import TritonPool
 from worker.validation import check_request
 
 log = structlog.get_logger(__name__)
 
-#: Retries of retryable failures (Triton unavailable, timeouts, overload), per record.
-MAX_ATTEMPTS = 5
-_BACKOFF_BASE_S = 0.1
-_BACKOFF_CAP_S = 5.0
 _T = TypeVar("_T")
 
 
@@ -49,16 +47,25 @@ class RecordHandler:
     """Turns a consumed record into a published result or dead letter."""
 
     def __init__(
-        self, settings: Settings, pool: TritonPool, publisher: Publisher, metrics: Metrics
+        self,
+        settings: Settings,
+        pool: TritonPool,
+        publisher: Publisher,
+        metrics: Metrics,
+        audit: Audit,
     ) -> None:
         self._settings = settings
         self._pool = pool
         self._publisher = publisher
         self._metrics = metrics
+        self._audit = audit
 
     async def handle(self, record: ConsumerRecord[bytes, bytes]) -> None:
         """Process ``record``; returns once its result or dead letter is acknowledged."""
-        budget = _Budget(time.monotonic() + self._settings.request_timeout_ms / 1000)
+        started = time.monotonic()
+        budget = _Budget(started + self._settings.record_deadline_ms / 1000)
+        request: codec.DecodedRequest | None = None
+        served_version: str | None = None
         try:
             request = codec.decode_request(
                 record.value,
@@ -70,6 +77,7 @@ class RecordHandler:
                 max_request_bytes=self._settings.max_request_bytes,
             )
             structlog.contextvars.bind_contextvars(request_id=request.request_id)
+            check_model_allowed(self._settings, record.topic, request.model_name)
             spec = await self._retrying(
                 budget, lambda _: self._pool.model_spec(request.model_name, request.model_version)
             )
@@ -87,14 +95,26 @@ class RecordHandler:
                 offset=record.offset,
                 served_model_version=response.model_version,
             )
+            served_version = response.model_version
             await self._publisher.publish_result(value, record.key, headers)
             self._metrics.results_published_total.labels(
                 model=self._metrics.model_label(request.model_name)
             ).inc()
+            outcome, code = "result", None
         except errors.WorkerError as error:
             # Retries exhausted: every try failed. Otherwise the last try was the fatal one.
             exhausted = isinstance(error, errors.RetriesExhausted)
             await self._dead_letter(record, error, budget.failures + (0 if exhausted else 1))
+            outcome, code = "dead_letter", error.code
+        await self._audit.record(
+            record,
+            request_id=request.request_id if request else None,
+            model_name=request.model_name if request else None,
+            model_version=served_version or (request.model_version if request else None),
+            outcome=outcome,
+            error_code=code,
+            latency_s=time.monotonic() - started,
+        )
         self._metrics.end_to_end_latency_seconds.observe(
             max(0.0, time.time() - record.timestamp / 1000)
         )
@@ -104,7 +124,9 @@ class RecordHandler:
 
         async def once(timeout_s: float) -> Any:
             started = time.monotonic()
-            response = await self._pool.infer(request.infer_request, timeout_s)
+            response = await self._pool.infer(
+                request.infer_request, min(timeout_s, self._settings.request_timeout_ms / 1000)
+            )
             self._metrics.inference_latency_seconds.labels(model=model).observe(
                 time.monotonic() - started
             )
@@ -121,9 +143,12 @@ class RecordHandler:
                 if not error.retryable:
                     raise
                 budget.failures += 1
-                cap_s = min(_BACKOFF_CAP_S, _BACKOFF_BASE_S * 2**budget.failures)
-                backoff_s = random.uniform(0, cap_s)
-                if budget.failures >= MAX_ATTEMPTS or backoff_s >= budget.remaining_s():
+                settings = self._settings
+                cap_s = min(
+                    settings.retry_backoff_max_ms, settings.retry_backoff_ms * 2**budget.failures
+                )
+                backoff_s = random.uniform(0, cap_s / 1000)
+                if budget.failures >= settings.max_attempts or backoff_s >= budget.remaining_s():
                     raise errors.RetriesExhausted.after(error, budget.failures) from error
                 self._metrics.retries_total.labels(reason=error.code).inc()
                 await asyncio.sleep(backoff_s)

@@ -20,6 +20,7 @@ from aiokafka.structs import ConsumerRecord, OffsetAndMetadata, TopicPartition
 from worker.config import Settings
 from worker.observability import Metrics
 from worker.offsets import OffsetTracker
+from worker.security import kafka_client_kwargs
 from worker.window import Window
 
 log = structlog.get_logger(__name__)
@@ -29,8 +30,6 @@ Dispatch = Callable[[ConsumerRecord[bytes, bytes], int], None]
 
 #: Longest wait in one fetch; also bounds how late a freed slot resumes a paused partition.
 _POLL_TIMEOUT_MS = 100
-#: Bound on waiting for a revoked partition's in-flight records before giving it up.
-_REVOKE_DRAIN_S = 10.0
 
 
 class Intake(ConsumerRebalanceListener):  # type: ignore[misc]
@@ -61,6 +60,10 @@ class Intake(ConsumerRebalanceListener):  # type: ignore[misc]
             auto_offset_reset=settings.auto_offset_reset,
             max_poll_records=settings.max_poll_records,
             isolation_level="read_committed",
+            max_poll_interval_ms=settings.max_poll_interval_ms,
+            session_timeout_ms=settings.session_timeout_ms,
+            heartbeat_interval_ms=max(100, settings.session_timeout_ms // 5),
+            **kafka_client_kwargs(settings),
         )
 
     async def start(self) -> None:
@@ -166,7 +169,7 @@ class Intake(ConsumerRebalanceListener):  # type: ignore[misc]
             self._backlog.pop(tp, None)
         waits = [self._window.wait_empty(tp) for tp in revoked]
         try:
-            await asyncio.wait_for(asyncio.gather(*waits), _REVOKE_DRAIN_S)
+            await asyncio.wait_for(asyncio.gather(*waits), self._settings.revoke_timeout_s)
         except TimeoutError:
             log.warning("revoke_drain_timeout", partitions=sorted(map(str, revoked)))
         await self.commit(only=revoked)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import structlog
@@ -36,6 +36,7 @@ class Publisher:
         client_id: str,
         linger_ms: int,
         max_request_bytes: int,
+        client_kwargs: Mapping[str, Any],
         dead_letter_attempts: int = 5,
     ) -> None:
         self.output_topic = output_topic
@@ -49,6 +50,7 @@ class Publisher:
             linger_ms=linger_ms,
             max_request_size=max_request_bytes,
             compression_type=None,
+            **client_kwargs,
         )
 
     async def start(self) -> None:
@@ -73,6 +75,11 @@ class Publisher:
             raise errors.OutputTooLarge(
                 f"result of {len(value)} bytes is larger than the output topic accepts"
             ) from None
+
+    async def send_audit(self, topic: str, value: bytes, key: bytes | None) -> Any:
+        """Write an audit record and wait for the broker's ack."""
+        sent = await self._producer.send(topic, value=value, key=key)
+        return await sent
 
     async def publish_dead_letter(
         self, value: bytes | None, key: bytes | None, headers: Headers

@@ -17,8 +17,9 @@ import asyncio
 import contextlib
 import itertools
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import grpc  # type: ignore[import-untyped, unused-ignore]
 import structlog
@@ -26,6 +27,7 @@ from tritonclient.grpc import InferenceServerException, service_pb2
 from tritonclient.grpc.aio import InferenceServerClient
 
 from worker import errors
+from worker.security import TritonAuth
 from worker.validation import ModelSpec
 
 log = structlog.get_logger(__name__)
@@ -39,9 +41,10 @@ _STUCK_AFTER_S = 0.25
 class _Stream:
     """One ModelStreamInfer call: a queue of requests in, responses matched by id out."""
 
-    def __init__(self, stub: object, index: int) -> None:
+    def __init__(self, stub: object, index: int, headers: Mapping[str, str]) -> None:
         self.index = index
         self._stub = stub
+        self._metadata = tuple(headers.items())
         self._outbox: asyncio.Queue[service_pb2.ModelInferRequest | None] = asyncio.Queue()
         # Insertion-ordered: the first entry is the oldest request still owed.
         self.pending: dict[str, asyncio.Future[service_pb2.ModelInferResponse]] = {}
@@ -59,7 +62,9 @@ class _Stream:
 
     async def run(self) -> None:
         """Read responses until the stream ends; then fail whatever is still owed."""
-        call = self._stub.ModelStreamInfer(self._requests())  # type: ignore[attr-defined]
+        call = self._stub.ModelStreamInfer(  # type: ignore[attr-defined]
+            self._requests(), metadata=self._metadata or None
+        )
         try:
             async for response in call:
                 self._deliver(response)
@@ -141,8 +146,17 @@ class _CachedSpec:
 class TritonPool:
     """``streams`` concurrent inference streams to one Triton server, re-opened when they break."""
 
-    def __init__(self, url: str, streams: int) -> None:
+    def __init__(
+        self,
+        url: str,
+        streams: int,
+        *,
+        client_kwargs: Mapping[str, Any] | None = None,
+        auth: TritonAuth | None = None,
+    ) -> None:
         self.url = url
+        self._client_kwargs = dict(client_kwargs or {})
+        self._auth = auth
         self._size = streams
         self._client: InferenceServerClient | None = None
         self._streams: list[_Stream] = []
@@ -155,13 +169,13 @@ class TritonPool:
 
     async def start(self) -> None:
         """Create the channel and open the streams (no server round trip needed)."""
-        self._client = InferenceServerClient(self.url)
+        self._client = InferenceServerClient(self.url, **self._client_kwargs)
         for index in range(self._size):
             self._open(index)
 
     def _open(self, index: int) -> None:
         assert self._client is not None
-        stream = _Stream(self._client._client_stub, index)
+        stream = _Stream(self._client._client_stub, index, self._headers())
         task = asyncio.get_running_loop().create_task(
             self._supervise(stream), name=f"triton-stream-{index}"
         )
@@ -182,6 +196,10 @@ class TritonPool:
         self._reopen_backoff_s = min(self._reopen_backoff_s * 2, 5.0)
         if not self._closing:
             self._open(stream.index)
+
+    def _headers(self) -> dict[str, str]:
+        """Per-call gRPC metadata (authentication), read afresh for each call or stream."""
+        return dict(self._auth.headers()) if self._auth is not None else {}
 
     def _pick(self) -> _Stream:
         """The least-loaded live stream, avoiding streams stuck behind a slow request.
@@ -249,8 +267,9 @@ class TritonPool:
     async def _fetch_spec(self, name: str, version: str) -> ModelSpec:
         assert self._client is not None
         try:
-            metadata = await self._client.get_model_metadata(name, version)
-            config = await self._client.get_model_config(name, version)
+            headers = self._headers()
+            metadata = await self._client.get_model_metadata(name, version, headers=headers)
+            config = await self._client.get_model_config(name, version, headers=headers)
         except InferenceServerException as exc:
             raise _from_client_error(exc, f"model {name!r}") from None
         return ModelSpec.from_triton(metadata, config)
@@ -260,7 +279,8 @@ class TritonPool:
         if self._client is None:
             return False
         try:
-            return bool(await asyncio.wait_for(self._client.is_server_ready(), timeout_s))
+            ready = self._client.is_server_ready(headers=self._headers())
+            return bool(await asyncio.wait_for(ready, timeout_s))
         except (TimeoutError, InferenceServerException, grpc.aio.AioRpcError):
             return False
 

@@ -263,7 +263,12 @@ def test_redacted_is_plain_data_and_hides_secrets(monkeypatch: pytest.MonkeyPatc
     assert list(view) == [spec.field for spec in SETTINGS_SPEC]
     assert view["input_topics"] == ["requests"]
     assert view["max_in_flight"] == 256
-    assert not any(spec.secret for spec in SETTINGS_SPEC)
+    assert [spec.field for spec in SETTINGS_SPEC if spec.secret] == ["sasl_password"]
+    with_secret = load_settings({**REQUIRED, "WORKER_SECURITY_PROTOCOL": "SASL_SSL",
+                                 "WORKER_SASL_MECHANISM": "PLAIN",
+                                 "WORKER_SASL_PASSWORD": "hunter2"})
+    assert with_secret.redacted()["sasl_password"] == "***"
+    assert "hunter2" not in repr(with_secret.redacted())
     marked = tuple(
         dataclasses.replace(spec, secret=spec.field == "group_id") for spec in SETTINGS_SPEC
     )
