@@ -17,18 +17,20 @@ from aiokafka.structs import ConsumerRecord, TopicPartition
 
 from worker import security
 from worker.audit import Audit
+from worker.breaker import CircuitBreaker
 from worker.config import Settings
-from worker.handler import RecordHandler
+from worker.handler import RecordHandler, Sink
 from worker.intake import Intake
 from worker.observability import HealthServer, Metrics
 from worker.offsets import OffsetTracker
+from worker.ordering import Ticket, Turns
 from worker.publisher import Publisher
+from worker.transactions import PartitionRevoked, TransactionalSink
 from worker.triton import TritonPool
 from worker.window import Window
 
 log = structlog.get_logger(__name__)
 
-_HEALTH_INTERVAL_S = 2.0
 #: Kafka's default broker limit; results above max_output_bytes never get that far.
 _PRODUCER_HEADROOM_BYTES = 64 * 1024
 
@@ -56,9 +58,31 @@ class Worker:
             max_request_bytes=settings.max_output_bytes + _PRODUCER_HEADROOM_BYTES,
             client_kwargs=security.kafka_client_kwargs(settings),
         )
+        self.txn: TransactionalSink | None = None
+        sink: Sink = self.publisher
+        if settings.delivery == "exactly_once":
+            self.txn = sink = TransactionalSink(
+                settings,
+                self.offsets,
+                self.metrics,
+                security.kafka_client_kwargs(settings),
+                max_request_bytes=settings.max_output_bytes + _PRODUCER_HEADROOM_BYTES,
+            )
         self.audit = Audit(settings, self.publisher.send_audit)
-        self.handler = RecordHandler(settings, self.pool, self.publisher, self.metrics, self.audit)
-        self.intake = Intake(settings, self.window, self.offsets, self.metrics, self._dispatch)
+        self.breaker = CircuitBreaker(settings.breaker_failure_threshold)
+        self.handler = RecordHandler(
+            settings, self.pool, sink, self.metrics, self.audit, self.breaker
+        )
+        self.intake = Intake(
+            settings,
+            self.window,
+            self.offsets,
+            self.metrics,
+            self.breaker,
+            self._dispatch,
+            txn=self.txn,
+        )
+        self._turns = Turns()
         self.health: HealthServer | None = None
         self.triton_up = False
         self.started = asyncio.Event()
@@ -91,7 +115,14 @@ class Worker:
                 fetching = tasks.create_task(self.intake.run(), name="intake")
                 background = [
                     tasks.create_task(self.intake.commit_loop(), name="commits"),
-                    tasks.create_task(self._health_loop(), name="health"),
+                    tasks.create_task(
+                        self.breaker.probe_loop(
+                            self.pool.server_ready,
+                            self.settings.breaker_probe_interval_ms / 1000,
+                            self._report_health,
+                        ),
+                        name="triton-health",
+                    ),
                 ]
                 self.started.set()
                 await self._stop.wait()
@@ -132,6 +163,8 @@ class Worker:
             return
         self._stopped = True
         await self.pool.close(drain_timeout_s=5.0)
+        if self.txn is not None:
+            await self.txn.close()
         await self.publisher.stop()
         await self.intake.stop()
         if self.health is not None:
@@ -142,45 +175,75 @@ class Worker:
 
     def _dispatch(self, record: ConsumerRecord[bytes, bytes], generation: int) -> None:
         assert self._tasks is not None
-        task = self._tasks.create_task(self._process(record, generation))
+        tp = TopicPartition(record.topic, record.partition)
+        # Tickets are taken here, synchronously, because dispatch runs in offset order.
+        mode = self.settings.ordering
+        key_turn = (
+            self._turns.ticket((tp, record.key))
+            if mode == "key" and record.key is not None
+            else None
+        )
+        publish_turn = self._turns.ticket(tp) if mode == "partition" else None
+        task = self._tasks.create_task(self._process(record, generation, key_turn, publish_turn))
         self._records.add(task)
         task.add_done_callback(self._records.discard)
         self.metrics.in_flight.set(self.window.in_flight)
 
-    async def _process(self, record: ConsumerRecord[bytes, bytes], generation: int) -> None:
+    async def _process(
+        self,
+        record: ConsumerRecord[bytes, bytes],
+        generation: int,
+        key_turn: Ticket | None,
+        publish_turn: Ticket | None,
+    ) -> None:
         tp = TopicPartition(record.topic, record.partition)
         structlog.contextvars.bind_contextvars(
             topic=record.topic, partition=record.partition, offset=record.offset
         )
         try:
-            await self.handler.handle(record)
-        except asyncio.CancelledError:
-            # Forced stop: the record is not done, its offset is not committed.
+            if key_turn is not None:
+                await key_turn.wait()
+            outcome = await self.handler.evaluate(record)
+            if publish_turn is not None:
+                await publish_turn.wait()
+            if self.txn is None:
+                await self.handler.deliver(outcome)
+                # Done only after the broker acknowledged the result or dead letter.
+                self.offsets.done(tp, record.offset, generation)
+            elif self.offsets.done(tp, record.offset, generation):
+                # exactly_once: done when staged; deliver returns once its
+                # transaction, which carries the offsets, has committed.
+                await self.handler.deliver(outcome)
+        except PartitionRevoked:
+            pass  # the partition moved away; its next owner redoes the record
+        finally:
+            # Forced stop (cancelled) lands here too: the record is not done and
+            # its offset is not committed.
+            for turn in (key_turn, publish_turn):
+                if turn is not None:
+                    turn.done()
             self.window.release(tp)
-            raise
-        except BaseException:
-            self.window.release(tp)
-            raise
-        # Done only after the broker acknowledged the result or dead letter.
-        self.offsets.done(tp, record.offset, generation)
-        self.window.release(tp)
-        self.metrics.in_flight.set(self.window.in_flight)
+            self.metrics.in_flight.set(self.window.in_flight)
 
     # -- health ------------------------------------------------------------------
 
-    async def _health_loop(self) -> None:
-        while True:
-            self.triton_up = await self.pool.server_ready()
-            self.metrics.triton_up.set(1 if self.triton_up else 0)
-            await asyncio.sleep(_HEALTH_INTERVAL_S)
+    def _report_health(self, triton_up: bool, breaker_open: bool) -> None:
+        if triton_up and not self.triton_up:
+            # Streams broken during an outage re-open now rather than after their backoff.
+            self.pool.wake()
+        self.triton_up = triton_up
+        self.metrics.triton_up.set(1 if triton_up else 0)
+        self.metrics.breaker_open.set(1 if breaker_open else 0)
 
     def readiness(self) -> tuple[bool, Mapping[str, object]]:
-        """Ready when the consumer runs and Triton is reachable."""
+        """Ready when the consumer runs, Triton is reachable and the breaker is closed."""
         detail = {
             "consumer": "running" if self.intake.running else "stopped",
             "triton": "up" if self.triton_up else "down",
+            "breaker": "open" if self.breaker.is_open else "closed",
         }
-        return self.intake.running and self.triton_up, detail
+        ready = self.intake.running and self.triton_up and not self.breaker.is_open
+        return ready, detail
 
 
 async def serve(settings: Settings, worker: Worker | None = None) -> int:

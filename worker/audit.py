@@ -1,9 +1,22 @@
-"""One audit record per request: who asked what of which model, and how it ended."""
+"""One audit record per request: who asked what of which model, and how it ended.
+
+A record holds digests, never content: the SHA-256 of the record's key and of
+its value (the payload), so an auditor can match a record to a request they
+hold without the audit trail itself carrying anyone's data.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
+import logging
 from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime
+from typing import Any
 
+import orjson
+import structlog
+from aiokafka.errors import KafkaError
 from aiokafka.structs import ConsumerRecord
 
 from worker.config import Settings
@@ -11,13 +24,75 @@ from worker.config import Settings
 #: Sends (topic, value, key) and waits for the broker's ack.
 Send = Callable[[str, bytes, bytes | None], Awaitable[object]]
 
+#: Name of the dedicated logger, so a log pipeline can route audit lines apart.
+AUDIT_LOGGER = "worker.audit"
+#: The event name of every audit log line.
+AUDIT_EVENT = "audit"
+
+
+class AuditWriteFailed(RuntimeError):
+    """An audit record could not be written to the audit topic after every retry.
+
+    The record's offset is not marked done: it is processed (and audited) again
+    after a restart, rather than leaving a request without its audit record.
+    """
+
+
+def sha256_hex(data: bytes | None) -> str | None:
+    """Hex SHA-256 of ``data``; None for an absent key or value."""
+    return None if data is None else hashlib.sha256(data).hexdigest()
+
+
+def audit_record(
+    record: ConsumerRecord[bytes, bytes],
+    *,
+    worker_id: str,
+    request_id: str | None,
+    model_name: str | None,
+    model_version: str | None,
+    outcome: str,
+    error_code: str | None,
+    latency_s: float,
+    now: datetime | None = None,
+) -> dict[str, Any]:
+    """The audit record of one finished request, as plain JSON-ready data (no payload)."""
+    moment = (now or datetime.now(UTC)).astimezone(UTC)
+    return {
+        "request_id": request_id,
+        "key_sha256": sha256_hex(record.key),
+        "payload_sha256": sha256_hex(record.value),
+        "payload_bytes": len(record.value) if record.value is not None else 0,
+        "source_topic": record.topic,
+        "source_partition": record.partition,
+        "source_offset": record.offset,
+        "model_name": model_name,
+        "model_version": model_version or None,
+        "outcome": outcome,
+        "error_code": error_code,
+        "latency_ms": round(latency_s * 1000, 3),
+        "worker_id": worker_id,
+        "timestamp": moment.isoformat(timespec="milliseconds").replace("+00:00", "Z"),
+    }
+
 
 class Audit:
     """Writes audit records to a log stream and/or an audit topic, per ``WORKER_AUDIT``."""
 
-    def __init__(self, settings: Settings, send: Send) -> None:
+    def __init__(self, settings: Settings, send: Send, *, topic_attempts: int = 5) -> None:
         self._settings = settings
         self._send = send
+        self._to_log = settings.audit in ("log", "both")
+        self._to_topic = settings.audit in ("topic", "both")
+        self._topic = settings.audit_topic
+        self._topic_attempts = topic_attempts
+        if self._to_log:
+            # Audit lines are kept whatever WORKER_LOG_LEVEL says.
+            logging.getLogger(AUDIT_LOGGER).setLevel(logging.INFO)
+
+    @property
+    def enabled(self) -> bool:
+        """False when ``WORKER_AUDIT=none``: ``record`` then does nothing."""
+        return self._to_log or self._to_topic
 
     async def record(
         self,
@@ -30,5 +105,56 @@ class Audit:
         error_code: str | None,
         latency_s: float,
     ) -> None:
-        """Audit one finished request (result or dead letter). Never holds the payload."""
-        return None
+        """Audit one finished request (result or dead letter). Never holds the payload.
+
+        With an audit topic, returns once the broker acknowledged the record;
+        raises AuditWriteFailed when it never does.
+        """
+        if not (self._to_log or self._to_topic):
+            return
+        entry = audit_record(
+            record,
+            worker_id=self._settings.client_id,
+            request_id=request_id,
+            model_name=model_name,
+            model_version=model_version,
+            outcome=outcome,
+            error_code=error_code,
+            latency_s=latency_s,
+        )
+        if self._to_log:
+            _audit_logger().info(AUDIT_EVENT, **entry)
+        if self._to_topic:
+            await self._write(entry)
+
+    async def _write(self, entry: dict[str, Any]) -> None:
+        assert self._topic is not None
+        value = orjson.dumps(entry)
+        key = entry["request_id"].encode() if entry["request_id"] else None
+        delay_s = 0.2
+        for attempt in range(1, self._topic_attempts + 1):
+            try:
+                await self._send(self._topic, value, key)
+                return
+            except KafkaError as exc:
+                if attempt == self._topic_attempts:
+                    raise AuditWriteFailed(
+                        f"audit record to {self._topic!r} failed {attempt} times: "
+                        f"{type(exc).__name__}"
+                    ) from exc
+                await asyncio.sleep(delay_s)
+                delay_s = min(delay_s * 2, 5.0)
+
+
+def _audit_logger() -> Any:
+    """The ``worker.audit`` logger through structlog's configured processors, unfiltered.
+
+    The configured wrapper drops events below WORKER_LOG_LEVEL; audit lines must
+    not depend on it, so the stdlib logger is wrapped here with the same processors.
+    """
+    processors = structlog.get_config()["processors"]
+    return structlog.wrap_logger(
+        logging.getLogger(AUDIT_LOGGER),
+        processors=processors,
+        wrapper_class=structlog.stdlib.BoundLogger,
+    )

@@ -179,7 +179,9 @@ def _binary_data_size(spec: RequestInput, where: str) -> int | None:
     return size
 
 
-def _from_json(body: InferRequestJSON, value: bytes, binary_start: int | None) -> tuple[Any, int]:
+def _from_json(
+    body: InferRequestJSON, value: bytes, binary_start: int | None, limits: tensors.TensorLimits
+) -> tuple[Any, int]:
     """Build the ModelInferRequest; return it and the total raw tensor bytes."""
     request = service_pb2.ModelInferRequest()
     sizes: list[int | None] = []
@@ -207,6 +209,8 @@ def _from_json(body: InferRequestJSON, value: bytes, binary_start: int | None) -
         if spec.name in seen:
             raise InvalidRequest(f"{where}.name: input {spec.name!r} is given more than once")
         seen.add(spec.name)
+        # Limits first: the claimed shape and the bytes present, before any copy.
+        limits.check(spec.datatype, spec.shape, where, size)
         if size is not None:
             if spec.data is not None:
                 raise DecodeError(f"{where}: has both data and {BINARY_DATA_SIZE}")
@@ -217,6 +221,7 @@ def _from_json(body: InferRequestJSON, value: bytes, binary_start: int | None) -
             raise DecodeError(f"{where}: no data (and no {BINARY_DATA_SIZE})")
         else:
             raw = tensors.json_to_raw(spec.datatype, spec.shape, spec.data, where)
+            limits.check(spec.datatype, spec.shape, where, len(raw))
         tensor = request.inputs.add()
         tensor.name = spec.name
         tensor.datatype = spec.datatype
@@ -254,7 +259,7 @@ def _binary_header_length(headers: Headers, value: bytes) -> int:
     return length
 
 
-def _from_protobuf(value: bytes) -> tuple[Any, int]:
+def _from_protobuf(value: bytes, limits: tensors.TensorLimits) -> tuple[Any, int]:
     request = service_pb2.ModelInferRequest()
     try:
         request.ParseFromString(value)
@@ -280,6 +285,12 @@ def _from_protobuf(value: bytes) -> tuple[Any, int]:
         if tensor.name in seen:
             raise InvalidRequest(f"{where}.name: input {tensor.name!r} is given more than once")
         seen.add(tensor.name)
+        limits.check(
+            tensor.datatype,
+            tensor.shape,
+            where,
+            len(request.raw_input_contents[i]) if raw_count else None,
+        )
         if raw_count:
             if tensor.HasField("contents"):
                 raise DecodeError(f"{where}.contents: mixed with raw_input_contents; use one form")
@@ -329,12 +340,17 @@ def decode_request(
     offset: int,
     default_model: str | None,
     max_request_bytes: int,
+    max_tensor_elements: int | None = None,
+    max_tensor_bytes: int | None = None,
 ) -> DecodedRequest:
     """Decode a record into a Triton request; raise a WorkerError saying what is wrong.
 
     The size limit is checked before any parsing, and again on the decoded
-    tensors (JSON numbers can expand several times in binary form).
+    tensors (JSON numbers can expand several times in binary form). Each input
+    tensor is held to ``max_tensor_elements`` and ``max_tensor_bytes`` (TooLarge)
+    from its claimed shape and its data, before its buffer is built.
     """
+    limits = tensors.TensorLimits(max_tensor_elements, max_tensor_bytes)
     if value is None:
         raise DecodeError("record value is null (a tombstone); expected an inference request")
     value = bytes(value)
@@ -345,7 +361,7 @@ def decode_request(
     encoding = _encoding_of(headers)
     body_id = body_name = body_version = ""
     if encoding == "protobuf":
-        request, tensor_bytes = _from_protobuf(value)
+        request, tensor_bytes = _from_protobuf(value, limits)
         body_id, body_name, body_version = request.id, request.model_name, request.model_version
     else:
         header_end: int | None = None
@@ -354,7 +370,7 @@ def decode_request(
             header_end = _binary_header_length(headers, value)
             json_part = memoryview(value)[:header_end]
         body = _decode_json(json_part, "JSON header" if header_end is not None else "request body")
-        request, tensor_bytes = _from_json(body, value, header_end)
+        request, tensor_bytes = _from_json(body, value, header_end, limits)
         body_id = body.id or ""
         body_name, body_version = body.model_name or "", body.model_version or ""
     if tensor_bytes > max_request_bytes:

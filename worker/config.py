@@ -450,7 +450,8 @@ class Settings:
             try:
                 spec.parser.check(value)
             except ValueError as exc:
-                raise ConfigError(spec.env, f"{spec.env}: {exc}, got {value!r}") from None
+                shown = "***" if spec.secret else repr(value)
+                raise ConfigError(spec.env, f"{spec.env}: {exc}, got {shown}") from None
         # Reading our own output would loop forever and grow without bound.
         for name, topic in (
             ("WORKER_OUTPUT_TOPIC", self.output_topic),
@@ -646,7 +647,8 @@ def settings_from_args(
         try:
             values[spec.field] = spec.parser.parse(raw)
         except ValueError as exc:
-            raise ConfigError(spec.env, f"{source}: {exc}, got {raw!r}") from None
+            shown = "***" if spec.secret else repr(raw)
+            raise ConfigError(spec.env, f"{source}: {exc}, got {shown}") from None
     return Settings(**values)
 
 

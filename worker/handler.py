@@ -1,8 +1,9 @@
 """One record, start to end: decode, validate, infer (with retries), publish the outcome.
 
-Every record ends in exactly one of: a result, or a dead letter. The caller marks
-it done only when this returns, that is once the broker has acknowledged what
-was written.
+Every record ends in exactly one of: a result, or a dead letter. ``evaluate``
+computes it; ``deliver`` publishes it through the sink and returns once the
+broker has acknowledged it (or the transaction holding it has committed). The
+caller marks the record done only then.
 """
 
 from __future__ import annotations
@@ -11,18 +12,19 @@ import asyncio
 import random
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import structlog
 from aiokafka.structs import ConsumerRecord
 
 from worker import codec, errors
 from worker.audit import Audit
+from worker.breaker import CircuitBreaker
 from worker.config import Settings
 from worker.observability import Metrics
-from worker.publisher import Publisher
+from worker.publisher import Headers
 from worker.security import check_model_allowed
 from worker.triton import TritonPool
 from worker.validation import check_request
@@ -43,6 +45,31 @@ class _Budget:
         return self.deadline - time.monotonic()
 
 
+@dataclass(slots=True)
+class Outcome:
+    """How a record ends: a result value with its headers, or an error for a dead letter."""
+
+    record: ConsumerRecord[bytes, bytes]
+    started: float
+    request: codec.DecodedRequest | None = None
+    value: bytes | None = None
+    headers: list[tuple[str, bytes]] = field(default_factory=list)
+    error: errors.WorkerError | None = None
+    served_version: str | None = None
+
+
+class Sink(Protocol):
+    """Where outcomes go: straight to the broker, or into a Kafka transaction."""
+
+    async def publish_result(
+        self, record: ConsumerRecord[bytes, bytes], value: bytes, headers: Headers
+    ) -> None: ...
+
+    async def publish_dead_letter(
+        self, record: ConsumerRecord[bytes, bytes], headers: Headers
+    ) -> None: ...
+
+
 class RecordHandler:
     """Turns a consumed record into a published result or dead letter."""
 
@@ -50,22 +77,26 @@ class RecordHandler:
         self,
         settings: Settings,
         pool: TritonPool,
-        publisher: Publisher,
+        sink: Sink,
         metrics: Metrics,
         audit: Audit,
+        breaker: CircuitBreaker,
     ) -> None:
         self._settings = settings
         self._pool = pool
-        self._publisher = publisher
+        self._sink = sink
         self._metrics = metrics
         self._audit = audit
+        self._breaker = breaker
 
     async def handle(self, record: ConsumerRecord[bytes, bytes]) -> None:
         """Process ``record``; returns once its result or dead letter is acknowledged."""
-        started = time.monotonic()
-        budget = _Budget(started + self._settings.record_deadline_ms / 1000)
-        request: codec.DecodedRequest | None = None
-        served_version: str | None = None
+        await self.deliver(await self.evaluate(record))
+
+    async def evaluate(self, record: ConsumerRecord[bytes, bytes]) -> Outcome:
+        """Decode, validate and infer: the record's result, or why it must be dead-lettered."""
+        outcome = Outcome(record, time.monotonic())
+        budget = _Budget(outcome.started + self._settings.record_deadline_ms / 1000)
         try:
             request = codec.decode_request(
                 record.value,
@@ -75,7 +106,10 @@ class RecordHandler:
                 offset=record.offset,
                 default_model=self._settings.default_model,
                 max_request_bytes=self._settings.max_request_bytes,
+                max_tensor_elements=self._settings.max_tensor_elements,
+                max_tensor_bytes=self._settings.max_tensor_bytes,
             )
+            outcome.request = request
             structlog.contextvars.bind_contextvars(request_id=request.request_id)
             check_model_allowed(self._settings, record.topic, request.model_name)
             spec = await self._retrying(
@@ -83,10 +117,11 @@ class RecordHandler:
             )
             check_request(spec, request)
             response = await self._infer(request, budget)
-            value, encoding_headers = codec.encode_result(
+            outcome.served_version = response.model_version
+            outcome.value, encoding_headers = codec.encode_result(
                 request, response, max_result_bytes=self._settings.max_output_bytes
             )
-            headers = codec.result_headers(
+            outcome.headers = codec.result_headers(
                 record.headers,
                 request,
                 encoding_headers,
@@ -95,28 +130,55 @@ class RecordHandler:
                 offset=record.offset,
                 served_model_version=response.model_version,
             )
-            served_version = response.model_version
-            await self._publisher.publish_result(value, record.key, headers)
-            self._metrics.results_published_total.labels(
-                model=self._metrics.model_label(request.model_name)
-            ).inc()
-            outcome, code = "result", None
         except errors.WorkerError as error:
             # Retries exhausted: every try failed. Otherwise the last try was the fatal one.
             exhausted = isinstance(error, errors.RetriesExhausted)
-            await self._dead_letter(record, error, budget.failures + (0 if exhausted else 1))
-            outcome, code = "dead_letter", error.code
+            self._fail(outcome, error, budget.failures + (0 if exhausted else 1))
+        return outcome
+
+    def _fail(self, outcome: Outcome, error: errors.WorkerError, attempts: int) -> None:
+        record = outcome.record
+        outcome.error, outcome.value = error, None
+        outcome.headers = codec.dead_letter_headers(
+            record.headers,
+            error,
+            attempts=attempts,
+            topic=record.topic,
+            partition=record.partition,
+            offset=record.offset,
+            timestamp_ms=record.timestamp,
+            group_id=self._settings.group_id,
+            failed_at=datetime.now(UTC),
+        )
+        log.warning("dead_letter", code=error.code, error=error.message, attempts=attempts)
+
+    async def deliver(self, outcome: Outcome) -> None:
+        """Publish the outcome through the sink; return once the broker has it."""
+        if outcome.value is not None:
+            try:
+                await self._sink.publish_result(outcome.record, outcome.value, outcome.headers)
+            except errors.OutputTooLarge as error:
+                self._fail(outcome, error, 1)
+        if outcome.error is not None:
+            await self._sink.publish_dead_letter(outcome.record, outcome.headers)
+            self._metrics.dead_letters_total.labels(code=outcome.error.code).inc()
+        else:
+            assert outcome.request is not None
+            self._metrics.results_published_total.labels(
+                model=self._metrics.model_label(outcome.request.model_name)
+            ).inc()
         await self._audit.record(
-            record,
-            request_id=request.request_id if request else None,
-            model_name=request.model_name if request else None,
-            model_version=served_version or (request.model_version if request else None),
-            outcome=outcome,
-            error_code=code,
-            latency_s=time.monotonic() - started,
+            outcome.record,
+            request_id=outcome.request.request_id if outcome.request else None,
+            model_name=outcome.request.model_name if outcome.request else None,
+            model_version=outcome.served_version
+            or (outcome.request.model_version if outcome.request else None),
+            outcome="dead_letter" if outcome.error else "result",
+            error_code=outcome.error.code if outcome.error else None,
+            latency_s=time.monotonic() - outcome.started,
         )
         self._metrics.end_to_end_latency_seconds.observe(
-            max(0.0, time.time() - record.timestamp / 1000)
+            max(0.0, time.time() - outcome.record.timestamp / 1000)
         )
 
     async def _infer(self, request: codec.DecodedRequest, budget: _Budget) -> Any:
@@ -135,13 +197,28 @@ class RecordHandler:
         return await self._retrying(budget, once)
 
     async def _retrying(self, budget: _Budget, call: Callable[[float], Awaitable[_T]]) -> _T:
-        """Call with the remaining time; retry retryable failures with full-jitter backoff."""
+        """Call with the remaining time; retry retryable failures with full-jitter backoff.
+
+        An outage (Triton unreachable) is not the record's fault: it feeds the
+        circuit breaker, never counts as a try, and while the breaker is open
+        the record waits for it to close with its deadline paused.
+        """
         while True:
             try:
-                return await call(max(0.001, budget.remaining_s()))
+                result = await call(max(0.001, budget.remaining_s()))
             except errors.WorkerError as error:
                 if not error.retryable:
                     raise
+                if isinstance(error, errors.TritonUnavailable):
+                    self._breaker.record_failure()
+                    if self._breaker.is_open:
+                        budget.deadline += await self._breaker.wait_closed()
+                        continue
+                    if budget.remaining_s() <= 0:
+                        raise errors.RetriesExhausted.after(error, budget.failures + 1) from error
+                    self._metrics.retries_total.labels(reason=error.code).inc()
+                    await asyncio.sleep(random.uniform(0, self._settings.retry_backoff_ms / 1000))
+                    continue
                 budget.failures += 1
                 settings = self._settings
                 cap_s = min(
@@ -152,21 +229,6 @@ class RecordHandler:
                     raise errors.RetriesExhausted.after(error, budget.failures) from error
                 self._metrics.retries_total.labels(reason=error.code).inc()
                 await asyncio.sleep(backoff_s)
-
-    async def _dead_letter(
-        self, record: ConsumerRecord[bytes, bytes], error: errors.WorkerError, attempts: int
-    ) -> None:
-        headers = codec.dead_letter_headers(
-            record.headers,
-            error,
-            attempts=attempts,
-            topic=record.topic,
-            partition=record.partition,
-            offset=record.offset,
-            timestamp_ms=record.timestamp,
-            group_id=self._settings.group_id,
-            failed_at=datetime.now(UTC),
-        )
-        log.warning("dead_letter", code=error.code, error=error.message, attempts=attempts)
-        await self._publisher.publish_dead_letter(record.value, record.key, headers)
-        self._metrics.dead_letters_total.labels(code=error.code).inc()
+            else:
+                self._breaker.record_success()
+                return result

@@ -17,10 +17,12 @@ from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener
 from aiokafka.errors import CommitFailedError, KafkaError
 from aiokafka.structs import ConsumerRecord, OffsetAndMetadata, TopicPartition
 
+from worker.breaker import CircuitBreaker
 from worker.config import Settings
 from worker.observability import Metrics
 from worker.offsets import OffsetTracker
 from worker.security import kafka_client_kwargs
+from worker.transactions import TransactionalSink
 from worker.window import Window
 
 log = structlog.get_logger(__name__)
@@ -41,13 +43,18 @@ class Intake(ConsumerRebalanceListener):  # type: ignore[misc]
         window: Window,
         offsets: OffsetTracker,
         metrics: Metrics,
+        breaker: CircuitBreaker,
         dispatch: Dispatch,
+        *,
+        txn: TransactionalSink | None = None,
     ) -> None:
         self._settings = settings
         self._window = window
         self._offsets = offsets
         self._metrics = metrics
+        self._breaker = breaker
         self._dispatch = dispatch
+        self._txn = txn
         self._backlog: dict[TopicPartition, deque[ConsumerRecord[bytes, bytes]]] = {}
         self._stopping = asyncio.Event()
         self._commit_lock = asyncio.Lock()
@@ -83,10 +90,16 @@ class Intake(ConsumerRebalanceListener):  # type: ignore[misc]
             self._sync_pauses()
             assigned = consumer.assignment()
             if assigned and assigned <= consumer.paused():
-                # Nothing may be fetched: wait for a free slot, bounded so that
-                # getmany below still runs often (it is what keeps us in the group).
+                # Nothing may be fetched: wait for a free slot (or the breaker to
+                # close), bounded so that getmany below still runs often (it is what
+                # keeps us in the group).
+                room = (
+                    self._breaker.wait_closed()
+                    if self._breaker.is_open
+                    else self._window.wait_for_room()
+                )
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._window.wait_for_room(), _POLL_TIMEOUT_MS / 1000)
+                    await asyncio.wait_for(room, _POLL_TIMEOUT_MS / 1000)
             batch = await consumer.getmany(timeout_ms=_POLL_TIMEOUT_MS)
             for tp, records in batch.items():
                 if tp not in consumer.assignment():
@@ -98,6 +111,8 @@ class Intake(ConsumerRebalanceListener):  # type: ignore[misc]
         self._backlog.clear()
 
     def _dispatch_backlog(self) -> None:
+        if self._breaker.is_open:
+            return  # Triton is out: records stay in the backlog and in Kafka.
         for tp, queue in self._backlog.items():
             while queue and self._window.try_acquire(tp):
                 record = queue.popleft()
@@ -112,7 +127,10 @@ class Intake(ConsumerRebalanceListener):  # type: ignore[misc]
     def _sync_pauses(self) -> None:
         consumer = self.consumer
         assigned = consumer.assignment()
-        full = {tp for tp in assigned if self._backlog.get(tp) or self._window.full_for(tp)}
+        if self._breaker.is_open:
+            full = set(assigned)
+        else:
+            full = {tp for tp in assigned if self._backlog.get(tp) or self._window.full_for(tp)}
         paused = consumer.paused()
         if to_pause := full - paused:
             consumer.pause(*to_pause)
@@ -124,6 +142,10 @@ class Intake(ConsumerRebalanceListener):  # type: ignore[misc]
 
     async def commit(self, only: Iterable[TopicPartition] | None = None) -> None:
         """Commit each partition's contiguous done prefix (the lowest offset not done)."""
+        if self._txn is not None:
+            # exactly_once: offsets are committed inside each partition's transaction.
+            await self._txn.flush(set(only) if only is not None else None)
+            return
         async with self._commit_lock:
             offsets = self._offsets.commit_offsets()
             if only is not None:
@@ -174,6 +196,8 @@ class Intake(ConsumerRebalanceListener):  # type: ignore[misc]
             log.warning("revoke_drain_timeout", partitions=sorted(map(str, revoked)))
         await self.commit(only=revoked)
         for tp in revoked:
+            if self._txn is not None:
+                await self._txn.revoke(tp)
             # Late completions of this generation are dropped from here on.
             self._offsets.revoke(tp)
             self._metrics.forget_partition(tp.topic, tp.partition)
@@ -182,6 +206,9 @@ class Intake(ConsumerRebalanceListener):  # type: ignore[misc]
     async def on_partitions_assigned(self, assigned: set[TopicPartition]) -> None:
         """Start from the committed offsets (the consumer's position); tracking starts lazily."""
         self._metrics.partitions_assigned.set(len(self.consumer.assignment()))
+        if self._txn is not None:
+            for tp in assigned:
+                await self._txn.assign(tp)
         if assigned:
             log.info("partitions_assigned", partitions=sorted(map(str, assigned)))
 

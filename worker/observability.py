@@ -154,6 +154,10 @@ METRICS_SPEC: tuple[MetricSpec, ...] = (
                (), "Assigned partitions paused by back-pressure or a Triton outage."),
     MetricSpec("triton_up", "worker_triton_up", "gauge",
                (), "1 when Triton is reachable and ready, else 0."),
+    MetricSpec("breaker_open", "worker_breaker_open", "gauge",
+               (), "1 while the Triton circuit breaker is open (no new work dispatched)."),
+    MetricSpec("transactions_total", "worker_transactions_total", "counter",
+               (), "Kafka transactions committed (exactly_once delivery)."),
     MetricSpec("worker_info", "worker_info", "gauge",
                ("version",), "Always 1; the label carries the worker version."),
     MetricSpec("inference_latency_seconds", "worker_inference_latency_seconds", "histogram",
@@ -190,6 +194,8 @@ class Metrics:
     partitions_assigned: Gauge
     paused_partitions: Gauge
     triton_up: Gauge
+    breaker_open: Gauge
+    transactions_total: Counter
     worker_info: Gauge
     inference_latency_seconds: Histogram
     end_to_end_latency_seconds: Histogram

@@ -9,6 +9,7 @@ from typing import Any
 import structlog
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError, MessageSizeTooLargeError
+from aiokafka.structs import ConsumerRecord
 
 from worker import errors
 
@@ -60,7 +61,7 @@ class Publisher:
         """Flush what is pending and close. Idempotent."""
         await self._producer.stop()
 
-    async def publish_result(self, value: bytes, key: bytes | None, headers: Headers) -> Any:
+    async def write_result(self, value: bytes, key: bytes | None, headers: Headers) -> Any:
         """Write a result and wait for the broker's ack.
 
         Raises OutputTooLarge when the broker (or the producer's own limit)
@@ -76,12 +77,24 @@ class Publisher:
                 f"result of {len(value)} bytes is larger than the output topic accepts"
             ) from None
 
+    # -- the at-least-once sink: straight to the broker, waiting for each ack ------
+
+    async def publish_result(
+        self, record: ConsumerRecord[bytes, bytes], value: bytes, headers: Headers
+    ) -> None:
+        await self.write_result(value, record.key, headers)
+
+    async def publish_dead_letter(
+        self, record: ConsumerRecord[bytes, bytes], headers: Headers
+    ) -> None:
+        await self.write_dead_letter(record.value, record.key, headers)
+
     async def send_audit(self, topic: str, value: bytes, key: bytes | None) -> Any:
         """Write an audit record and wait for the broker's ack."""
         sent = await self._producer.send(topic, value=value, key=key)
         return await sent
 
-    async def publish_dead_letter(
+    async def write_dead_letter(
         self, value: bytes | None, key: bytes | None, headers: Headers
     ) -> Any:
         """Write a dead letter, retrying with backoff; DeadLetterWriteFailed if it never lands."""

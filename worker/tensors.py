@@ -24,11 +24,12 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
-from worker.errors import DecodeError, InvalidRequest
+from worker.errors import DecodeError, InvalidRequest, TooLarge
 
 __all__ = [
     "DATATYPES",
     "DataType",
+    "TensorLimits",
     "check_raw_size",
     "contents_to_raw",
     "count_bytes_elements",
@@ -134,6 +135,40 @@ def element_count(shape: Sequence[int], where: str) -> int:
         if dim < 0:
             raise InvalidRequest(f"{where}[{i}]: dimension {dim} is negative")
     return prod(shape)
+
+
+@dataclass(frozen=True, slots=True)
+class TensorLimits:
+    """Bounds on one input tensor; None disables a bound.
+
+    Checked from the claimed shape and the bytes actually present, before any
+    buffer is built from them, so neither a huge shape with little data nor a
+    small shape with huge data costs memory.
+    """
+
+    max_elements: int | None = None
+    max_bytes: int | None = None
+
+    def check(
+        self, datatype: str, shape: Sequence[int], where: str, data_bytes: int | None = None
+    ) -> None:
+        """Raise TooLarge when the tensor claims or carries more than allowed."""
+        dt = lookup_datatype(datatype, f"{where}.datatype")
+        count = element_count(shape, f"{where}.shape")
+        if self.max_elements is not None and count > self.max_elements:
+            raise TooLarge(
+                f"{where}: shape {list(shape)} has {count} elements, over the "
+                f"{self.max_elements}-element limit per tensor"
+            )
+        if self.max_bytes is None:
+            return
+        claimed = count * dt.size_bytes
+        for size, what in ((claimed, "shape needs"), (data_bytes, "data is")):
+            if size is not None and size > self.max_bytes:
+                raise TooLarge(
+                    f"{where}: {dt.name} {what} {size} bytes, over the "
+                    f"{self.max_bytes}-byte limit per tensor"
+                )
 
 
 def serialize_bytes_tensor(items: Iterable[bytes]) -> bytes:

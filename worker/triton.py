@@ -166,6 +166,7 @@ class TritonPool:
         self._spec_locks: dict[tuple[str, str], asyncio.Lock] = {}
         self._closing = False
         self._reopen_backoff_s = 0.1
+        self._wake = asyncio.Event()
 
     async def start(self) -> None:
         """Create the channel and open the streams (no server round trip needed)."""
@@ -192,10 +193,17 @@ class TritonPool:
         log.warning("triton_stream_broken", stream=stream.index, error=str(stream.broken))
         # Back off before re-opening, so a down server is not hammered; the other
         # streams keep serving meanwhile.
-        await asyncio.sleep(self._reopen_backoff_s)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._wake.wait(), self._reopen_backoff_s)
         self._reopen_backoff_s = min(self._reopen_backoff_s * 2, 5.0)
         if not self._closing:
             self._open(stream.index)
+
+    def wake(self) -> None:
+        """Re-open broken streams now (Triton is back), not after their backoff."""
+        self._reopen_backoff_s = 0.1
+        self._wake.set()
+        self._wake = asyncio.Event()
 
     def _headers(self) -> dict[str, str]:
         """Per-call gRPC metadata (authentication), read afresh for each call or stream."""

@@ -1,0 +1,64 @@
+"""Turn-taking for ordered modes: tickets taken in offset order, honoured in that order.
+
+``WORKER_ORDERING=key`` processes records of the same key one at a time, in offset
+order; ``partition`` publishes each partition's outcomes in offset order while
+inference runs concurrently. Both are a chain of futures per ordering key: a
+ticket is taken synchronously at dispatch (so in offset order), and its holder
+waits for the previous ticket of the same key before its turn.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Hashable
+
+
+class Ticket:
+    """One place in the queue of its key."""
+
+    __slots__ = ("_key", "_mine", "_owner", "_previous")
+
+    def __init__(
+        self,
+        owner: Turns,
+        key: Hashable,
+        previous: asyncio.Future[None] | None,
+        mine: asyncio.Future[None],
+    ) -> None:
+        self._owner = owner
+        self._key = key
+        self._previous = previous
+        self._mine = mine
+
+    async def wait(self) -> None:
+        """Return when every earlier ticket of the same key is done."""
+        if self._previous is not None:
+            await asyncio.shield(self._previous)
+
+    def done(self) -> None:
+        """Hand the turn to the next ticket. Idempotent; call it even on failure."""
+        if not self._mine.done():
+            self._mine.set_result(None)
+        self._owner._release(self._key, self._mine)
+
+
+class Turns:
+    """The tail of each key's chain of tickets."""
+
+    def __init__(self) -> None:
+        self._tails: dict[Hashable, asyncio.Future[None]] = {}
+
+    def ticket(self, key: Hashable) -> Ticket:
+        """Take the next place for ``key`` (synchronously, so in dispatch order)."""
+        mine: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        previous = self._tails.get(key)
+        self._tails[key] = mine
+        return Ticket(self, key, previous, mine)
+
+    def _release(self, key: Hashable, mine: asyncio.Future[None]) -> None:
+        # Forget the key once its last ticket is done, so the map stays small.
+        if self._tails.get(key) is mine:
+            del self._tails[key]
+
+    def __len__(self) -> int:
+        return len(self._tails)
