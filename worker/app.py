@@ -15,7 +15,7 @@ from collections.abc import Mapping
 import structlog
 from aiokafka.structs import ConsumerRecord, TopicPartition
 
-from worker import security
+from worker import preflight, security
 from worker.audit import Audit
 from worker.breaker import CircuitBreaker
 from worker.config import Settings
@@ -69,7 +69,10 @@ class Worker:
                 max_request_bytes=settings.max_output_bytes + _PRODUCER_HEADROOM_BYTES,
             )
         self.audit = Audit(settings, self.publisher.send_audit)
-        self.breaker = CircuitBreaker(settings.breaker_failure_threshold)
+        self.breaker = CircuitBreaker(
+            settings.breaker_failure_threshold,
+            on_change=lambda is_open: self.metrics.breaker_open.set(1 if is_open else 0),
+        )
         self.handler = RecordHandler(
             settings, self.pool, sink, self.metrics, self.audit, self.breaker
         )
@@ -96,6 +99,7 @@ class Worker:
 
     async def start(self) -> None:
         """Connect everything; the consumer joins its group last, when all else is ready."""
+        await preflight.run_checks(self.settings)
         if self.settings.metrics_port:
             self.health = HealthServer(
                 self.metrics.registry, self.readiness, port=self.settings.metrics_port

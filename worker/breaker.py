@@ -21,11 +21,15 @@ log = structlog.get_logger(__name__)
 class CircuitBreaker:
     """Counts consecutive outage failures; opens past ``failure_threshold``."""
 
-    def __init__(self, failure_threshold: int) -> None:
+    def __init__(
+        self, failure_threshold: int, on_change: Callable[[bool], None] | None = None
+    ) -> None:
         self._threshold = failure_threshold
+        self._on_change = on_change
         self._failures = 0
         self._closed = asyncio.Event()
         self._closed.set()
+        self._opened = asyncio.Event()
         self.opened_at: float | None = None
         self.transitions = 0
 
@@ -46,18 +50,28 @@ class CircuitBreaker:
         if self.is_open:
             return
         self._closed.clear()
+        self._opened.set()
         self.opened_at = time.monotonic()
         self.transitions += 1
         log.warning("circuit_open", consecutive_failures=self._failures)
+        if self._on_change is not None:
+            self._on_change(True)
 
     def close(self) -> None:
         if not self.is_open:
             return
         outage_s = time.monotonic() - (self.opened_at or time.monotonic())
         self._failures = 0
+        self._opened.clear()
         self._closed.set()
         self.transitions += 1
         log.info("circuit_closed", outage_s=round(outage_s, 3))
+        if self._on_change is not None:
+            self._on_change(False)
+
+    async def wait_open(self) -> None:
+        """Wait until the breaker opens (for tests and operators' tooling)."""
+        await self._opened.wait()
 
     async def wait_closed(self) -> float:
         """Wait until closed; return the seconds waited (0 when already closed)."""

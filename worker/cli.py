@@ -10,6 +10,8 @@ from collections.abc import Coroutine, Sequence
 from typing import Any
 
 from worker import __version__
+from worker.bench import add_bench_parser
+from worker.check import add_check_parser
 from worker.devcli import add_dev_parser
 
 #: Exit code for invalid configuration (the process never started).
@@ -35,6 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     from worker.democli import add_demo_parsers
 
     add_demo_parsers(commands)
+    add_check_parser(commands)
+    add_bench_parser(commands)
     return parser
 
 
@@ -58,11 +62,16 @@ def run_worker(args: argparse.Namespace) -> int:
 
     from worker.app import serve
     from worker.observability import configure_logging
+    from worker.preflight import StartupCheckFailed
     from worker.publisher import DeadLetterWriteFailed
 
     configure_logging(settings.log_format, settings.log_level)
     try:
         return run_async(serve(settings))
+    except (ConfigError, StartupCheckFailed) as exc:
+        # A credential, certificate or ACL problem found at start-up: no retry fixes it.
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
     except BaseExceptionGroup as group:
         matched, _ = group.split(DeadLetterWriteFailed)
         if matched is None:

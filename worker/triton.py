@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import itertools
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,17 +53,21 @@ class _Stream:
         self._idle = asyncio.Event()
         self._idle.set()
 
-    async def _requests(self) -> AsyncIterator[service_pb2.ModelInferRequest]:
-        while True:
-            request = await self._outbox.get()
-            if request is None:
-                return
-            yield request
+    def __aiter__(self) -> _Stream:
+        return self
+
+    async def __anext__(self) -> service_pb2.ModelInferRequest:
+        # A plain async iterator rather than an async generator: gRPC may still be
+        # awaiting it when the call breaks, and a generator cannot be closed then.
+        request = await self._outbox.get()
+        if request is None:
+            raise StopAsyncIteration
+        return request
 
     async def run(self) -> None:
         """Read responses until the stream ends; then fail whatever is still owed."""
         call = self._stub.ModelStreamInfer(  # type: ignore[attr-defined]
-            self._requests(), metadata=self._metadata or None
+            self, metadata=self._metadata or None
         )
         try:
             async for response in call:
@@ -81,6 +85,8 @@ class _Stream:
             raise
         finally:
             self._fail_pending(self.broken or errors.TritonUnavailable("stream ended"))
+            # End the request iterator so gRPC's task feeding it finishes too.
+            self._outbox.put_nowait(None)
 
     def oldest_age_s(self, now: float) -> float:
         """How long the oldest owed response has been waiting (0 when none)."""

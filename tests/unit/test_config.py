@@ -264,9 +264,14 @@ def test_redacted_is_plain_data_and_hides_secrets(monkeypatch: pytest.MonkeyPatc
     assert view["input_topics"] == ["requests"]
     assert view["max_in_flight"] == 256
     assert [spec.field for spec in SETTINGS_SPEC if spec.secret] == ["sasl_password"]
-    with_secret = load_settings({**REQUIRED, "WORKER_SECURITY_PROTOCOL": "SASL_SSL",
-                                 "WORKER_SASL_MECHANISM": "PLAIN",
-                                 "WORKER_SASL_PASSWORD": "hunter2"})
+    with_secret = load_settings(
+        {
+            **REQUIRED,
+            "WORKER_SECURITY_PROTOCOL": "SASL_SSL",
+            "WORKER_SASL_MECHANISM": "PLAIN",
+            "WORKER_SASL_PASSWORD": "hunter2",
+        }
+    )
     assert with_secret.redacted()["sasl_password"] == "***"
     assert "hunter2" not in repr(with_secret.redacted())
     marked = tuple(

@@ -14,7 +14,7 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -116,14 +116,16 @@ class KafkaAdmin:
     default_replication: int = 1
 
     async def create_topics(
-        self, names: Sequence[str], partitions: int = 1, replication: int | None = None
+        self,
+        names: Sequence[str],
+        partitions: int = 1,
+        replication: int | None = None,
+        configs: Mapping[str, str] | None = None,
     ) -> None:
-        """Create topics and wait until each partition has a leader."""
+        """Create topics (with topic-level ``configs``); wait until every partition has a leader."""
         rf = replication or self.default_replication
-        await _with_admin(
-            self.bootstrap_servers,
-            lambda a: a.create_topics([NewTopic(n, partitions, rf) for n in names]),
-        )
+        new = [NewTopic(n, partitions, rf, topic_configs=dict(configs or {})) for n in names]
+        await _with_admin(self.bootstrap_servers, lambda a: a.create_topics(new))
         await self.wait_for_leaders(names)
 
     async def wait_for_leaders(self, names: Sequence[str], timeout_s: float = 30.0) -> None:
@@ -160,6 +162,48 @@ class KafkaAdmin:
         return {tp: meta.offset for tp, meta in offsets.items()}
 
 
+@dataclass(frozen=True)
+class KafkaSecurity:
+    """A SASL_SSL listener (SCRAM users, PEM certificates) beside the PLAINTEXT one, with ACLs.
+
+    The PLAINTEXT listener stays for admin and inter-broker use; its principal
+    (ANONYMOUS) and ``super_users`` bypass ACLs. Every other user needs ACLs,
+    and none are granted: a user outside ``super_users`` is refused every topic.
+    """
+
+    keystore_pem: Path  # the broker's PKCS#8 private key then its certificate, one file
+    truststore_pem: Path  # CA certificates the broker trusts (for client certificates)
+    scram_users: Mapping[str, str]  # user name -> password, SCRAM-SHA-256 and -512
+    super_users: tuple[str, ...] = ()
+    client_auth: str = "none"  # "required": clients must present a certificate too
+
+    def properties(self) -> dict[str, str]:
+        """The broker settings this adds."""
+        jaas = "org.apache.kafka.common.security.scram.ScramLoginModule required;"
+        supers = ";".join(f"User:{name}" for name in ("ANONYMOUS", *self.super_users))
+        return {
+            "sasl.enabled.mechanisms": "SCRAM-SHA-256,SCRAM-SHA-512",
+            "listener.name.sasl_ssl.scram-sha-256.sasl.jaas.config": jaas,
+            "listener.name.sasl_ssl.scram-sha-512.sasl.jaas.config": jaas,
+            "ssl.keystore.type": "PEM",
+            "ssl.keystore.location": str(self.keystore_pem),
+            "ssl.truststore.type": "PEM",
+            "ssl.truststore.location": str(self.truststore_pem),
+            "ssl.client.auth": self.client_auth,
+            "authorizer.class.name": "org.apache.kafka.metadata.authorizer.StandardAuthorizer",
+            "allow.everyone.if.no.acl.found": "false",
+            "super.users": supers,
+        }
+
+    def scram_format_args(self) -> list[str]:
+        """``--add-scram`` arguments of ``StorageTool format`` for every user."""
+        args: list[str] = []
+        for name, password in self.scram_users.items():
+            for mechanism in ("SCRAM-SHA-256", "SCRAM-SHA-512"):
+                args += ["--add-scram", f"{mechanism}=[name={name},password={password}]"]
+        return args
+
+
 @dataclass
 class KafkaNode:
     """One KRaft node acting as both broker and controller."""
@@ -168,6 +212,13 @@ class KafkaNode:
     broker_port: int
     controller_port: int
     workdir: Path
+    security: KafkaSecurity | None = None
+    sasl_port: int = 0
+
+    @property
+    def sasl_address(self) -> str:
+        """``host:port`` of the SASL_SSL listener (with ``security`` only)."""
+        return f"127.0.0.1:{self.sasl_port}"
 
     @property
     def address(self) -> str:
@@ -218,6 +269,11 @@ class KafkaNode:
             "num.network.threads": "2",
             "num.io.threads": "2",
         }
+        if self.security is not None:
+            lines["listeners"] += f",SASL_SSL://127.0.0.1:{self.sasl_port}"
+            lines["advertised.listeners"] += f",SASL_SSL://127.0.0.1:{self.sasl_port}"
+            lines["listener.security.protocol.map"] += ",SASL_SSL:SASL_SSL"
+            lines.update(self.security.properties())
         return "".join(f"{key}={value}\n" for key, value in lines.items())
 
     def process(self, jars: Path) -> ManagedProcess:
@@ -239,14 +295,22 @@ class KafkaNode:
 class KafkaCluster(KafkaAdmin):
     """``nodes`` KRaft nodes on 127.0.0.1 with free ports and data in ``workdir``."""
 
-    def __init__(self, jars: Path, workdir: Path, nodes: int = 1) -> None:
+    def __init__(
+        self, jars: Path, workdir: Path, nodes: int = 1, security: KafkaSecurity | None = None
+    ) -> None:
         if nodes < 1:
             raise ValueError("a cluster needs at least one node")
         self.jars = jars
         self.workdir = workdir
+        self.security = security
         self.nodes = [
             KafkaNode(
-                node_id=i + 1, broker_port=free_port(), controller_port=free_port(), workdir=workdir
+                node_id=i + 1,
+                broker_port=free_port(),
+                controller_port=free_port(),
+                workdir=workdir,
+                security=security,
+                sasl_port=free_port() if security is not None else 0,
             )
             for i in range(nodes)
         ]
@@ -257,6 +321,13 @@ class KafkaCluster(KafkaAdmin):
     @property
     def bootstrap_servers(self) -> str:
         return ",".join(node.address for node in self.nodes)
+
+    @property
+    def sasl_bootstrap_servers(self) -> str:
+        """Bootstrap addresses of the SASL_SSL listeners (a cluster with ``security``)."""
+        if self.security is None:
+            raise ValueError("this cluster has no SASL_SSL listener")
+        return ",".join(node.sasl_address for node in self.nodes)
 
     def node(self, node_id: int) -> KafkaNode:
         return next(n for n in self.nodes if n.node_id == node_id)
@@ -327,6 +398,7 @@ class KafkaCluster(KafkaAdmin):
                     self.cluster_id,
                     "-c",
                     str(node.config_path),
+                    *(self.security.scram_format_args() if self.security else []),
                 ],
                 capture_output=True,
                 text=True,

@@ -1,0 +1,86 @@
+"""Triton dies or goes away for a while: nothing lost, nothing dead-lettered, quick resume.
+
+These tests own a Triton server of their own, so killing it never disturbs the
+session's shared one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from tests.support import Topics, collect, create, running_worker, send, settings_for
+from worker import samples
+from worker.devstack.paths import models_dir
+from worker.devstack.triton import TritonServer, ensure_triton
+
+pytestmark = [pytest.mark.fault, pytest.mark.timeout(240)]
+
+
+@pytest.fixture(scope="module")
+def own_triton(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TritonServer]:
+    """A Triton server for this module alone (only `double` and `faulty`: quick restarts)."""
+    server = TritonServer(
+        ensure_triton(log=lambda _: None),
+        models_dir(),
+        tmp_path_factory.mktemp("triton"),
+        models=["double", "faulty"],
+    )
+    server.start()
+    yield server
+    server.stop()
+
+
+async def test_triton_killed_and_restarted_mid_stream(
+    kafka: Any, own_triton: TritonServer, unique: str
+) -> None:
+    """SIGKILL Triton while requests flow, start it again: every request answered, none dead."""
+    topics = Topics.fresh(unique)
+    await create(kafka, topics, partitions=2)
+    requests = samples.good_requests(1500, seed=41, models=("double",))
+    async with running_worker(settings_for(kafka, own_triton, topics)) as worker:
+        await send(kafka.bootstrap_servers, topics.input, requests)
+        got = await collect(kafka.bootstrap_servers, topics, 200)
+        await asyncio.to_thread(own_triton.kill)
+        report = own_triton.death_report()
+        assert report is not None
+        await asyncio.to_thread(own_triton.start)
+        got = await collect(kafka.bootstrap_servers, topics, len(requests), 120, into=got)
+    assert got.duplicates <= 256, "duplicates beyond the window"
+    assert got.dead_letters == {}
+    assert set(got.results) == {r.request_id for r in requests}
+
+
+async def test_triton_down_30s_no_dead_letters_resume_within_5s(
+    kafka: Any, own_triton: TritonServer, unique: str
+) -> None:
+    """A 30 s outage: breaker opens, /readyz false, zero dead letters; resume ≤ 5 s after ready."""
+    topics = Topics.fresh(unique)
+    await create(kafka, topics, partitions=2)
+    first = samples.good_requests(300, seed=42, models=("double",))
+    during = samples.good_requests(300, seed=43, models=("double",))
+    settings = settings_for(kafka, own_triton, topics, breaker_probe_interval_ms="500")
+    async with running_worker(settings) as worker:
+        await send(kafka.bootstrap_servers, topics.input, first)
+        got = await collect(kafka.bootstrap_servers, topics, len(first))
+        await asyncio.to_thread(own_triton.stop)
+        outage_started = time.monotonic()
+        await send(kafka.bootstrap_servers, topics.input, during)
+        await asyncio.wait_for(worker.breaker.wait_open(), 20)
+        assert worker.readiness()[0] is False
+        assert worker.metrics.breaker_open._value.get() == 1
+        remaining = 30 - (time.monotonic() - outage_started)
+        await asyncio.sleep(max(0.0, remaining))  # the outage itself, not synchronisation
+        answered_during_outage = len(got)
+        await asyncio.to_thread(own_triton.start)
+        ready_at = time.monotonic()
+        got = await collect(kafka.bootstrap_servers, topics, answered_during_outage + 1, into=got)
+        resume_s = time.monotonic() - ready_at
+        got = await collect(kafka.bootstrap_servers, topics, len(first) + len(during), into=got)
+    assert got.dead_letters == {}
+    assert resume_s <= 5.0, f"processing resumed {resume_s:.1f} s after Triton was ready"
+    print(f"\nresume after Triton ready: {resume_s:.2f} s")

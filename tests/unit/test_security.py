@@ -1,0 +1,433 @@
+"""Security options, secrets kept out of messages, the model allowlist and the tensor limits."""
+
+from __future__ import annotations
+
+import json
+import os
+import ssl
+import sys
+import tracemalloc
+from pathlib import Path
+from typing import Any
+
+import pytest
+from tritonclient.grpc import service_pb2
+
+from worker import codec, errors
+from worker.config import ConfigError, Settings, load_settings
+from worker.devstack.certs import LocalPki, make_pki
+from worker.preflight import StartupCheckFailed, _raise_if_fatal, _scrub
+from worker.security import (
+    OAuthTokenProvider,
+    TritonAuth,
+    check_model_allowed,
+    kafka_client_kwargs,
+    triton_client_kwargs,
+)
+
+pytestmark = pytest.mark.unit
+
+PASSWORD = "hunter2-Secret-value"
+BASE = {
+    "WORKER_INPUT_TOPICS": "requests",
+    "WORKER_OUTPUT_TOPIC": "results",
+    "WORKER_DLQ_TOPIC": "dead",
+}
+
+
+def settings(**extra: str) -> Settings:
+    return load_settings({**BASE, **{f"WORKER_{k.upper()}": v for k, v in extra.items()}})
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> LocalPki:
+    """Certificates generated for this module."""
+    return make_pki(tmp_path_factory.mktemp("pki"))
+
+
+# -- Kafka client options ------------------------------------------------------------
+
+
+def test_plaintext_gives_only_the_protocol() -> None:
+    """The default configuration adds nothing but security_protocol=PLAINTEXT."""
+    assert kafka_client_kwargs(settings()) == {"security_protocol": "PLAINTEXT"}
+
+
+def test_sasl_ssl_scram_reads_the_password_file_and_builds_a_tls_context(
+    pki: LocalPki, tmp_path: Path
+) -> None:
+    """SASL_SSL + SCRAM: user, password from its file, and an SSL context trusting the CA."""
+    password_file = tmp_path / "password"
+    password_file.write_text(PASSWORD + "\n")
+    kwargs = kafka_client_kwargs(
+        settings(
+            security_protocol="SASL_SSL",
+            sasl_mechanism="SCRAM-SHA-256",
+            sasl_username="alice",
+            sasl_password_file=str(password_file),
+            ssl_cafile=str(pki.ca_cert),
+            ssl_certfile=str(pki.client.cert),
+            ssl_keyfile=str(pki.client.key),
+        )
+    )
+    assert kwargs["sasl_mechanism"] == "SCRAM-SHA-256"
+    assert (kwargs["sasl_plain_username"], kwargs["sasl_plain_password"]) == ("alice", PASSWORD)
+    assert isinstance(kwargs["ssl_context"], ssl.SSLContext)
+    assert kwargs["ssl_context"].verify_mode == ssl.CERT_REQUIRED
+
+
+@pytest.mark.parametrize(
+    ("extra", "setting"),
+    [
+        ({"sasl_password": PASSWORD}, "WORKER_SASL_USERNAME"),
+        ({"sasl_username": "alice"}, "WORKER_SASL_PASSWORD"),
+        (
+            {"sasl_username": "alice", "sasl_password_file": "/nonexistent/password"},
+            "WORKER_SASL_PASSWORD_FILE",
+        ),
+        (
+            {"sasl_username": "a", "sasl_password": PASSWORD, "ssl_cafile": "/nonexistent/ca"},
+            "WORKER_SSL_CAFILE",
+        ),
+    ],
+)
+def test_missing_credentials_name_the_setting_and_never_the_password(
+    extra: dict[str, str], setting: str
+) -> None:
+    """A missing user, password, password file or CA file: ConfigError naming it, no secret."""
+    with pytest.raises(ConfigError) as caught:
+        kafka_client_kwargs(settings(security_protocol="SASL_SSL", sasl_mechanism="PLAIN", **extra))
+    assert caught.value.setting == setting
+    assert PASSWORD not in str(caught.value)
+
+
+def test_ca_file_without_tls_protocol_is_refused(pki: LocalPki) -> None:
+    """A CA file with PLAINTEXT would be silently ignored: it is an error instead."""
+    with pytest.raises(ConfigError, match="WORKER_SSL_CAFILE"):
+        kafka_client_kwargs(settings(ssl_cafile=str(pki.ca_cert)))
+
+
+def test_garbage_ca_file_is_a_config_error(tmp_path: Path) -> None:
+    """A CA file that is not PEM fails at start-up with the setting's name."""
+    bad = tmp_path / "ca.pem"
+    bad.write_text("not a certificate")
+    with pytest.raises(ConfigError, match="WORKER_SSL_CAFILE"):
+        kafka_client_kwargs(settings(security_protocol="SSL", ssl_cafile=str(bad)))
+
+
+async def test_oauth_token_file_is_read_again_at_each_authentication(tmp_path: Path) -> None:
+    """OAUTHBEARER from a file: a token renewed on disk is the next one handed out."""
+    token_file = tmp_path / "token"
+    token_file.write_text("first-token\n")
+    kwargs = kafka_client_kwargs(
+        settings(
+            security_protocol="SASL_SSL",
+            sasl_mechanism="OAUTHBEARER",
+            sasl_oauth_token_file=str(token_file),
+        )
+    )
+    provider = kwargs["sasl_oauth_token_provider"]
+    first = await provider.token()
+    token_file.write_text("second-token")
+    assert (first, await provider.token()) == ("first-token", "second-token")
+
+
+async def test_oauth_token_command_is_run_for_each_token() -> None:
+    """OAUTHBEARER from a command: its stdout, stripped, is the token."""
+    command = f"{sys.executable} -c \"print('from-command')\""
+    provider = OAuthTokenProvider(None, command)
+    assert await provider.token() == "from-command"
+
+
+async def test_failing_oauth_command_names_the_setting_not_the_output() -> None:
+    """A command exiting non-zero is a ConfigError that does not echo what it printed."""
+    command = f"{sys.executable} -c \"print('leaked-token'); raise SystemExit(3)\""
+    with pytest.raises(ConfigError) as caught:
+        await OAuthTokenProvider(None, command).token()
+    assert "status 3" in str(caught.value)
+    assert "leaked-token" not in str(caught.value)
+
+
+def test_oauth_needs_exactly_one_token_source() -> None:
+    """OAUTHBEARER with neither a token file nor a command is refused."""
+    with pytest.raises(ConfigError, match="WORKER_SASL_OAUTH_TOKEN_FILE"):
+        kafka_client_kwargs(settings(security_protocol="SASL_SSL", sasl_mechanism="OAUTHBEARER"))
+
+
+# -- secrets stay out of messages ----------------------------------------------------
+
+
+def test_settings_repr_and_redacted_hide_the_password() -> None:
+    """repr() and redacted() show *** for the SASL password."""
+    loaded = settings(
+        security_protocol="SASL_SSL",
+        sasl_mechanism="PLAIN",
+        sasl_username="alice",
+        sasl_password=PASSWORD,
+    )
+    assert loaded.redacted()["sasl_password"] == "***"
+    assert PASSWORD not in repr(loaded)
+    assert PASSWORD not in json.dumps(loaded.redacted())
+
+
+def test_config_error_about_sasl_settings_never_echoes_the_password() -> None:
+    """Both a password and a password file, or a blank password: the message has no secret."""
+    with pytest.raises(ConfigError) as both:
+        settings(
+            security_protocol="SASL_SSL",
+            sasl_mechanism="PLAIN",
+            sasl_password=PASSWORD,
+            sasl_password_file="/run/secrets/kafka",
+        )
+    assert both.value.setting == "WORKER_SASL_PASSWORD"
+    assert PASSWORD not in str(both.value)
+    blank = "   \t  "
+    with pytest.raises(ConfigError) as invalid:
+        Settings(
+            input_topics=("requests",),
+            output_topic="results",
+            dlq_topic="dead",
+            sasl_password=blank,
+        )
+    assert "***" in str(invalid.value) and blank not in str(invalid.value)
+
+
+def test_startup_check_messages_scrub_secrets() -> None:
+    """Whatever a library says, a secret in a start-up check message becomes ***."""
+    assert (
+        _scrub(f"login failed with {PASSWORD}\nretry", [PASSWORD]) == "login failed with *** retry"
+    )
+
+
+def test_refused_triton_token_is_fatal_and_not_echoed() -> None:
+    """Triton's 'protocol is restricted' answer stops start-up; the token is not in the message."""
+    loaded = settings(triton_auth_header="triton-grpc-protocol-key")
+    with pytest.raises(StartupCheckFailed) as caught:
+        _raise_if_fatal(
+            "Triton x",
+            "UNAVAILABLE",
+            f"This protocol is restricted (got {PASSWORD})",
+            loaded,
+            [PASSWORD],
+        )
+    assert "WORKER_TRITON_AUTH_TOKEN_FILE" in str(caught.value)
+    assert PASSWORD not in str(caught.value)
+
+
+def test_unreachable_triton_is_not_a_startup_failure() -> None:
+    """Connection refused is an outage (handled while running), not a configuration error."""
+    _raise_if_fatal(
+        "Triton x", "UNAVAILABLE", "failed to connect: Connection refused", settings(), []
+    )
+
+
+# -- Triton client options and token ---------------------------------------------------
+
+
+def test_triton_tls_options_are_file_paths(pki: LocalPki) -> None:
+    """TLS with a CA and a client certificate gives the client's ssl keyword arguments."""
+    kwargs = triton_client_kwargs(
+        settings(
+            triton_ssl="true",
+            triton_ssl_cafile=str(pki.ca_cert),
+            triton_ssl_certfile=str(pki.client.cert),
+            triton_ssl_keyfile=str(pki.client.key),
+        )
+    )
+    assert kwargs == {
+        "ssl": True,
+        "root_certificates": str(pki.ca_cert),
+        "certificate_chain": str(pki.client.cert),
+        "private_key": str(pki.client.key),
+    }
+    assert triton_client_kwargs(settings()) == {}
+
+
+def test_triton_tls_files_are_checked(pki: LocalPki) -> None:
+    """A missing CA file, or a CA file without TLS, is a ConfigError naming the setting."""
+    with pytest.raises(ConfigError, match="WORKER_TRITON_SSL_CAFILE"):
+        triton_client_kwargs(settings(triton_ssl="true", triton_ssl_cafile="/nonexistent"))
+    with pytest.raises(ConfigError, match="WORKER_TRITON_SSL=true"):
+        triton_client_kwargs(settings(triton_ssl_cafile=str(pki.ca_cert)))
+
+
+def test_triton_auth_reads_the_token_and_rereads_it_when_the_file_changes(
+    tmp_path: Path,
+) -> None:
+    """The header carries the file's token; a rewritten file gives the new one."""
+    token_file = tmp_path / "token"
+    token_file.write_text("Bearer one\n")
+    auth = TritonAuth(
+        settings(triton_auth_header="Authorization", triton_auth_token_file=str(token_file))
+    )
+    first = dict(auth.headers())
+    token_file.write_text("Bearer two-longer")
+    assert first == {"authorization": "Bearer one"}
+    assert dict(auth.headers()) == {"authorization": "Bearer two-longer"}
+
+
+def test_triton_auth_caches_while_the_file_is_unchanged(tmp_path: Path) -> None:
+    """Same mtime, size and inode: the cached token is served without reading the file."""
+    token_file = tmp_path / "token"
+    token_file.write_text("Bearer aaaa")
+    auth = TritonAuth(settings(triton_auth_token_file=str(token_file)))
+    assert dict(auth.headers()) == {"authorization": "Bearer aaaa"}
+    stat = token_file.stat()
+    with token_file.open("r+") as handle:  # same inode, same size
+        handle.write("Bearer bbbb")
+    os.utime(token_file, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert dict(auth.headers()) == {"authorization": "Bearer aaaa"}
+
+
+def test_triton_auth_keeps_the_last_token_while_the_file_is_replaced(tmp_path: Path) -> None:
+    """Missing at first use: ConfigError; missing later (being replaced): the last token."""
+    token_file = tmp_path / "token"
+    auth = TritonAuth(settings(triton_auth_token_file=str(token_file)))
+    with pytest.raises(ConfigError, match="WORKER_TRITON_AUTH_TOKEN_FILE"):
+        auth.headers()
+    token_file.write_text("Bearer kept")
+    auth.headers()
+    token_file.unlink()
+    assert dict(auth.headers()) == {"authorization": "Bearer kept"}
+
+
+def test_no_token_file_sends_no_header() -> None:
+    """Without WORKER_TRITON_AUTH_TOKEN_FILE no metadata is added."""
+    assert dict(TritonAuth(settings()).headers()) == {}
+
+
+# -- model allowlist ---------------------------------------------------------------------
+
+
+def test_allowlist_rules() -> None:
+    """Listed models pass, others are FORBIDDEN; '*' allows all; unlisted topics are open."""
+    loaded = settings(model_allowlist="requests=double|mlp;other=*")
+    check_model_allowed(loaded, "requests", "double")
+    check_model_allowed(loaded, "other", "anything")
+    check_model_allowed(loaded, "unlisted", "anything")
+    with pytest.raises(errors.Forbidden) as caught:
+        check_model_allowed(loaded, "requests", "echo_bytes")
+    assert caught.value.code == "FORBIDDEN" and not caught.value.retryable
+    check_model_allowed(settings(), "requests", "anything")
+
+
+# -- tensor limits -------------------------------------------------------------------------
+
+
+def _decode(value: bytes, headers: list[tuple[str, bytes]], **limits: Any) -> Any:
+    return codec.decode_request(
+        value,
+        headers,
+        topic="t",
+        partition=0,
+        offset=0,
+        default_model="m",
+        max_request_bytes=64 * 1024 * 1024,
+        **limits,
+    )
+
+
+def _json(shape: list[int], data: list[Any], datatype: str = "FP32") -> bytes:
+    tensor = {"name": "x", "shape": shape, "datatype": datatype, "data": data}
+    return json.dumps({"inputs": [tensor]}).encode()
+
+
+def _binary(shape: list[int], raw: bytes) -> tuple[bytes, list[tuple[str, bytes]]]:
+    tensor = {"name": "x", "shape": shape, "datatype": "FP32"}
+    tensor["parameters"] = {"binary_data_size": len(raw)}
+    header = json.dumps({"inputs": [tensor]}).encode()
+    headers = [
+        ("content-type", b"application/octet-stream"),
+        ("inference-header-content-length", str(len(header)).encode()),
+    ]
+    return header + raw, headers
+
+
+def _protobuf(shape: list[int], raw: bytes) -> tuple[bytes, list[tuple[str, bytes]]]:
+    request = service_pb2.ModelInferRequest()
+    tensor = request.inputs.add()
+    tensor.name, tensor.datatype = "x", "FP32"
+    tensor.shape.extend(shape)
+    request.raw_input_contents.append(raw)
+    return request.SerializeToString(), [("content-type", b"application/x-protobuf")]
+
+
+def test_tensor_within_limits_decodes() -> None:
+    """Exactly at both limits the request decodes."""
+    decoded = _decode(_json([2, 2], [1.0] * 4), [], max_tensor_elements=4, max_tensor_bytes=16)
+    assert list(decoded.infer_request.inputs[0].shape) == [2, 2]
+
+
+@pytest.mark.parametrize("encoding", ["json", "binary", "protobuf"])
+def test_too_many_elements_is_too_large_in_every_encoding(encoding: str) -> None:
+    """A 5-element tensor against max_tensor_elements=4 is TOO_LARGE, whatever the encoding."""
+    raw = b"\0" * 20
+    if encoding == "json":
+        value, headers = _json([5], [0.0] * 5), []
+    elif encoding == "binary":
+        value, headers = _binary([5], raw)
+    else:
+        value, headers = _protobuf([5], raw)
+    with pytest.raises(errors.TooLarge, match="4-element limit"):
+        _decode(value, headers, max_tensor_elements=4)
+
+
+@pytest.mark.parametrize("encoding", ["json", "binary", "protobuf"])
+def test_too_many_bytes_is_too_large_in_every_encoding(encoding: str) -> None:
+    """A 64-byte FP32 tensor against max_tensor_bytes=63 is TOO_LARGE."""
+    raw = b"\0" * 64
+    if encoding == "json":
+        value, headers = _json([16], [0.0] * 16), []
+    elif encoding == "binary":
+        value, headers = _binary([16], raw)
+    else:
+        value, headers = _protobuf([16], raw)
+    with pytest.raises(errors.TooLarge, match="63-byte limit"):
+        _decode(value, headers, max_tensor_bytes=63)
+
+
+def test_bytes_tensor_is_held_to_its_serialized_size() -> None:
+    """BYTES has no fixed element size: its serialized length is what the limit checks."""
+    value = _json([1], ["x" * 100], datatype="BYTES")
+    with pytest.raises(errors.TooLarge, match="50-byte limit"):
+        _decode(value, [], max_tensor_bytes=50)
+
+
+@pytest.mark.parametrize("encoding", ["json", "binary", "protobuf"])
+def test_huge_shape_with_little_data_is_refused_before_allocating(encoding: str) -> None:
+    """shape [10**12] with 4 bytes of data: TOO_LARGE, with no large allocation on the way."""
+    shape = [10**12]
+    if encoding == "json":
+        value, headers = _json(shape, [1.0]), []
+    elif encoding == "binary":
+        value, headers = _binary(shape, b"\0" * 4)
+    else:
+        value, headers = _protobuf(shape, b"\0" * 4)
+    tracemalloc.start()
+    try:
+        with pytest.raises(errors.TooLarge):
+            _decode(value, headers, max_tensor_elements=16 * 1024 * 1024)
+        _, peak_bytes = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak_bytes < 1024 * 1024
+
+
+def test_small_shape_with_huge_data_is_refused_by_the_byte_limit() -> None:
+    """shape [1] with 8 MiB of binary data: TOO_LARGE by max_tensor_bytes, not a slice copy."""
+    value, headers = _binary([1], b"\0" * (8 * 1024 * 1024))
+    tracemalloc.start()
+    try:
+        with pytest.raises(errors.TooLarge, match="data is 8388608 bytes"):
+            _decode(value, headers, max_tensor_bytes=1024 * 1024)
+        _, peak_bytes = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    # The value itself is copied once into bytes(); no tensor-sized buffer beyond it.
+    assert peak_bytes < 9 * 1024 * 1024 + 512 * 1024
+
+
+def test_limits_default_to_off_in_decode_request() -> None:
+    """Without limits a large tensor decodes (the worker always passes its settings)."""
+    decoded = _decode(_json([1000], [0.0] * 1000), [])
+    assert len(decoded.infer_request.raw_input_contents[0]) == 4000

@@ -1,0 +1,200 @@
+"""``bench``: the worker side by side with what a user would otherwise run, and the ceilings.
+
+Every variant gets fresh topics, the same payloads (JSON requests for one
+model) and runs as its own process, measured in turn:
+
+1. the variant starts and is warmed up (a few requests answered end to end);
+2. the records are produced as fast as the producer goes, while the variant
+   consumes them; throughput is counted between the first and last result;
+3. its CPU and peak memory are read from ``/proc`` (the benchmark's own
+   producer and collector are not counted), as are Triton's and Kafka's.
+
+The tuned worker is then fed at fixed rates to draw latency against offered
+load, and Triton alone is driven at half that peak for the latency target.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import shutil
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from worker.benchmarks.report import LoadPoint, VariantResult
+    from worker.benchmarks.runner import Servers
+
+#: The variants, in the order they run (names in worker.benchmarks.report.VARIANTS).
+VARIANT_KEYS = ("sync", "naive", "worker", "worker_tuned", "triton", "kafka")
+MODELS = ("double", "mlp", "echo_bytes")
+
+#: Settings of the tuned worker, beyond the defaults (batching added when available).
+TUNED_SETTINGS = {
+    "TRITON_STREAMS": "4",
+    "MAX_IN_FLIGHT": "512",
+    "MAX_IN_FLIGHT_PER_PARTITION": "256",
+    "MAX_POLL_RECORDS": "1000",
+    "LINGER_MS": "10",
+}
+TUNED_BATCHING = {"BATCH_MAX_SIZE": "32", "BATCH_DELAY_MS": "2"}
+
+
+def add_bench_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Register ``bench`` and its options."""
+    bench = commands.add_parser(
+        "bench", help="benchmark the worker against baselines and ceilings (local stack)"
+    )
+    bench.add_argument("--records", type=int, default=20_000, help="records per variant")
+    bench.add_argument(
+        "--sync-records", type=int, default=2_000, help="records for the slow sync baseline"
+    )
+    bench.add_argument("--model", default="mlp", choices=MODELS)
+    bench.add_argument("--partitions", type=int, default=4, help="input topic partitions")
+    bench.add_argument("--out", type=Path, default=Path(".devstack/bench"), help="output folder")
+    bench.add_argument("--sweep-s", type=float, default=4.0, help="seconds per offered load")
+    bench.add_argument(
+        "--variants",
+        default=",".join(VARIANT_KEYS),
+        help="comma-separated subset of: " + ", ".join(VARIANT_KEYS),
+    )
+    bench.add_argument(
+        "--tuned",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="a setting of the tuned worker, e.g. --tuned BATCH_MAX_SIZE=64 (repeatable)",
+    )
+    bench.add_argument("--bootstrap-servers", help="use this Kafka instead of a local stack")
+    bench.add_argument("--triton-url", help="use this Triton instead of a local stack")
+    bench.add_argument(
+        "--smoke", action="store_true", help="a tiny run (a few hundred records) for CI"
+    )
+    bench.set_defaults(handler=run_bench)
+
+
+def batching_wired() -> bool:
+    """True when the record handler sends through the micro-batcher."""
+    from worker import handler
+
+    return "MicroBatcher" in inspect.getsource(handler)
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    """Start (or use) the servers, measure every variant, write the outputs."""
+    from rich.console import Console
+
+    from worker.benchmarks.runner import Servers
+    from worker.cli import run_async
+
+    console = Console()
+    if args.smoke:
+        args.records, args.sync_records, args.sweep_s = 300, 100, 1.0
+    args.out.mkdir(parents=True, exist_ok=True)
+    stack = None
+    if args.bootstrap_servers and args.triton_url:
+        servers = Servers(args.bootstrap_servers, args.triton_url)
+    else:
+        from worker.devstack.paths import run_dir
+        from worker.devstack.stack import LocalStack
+
+        workdir = run_dir() / "bench"
+        # A fresh stack each run: old data would carry another cluster id.
+        shutil.rmtree(workdir, ignore_errors=True)
+        with console.status("starting a local Kafka broker and Triton server..."):
+            stack = LocalStack.create(workdir, models=[args.model], log=console.print)
+            stack.start()
+        kafka_pids = tuple(n["pid"] for n in stack.kafka.to_state()["nodes"] if n["pid"])
+        servers = Servers(
+            stack.kafka.bootstrap_servers, stack.triton.grpc_address, stack.triton.pid, kafka_pids
+        )
+    try:
+        return run_async(_bench(args, servers, console))
+    finally:
+        if stack is not None:
+            stack.stop()
+
+
+async def _bench(args: argparse.Namespace, servers: Servers, console: Console) -> int:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from worker.benchmarks import report
+    from worker.benchmarks.runner import Runner
+
+    wanted = [v for v in args.variants.split(",") if v]
+    unknown = set(wanted) - set(report.VARIANTS)
+    if unknown:
+        console.print(f"[red]unknown variants: {', '.join(sorted(unknown))}[/red]")
+        return 2
+    tuned = dict(TUNED_SETTINGS)
+    if batching_wired():
+        tuned.update(TUNED_BATCHING)
+    else:
+        console.print(
+            "[yellow]micro-batching is not wired into the handler yet: the tuned "
+            "worker runs without it[/yellow]"
+        )
+    for item in args.tuned:
+        name, _, value = item.partition("=")
+        tuned[name.removeprefix("WORKER_")] = value
+    results: dict[str, VariantResult] = {}
+    sweep: list[LoadPoint] = []
+    triton_half: LoadPoint | None = None
+    runner = Runner(args, servers, args.out)
+    progress = Progress(
+        TextColumn("{task.description:<30}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+    )
+    with progress:
+        for key in report.VARIANTS:
+            if key not in wanted:
+                continue
+            name = report.VARIANTS[key]
+            if key == "triton":
+                results[key] = await runner.triton(name, progress)
+                continue
+            count = args.sync_records if key == "sync" else args.records
+            command, env, settings = runner.command(key, tuned)
+            sweep_into = sweep if key == "worker_tuned" else None
+            results[key] = await runner.kafka_variant(
+                key, name, command, env, count, progress, settings, sweep_into
+            )
+        if sweep and "triton" in wanted:
+            half_rate = results["worker_tuned"].records_per_s / 2
+            triton_half = await runner.triton_at(half_rate, progress)
+    targets = report.ratios(results, sweep, triton_half)
+    meta = {
+        "model": args.model,
+        "records": args.records,
+        "sync_records": args.sync_records,
+        "partitions": args.partitions,
+        "machine": report.machine(),
+        "command": "python -m worker bench " + " ".join(sys.argv[2:]),
+        "tuned_settings": {f"WORKER_{k}": v for k, v in tuned.items()},
+        "batching_wired": batching_wired(),
+    }
+    report.print_tables(console, results, targets)
+    table = report.markdown(results, sweep, targets, meta)
+    (args.out / "bench.md").write_text(table)
+    report.write_json(
+        args.out / "bench.json",
+        {
+            "meta": meta,
+            "variants": results,
+            "worker_tuned_latency_vs_load": sweep,
+            "triton_at_half_worker_peak": triton_half,
+            "targets": targets,
+        },
+    )
+    plotted = report.plot(args.out / "bench.png", results, sweep)
+    console.print(
+        f"written: {args.out / 'bench.json'}, {args.out / 'bench.md'}"
+        + (f", {args.out / 'bench.png'}" if plotted else " (no matplotlib: no plot)")
+    )
+    return 0

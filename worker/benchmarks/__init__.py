@@ -1,0 +1,1 @@
+"""The parts of ``python -m worker bench``: comparison loops, measurement, report."""

@@ -1,0 +1,237 @@
+"""The benchmark's outputs: target ratios, a Markdown table, a JSON file and a PNG plot."""
+
+from __future__ import annotations
+
+import json
+import platform
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+#: Display names, in the order variants are run and shown.
+VARIANTS = {
+    "sync": "(a) sync baseline",
+    "naive": "(b) naive async",
+    "worker": "(c) worker, defaults",
+    "worker_tuned": "(d) worker, tuned",
+    "triton": "(e) ceiling 1: Triton alone",
+    "kafka": "(f) ceiling 2: Kafka alone",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class VariantResult:
+    """One variant's figures. CPU is per 1,000 records, of the process named in ``cpu_of``."""
+
+    variant: str
+    records: int
+    records_per_s: float
+    latency_ms: dict[str, float]
+    cpu_s_per_1k: float
+    peak_rss_mib: float
+    cpu_of: str
+    triton_cpu_s_per_1k: float | None = None
+    kafka_cpu_s_per_1k: float | None = None
+    settings: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class LoadPoint:
+    """Latency of the tuned worker (or Triton alone) at one offered rate."""
+
+    offered_per_s: float
+    achieved_per_s: float
+    latency_ms: dict[str, float]
+
+
+@dataclass(frozen=True, slots=True)
+class Ratio:
+    """One target: the measured value, the bound, and whether it holds."""
+
+    name: str
+    value: float
+    target: str
+    passed: bool
+
+
+def ratios(
+    results: dict[str, VariantResult],
+    worker_sweep: Sequence[LoadPoint],
+    triton_at_half: LoadPoint | None,
+) -> list[Ratio]:
+    """The issue's targets, for the default and the tuned worker."""
+    out: list[Ratio] = []
+    sync, naive = results.get("sync"), results.get("naive")
+    ceilings = [results[k].records_per_s for k in ("triton", "kafka") if k in results]
+    for key in ("worker", "worker_tuned"):
+        worker = results.get(key)
+        if worker is None:
+            continue
+        label = VARIANTS[key].split(" ", 1)[1]
+        rate = worker.records_per_s
+        if sync is not None and sync.records_per_s > 0:
+            value = rate / sync.records_per_s
+            out.append(Ratio(f"{label} / sync", value, ">= 25", value >= 25))
+        if naive is not None and naive.records_per_s > 0:
+            value = rate / naive.records_per_s
+            out.append(Ratio(f"{label} / naive async", value, ">= 1.0", value >= 1.0))
+        if ceilings and min(ceilings) > 0:
+            value = rate / min(ceilings)
+            out.append(Ratio(f"{label} / min(ceilings)", value, ">= 0.8", value >= 0.8))
+    if triton_at_half is not None and worker_sweep:
+        half = min(worker_sweep, key=lambda p: abs(p.offered_per_s - triton_at_half.offered_per_s))
+        bound = 2 * triton_at_half.latency_ms["p99"] + 10
+        value = half.latency_ms["p99"]
+        out.append(
+            Ratio(
+                f"tuned p99 at {half.offered_per_s:,.0f}/s (ms)",
+                value,
+                f"<= 2 x Triton p99 + 10 = {bound:.1f}",
+                value <= bound,
+            )
+        )
+    return out
+
+
+def _fmt(value: float | None, digits: int = 1) -> str:
+    return "-" if value is None else f"{value:,.{digits}f}"
+
+
+def markdown(
+    results: dict[str, VariantResult],
+    sweep: Sequence[LoadPoint],
+    targets: Sequence[Ratio],
+    meta: dict[str, Any],
+) -> str:
+    """The results as Markdown: variants, latency against load, targets."""
+    lines = [
+        f"model `{meta['model']}`, {meta['records']:,} records per variant "
+        f"({meta['sync_records']:,} for the sync baseline), "
+        f"{meta['partitions']} partitions, {meta['machine']}",
+        "",
+        "| variant | records/s | p50 ms | p95 ms | p99 ms | CPU s / 1k records | peak RSS MiB "
+        "| Triton CPU s / 1k | Kafka CPU s / 1k |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for key, name in VARIANTS.items():
+        r = results.get(key)
+        if r is None:
+            continue
+        lines.append(
+            f"| {name} | {r.records_per_s:,.0f} | {_fmt(r.latency_ms['p50'])} "
+            f"| {_fmt(r.latency_ms['p95'])} | {_fmt(r.latency_ms['p99'])} "
+            f"| {_fmt(r.cpu_s_per_1k, 3)} | {_fmt(r.peak_rss_mib)} "
+            f"| {_fmt(r.triton_cpu_s_per_1k, 3)} | {_fmt(r.kafka_cpu_s_per_1k, 3)} |"
+        )
+    if sweep:
+        lines += [
+            "",
+            "Tuned worker, latency against offered load:",
+            "",
+            "| offered/s | achieved/s | p50 ms | p95 ms | p99 ms |",
+            "| ---: | ---: | ---: | ---: | ---: |",
+        ]
+        for p in sweep:
+            lines.append(
+                f"| {p.offered_per_s:,.0f} | {p.achieved_per_s:,.0f} | {p.latency_ms['p50']:.1f} "
+                f"| {p.latency_ms['p95']:.1f} | {p.latency_ms['p99']:.1f} |"
+            )
+    lines += ["", "| target | measured | bound | |", "| --- | ---: | --- | --- |"]
+    for t in targets:
+        lines.append(
+            f"| {t.name} | {t.value:,.2f} | {t.target} | {'PASS' if t.passed else 'FAIL'} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def print_tables(
+    console: Console, results: dict[str, VariantResult], targets: Sequence[Ratio]
+) -> None:
+    """The results and the targets as rich tables."""
+    table = Table(title="benchmark")
+    for column in ("variant", "records/s", "p50 ms", "p95 ms", "p99 ms", "CPU s/1k", "RSS MiB"):
+        table.add_column(column, justify="left" if column == "variant" else "right")
+    for key, name in VARIANTS.items():
+        r = results.get(key)
+        if r is None:
+            continue
+        table.add_row(
+            name,
+            f"{r.records_per_s:,.0f}",
+            _fmt(r.latency_ms["p50"]),
+            _fmt(r.latency_ms["p95"]),
+            _fmt(r.latency_ms["p99"]),
+            _fmt(r.cpu_s_per_1k, 3),
+            _fmt(r.peak_rss_mib),
+        )
+    console.print(table)
+    verdicts = Table(title="targets")
+    for column in ("target", "measured", "bound", "verdict"):
+        verdicts.add_column(column)
+    for t in targets:
+        verdict = "[green]PASS[/green]" if t.passed else "[red]FAIL[/red]"
+        verdicts.add_row(t.name, f"{t.value:,.2f}", t.target, verdict)
+    console.print(verdicts)
+
+
+def write_json(path: Path, payload: dict[str, Any]) -> None:
+    """Everything measured, for later comparison."""
+    path.write_text(json.dumps(payload, indent=2, default=_jsonable))
+
+
+def _jsonable(value: Any) -> Any:
+    if hasattr(value, "__dataclass_fields__"):
+        return asdict(value)
+    raise TypeError(f"not JSON serialisable: {type(value).__name__}")
+
+
+def plot(path: Path, results: dict[str, VariantResult], sweep: Sequence[LoadPoint]) -> bool:
+    """Throughput per variant, and the tuned worker's latency against offered load."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, (bars, lines) = plt.subplots(1, 2, figsize=(13, 4.8))
+    keys = [k for k in VARIANTS if k in results]
+    bars.barh([VARIANTS[k] for k in keys], [results[k].records_per_s for k in keys])
+    bars.invert_yaxis()
+    bars.set_xlabel("records/s")
+    bars.set_title("throughput per variant")
+    if sweep:
+        offered = [p.offered_per_s for p in sweep]
+        for q in ("p50", "p95", "p99"):
+            lines.plot(offered, [p.latency_ms[q] for p in sweep], marker="o", label=q)
+        lines.set_yscale("log")
+        lines.legend()
+    lines.set_xlabel("offered load, records/s")
+    lines.set_ylabel("end-to-end latency, ms")
+    lines.set_title("tuned worker: latency against offered load")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def machine() -> str:
+    """A one-line description of the machine the benchmark ran on."""
+    import os
+
+    model = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return (
+        f"{os.cpu_count()} CPUs ({model or platform.machine()}), "
+        f"Python {platform.python_version()}, {platform.system()} {platform.release()}"
+    )
