@@ -42,7 +42,7 @@ async def test_triton_killed_and_restarted_mid_stream(
     topics = Topics.fresh(unique)
     await create(kafka, topics, partitions=2)
     requests = samples.good_requests(1500, seed=41, models=("double",))
-    async with running_worker(settings_for(kafka, own_triton, topics)) as worker:
+    async with running_worker(settings_for(kafka, own_triton, topics)):
         await send(kafka.bootstrap_servers, topics.input, requests)
         got = await collect(kafka.bootstrap_servers, topics, 200)
         await asyncio.to_thread(own_triton.kill)
