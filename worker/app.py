@@ -214,10 +214,13 @@ class Worker:
                 await self.handler.deliver(outcome)
                 # Done only after the broker acknowledged the result or dead letter.
                 self.offsets.done(tp, record.offset, generation)
-            elif self.offsets.done(tp, record.offset, generation):
-                # exactly_once: done when staged; deliver returns once its
-                # transaction, which carries the offsets, has committed.
-                await self.handler.deliver(outcome)
+            else:
+                await self.txn.ready(tp)
+                if self.offsets.done(tp, record.offset, generation):
+                    # exactly_once: done when staged (deliver stages it before its
+                    # first pause); it returns once the transaction carrying the
+                    # outcome and the offsets has committed.
+                    await self.handler.deliver(outcome)
         except PartitionRevoked:
             pass  # the partition moved away; its next owner redoes the record
         finally:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from aiokafka.admin import AIOKafkaAdminClient
-from aiokafka.errors import KafkaError
+from aiokafka.errors import KafkaError, for_code
 from aiokafka.protocol.admin import DescribeGroupsResponse_v3
 from aiokafka.protocol.api import Request, RequestStruct, Response
 from aiokafka.protocol.types import Array, Boolean, Int16, Int32, Schema, String
@@ -218,7 +218,11 @@ async def _describe_group(admin: AIOKafkaAdminClient, group_id: str) -> dict[str
             backoff_s = min(backoff_s * 2, 1.0)
             continue
         group: dict[str, Any] = response.to_object()["groups"][0]
-        return group
+        code = int(group["error_code"])
+        if not code or not for_code(code).retriable:
+            return group
+        await asyncio.sleep(backoff_s)  # e.g. the coordinator is still loading the group
+        backoff_s = min(backoff_s * 2, 1.0)
 
 
 async def _group_result(admin: AIOKafkaAdminClient, group_id: str) -> CheckResult:

@@ -100,7 +100,10 @@ class Intake(ConsumerRebalanceListener):  # type: ignore[misc]
                 )
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(room, _POLL_TIMEOUT_MS / 1000)
-            batch = await consumer.getmany(timeout_ms=_POLL_TIMEOUT_MS)
+            # All paused: the wait above already took the time; fetch nothing, go
+            # dispatch what the freed slots allow.
+            all_paused = bool(assigned) and assigned <= consumer.paused()
+            batch = await consumer.getmany(timeout_ms=0 if all_paused else _POLL_TIMEOUT_MS)
             for tp, records in batch.items():
                 if tp not in consumer.assignment():
                     continue

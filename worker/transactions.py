@@ -66,6 +66,9 @@ class TransactionalSink:
         self._client_kwargs = dict(client_kwargs)
         self._max_request_bytes = max_request_bytes
         self._partitions: dict[TopicPartition, _PartitionTxn] = {}
+        # Resolved once a partition's producer is ready (or the partition is gone):
+        # records can be fetched before the assignment callback has finished.
+        self._ready: dict[TopicPartition, asyncio.Future[None]] = {}
 
     def transactional_id(self, tp: TopicPartition) -> str:
         """Stable per group and input partition, so a new owner fences the old one."""
@@ -88,10 +91,29 @@ class TransactionalSink:
         )
         await producer.start()
         self._partitions[tp] = _PartitionTxn(producer)
+        self._ready_future(tp).set_result(None)
+
+    def _ready_future(self, tp: TopicPartition) -> asyncio.Future[None]:
+        if tp not in self._ready:
+            self._ready[tp] = asyncio.get_running_loop().create_future()
+        return self._ready[tp]
+
+    async def ready(self, tp: TopicPartition) -> None:
+        """Wait until the partition's producer is ready; PartitionRevoked if it went away.
+
+        A record must only be marked done once this returned: staging it then
+        happens without a pause, so no commit can cover a record not staged.
+        """
+        await asyncio.shield(self._ready_future(tp))
+        if tp not in self._partitions:
+            raise PartitionRevoked(str(tp))
 
     async def revoke(self, tp: TopicPartition) -> None:
         """Stop the producer; records still staged are redone by the next owner."""
         state = self._partitions.pop(tp, None)
+        waiting = self._ready.pop(tp, None)
+        if waiting is not None and not waiting.done():
+            waiting.set_result(None)  # waiters see the partition gone
         if state is None:
             return
         for staged in state.staged.values():
@@ -124,6 +146,7 @@ class TransactionalSink:
         state = self._partitions.get(tp)
         if state is None:
             raise PartitionRevoked(str(tp))
+        assert record.offset not in state.staged
         staged = _Staged([message], asyncio.get_running_loop().create_future())
         state.staged[record.offset] = staged
         await staged.committed
@@ -146,9 +169,14 @@ class TransactionalSink:
             producer = state.producer
             try:
                 await producer.begin_transaction()
-                for offset in ready:
-                    for topic, value, key, headers in state.staged[offset].messages:
-                        await producer.send(topic, value=value, key=key, headers=list(headers))
+                sent = [
+                    await producer.send(topic, value=value, key=key, headers=list(headers))
+                    for offset in ready
+                    for topic, value, key, headers in state.staged[offset].messages
+                ]
+                # Every message must be acknowledged inside the transaction before it
+                # commits: aiokafka's commit does not wait for batches still queued.
+                await asyncio.gather(*sent)
                 await producer.send_offsets_to_transaction(
                     {tp: OffsetAndMetadata(point, "")}, self._settings.group_id
                 )

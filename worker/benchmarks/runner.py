@@ -27,9 +27,6 @@ from worker.benchmarks.measure import (
 )
 from worker.benchmarks.report import LoadPoint, VariantResult
 
-#: Requests answered end to end before a variant is measured.
-WARMUP_RECORDS = 20
-
 
 @dataclass
 class Servers:
@@ -97,55 +94,66 @@ class Runner:
         }
         if not command[-1] == "run":
             command = [*command, "--input", topic_in, "--output", topic_out, "--group", group]
-        child = _spawn(command, env, self.out / f"{key}.log")
-        producer, collector = Producer(bootstrap), Collector(bootstrap, topic_out)
+        burst = self.payloads[:count]
+        # The backlog is written before the variant starts, so that producing it
+        # takes no CPU from the variant while it is measured.
+        producer = Producer(bootstrap)
         await producer.start()
-        await collector.start()
         try:
-            warmup = loops.samples_for(self.args.model, WARMUP_RECORDS, seed=999)
-            await producer.send(topic_in, warmup)
-            got = await collector.gather([r.request_id.encode() for r in warmup], 90)
-            if len(got.result_ms) < len(warmup):
-                raise RuntimeError(f"{name} did not answer its warm-up (see {key}.log)")
+            sending = progress.add_task(f"producing for {key}", total=count)
+            await producer.send(topic_in, burst, advance=lambda n: progress.advance(sending, n))
+        finally:
+            await producer.stop()
+        progress.remove_task(sending)
+        collector = Collector(bootstrap, topic_out)
+        await collector.start()
+        child = _spawn(command, env, self.out / f"{key}.log")
+        try:
             task = progress.add_task(name, total=count)
-            burst = self.payloads[:count]
             marks: dict[str, tuple[float, float, float]] = {}
 
             def first() -> None:
                 marks["first"] = (cpu_s(child.pid), *self.servers.server_cpu_s())
 
-            sending = asyncio.create_task(producer.send(topic_in, burst))
+            # Counted from the first result: the variant's start-up is left out.
             collected = await collector.gather(
                 [r.request_id.encode() for r in burst],
-                timeout_s=60 + count / 100,
+                timeout_s=90 + count / 100,
                 advance=lambda n: progress.advance(task, n),
                 on_first=first,
             )
-            await sending
             end = (cpu_s(child.pid), *self.servers.server_cpu_s())
+            if not collected.result_ms:
+                raise RuntimeError(f"{name} answered nothing (see {key}.log)")
             start = marks.get("first", end)
             done = max(1, len(collected.result_ms) - 1)
+            peak = collected.records_per_s()
+            # Latency at half this variant's own peak: queueing behind a backlog
+            # would say nothing about the variant.
+            fractions = (0.25, 0.5, 0.75, 1.0) if sweep_into is not None else (0.5,)
+            points = [
+                await self._load_point(topic_in, collector, peak * f, progress, f)
+                for f in fractions
+            ]
+            if sweep_into is not None:
+                sweep_into.extend(points)
             result = VariantResult(
                 variant=key,
                 records=len(collected.result_ms),
-                records_per_s=collected.records_per_s(),
-                latency_ms=percentiles_ms(collected.latencies_ms(producer.sent_ms)),
+                records_per_s=peak,
+                latency_ms=next(
+                    p for p, f in zip(points, fractions, strict=True) if f == 0.5
+                ).latency_ms,
                 cpu_s_per_1k=(end[0] - start[0]) / done * 1000,
                 peak_rss_mib=peak_rss_bytes(child.pid) / (1 << 20),
                 cpu_of="variant process",
                 triton_cpu_s_per_1k=self._per_1k(end[1] - start[1], done, self.servers.triton_pid),
                 kafka_cpu_s_per_1k=self._per_1k(end[2] - start[2], done, self.servers.kafka_pids),
                 settings={k: v for k, v in reported.items()},
+                latency_at_per_s=peak / 2,
             )
-            if sweep_into is not None and result.records_per_s > 0:
-                for fraction in (0.25, 0.5, 0.75, 1.0):
-                    rate = result.records_per_s * fraction
-                    sweep_into.append(
-                        await self._load_point(topic_in, collector, rate, progress, fraction)
-                    )
             return result
         finally:
-            await producer.stop()
             await collector.stop()
             await _stop(child)
 
@@ -162,8 +170,8 @@ class Runner:
         task = progress.add_task(f"  load {rate:,.0f}/s", total=count)
         producer = Producer(self.servers.bootstrap)
         await producer.start()
+        sending = asyncio.create_task(producer.send(topic, requests, rate=rate))
         try:
-            sending = asyncio.create_task(producer.send(topic, requests, rate=rate))
             collected = await collector.gather(
                 [r.request_id.encode() for r in requests],
                 timeout_s=self.args.sweep_s + 60,
@@ -171,7 +179,9 @@ class Runner:
             )
             await sending
         finally:
+            sending.cancel()
             await producer.stop()
+        progress.remove_task(task)
         return LoadPoint(
             rate,
             collected.records_per_s(),
@@ -179,18 +189,20 @@ class Runner:
         )
 
     async def triton(self, name: str, progress: Progress) -> VariantResult:
-        """Ceiling 1: the same payloads straight to Triton at saturation."""
+        """Ceiling 1: the same payloads straight to Triton at saturation, then at half of it."""
         task = progress.add_task(name, total=self.args.records)
         before = self.servers.server_cpu_s()
         measured = await self._triton_child(self.args.records, concurrency=64, rate=0.0)
         after = self.servers.server_cpu_s()
         progress.update(task, completed=self.args.records)
         records = int(measured["records"])
+        peak = records / float(measured["seconds"])
+        half = await self.triton_at(peak / 2, progress)
         return VariantResult(
             variant="triton",
             records=records,
-            records_per_s=records / float(measured["seconds"]),
-            latency_ms=percentiles_ms(measured["latencies_ms"]),
+            records_per_s=peak,
+            latency_ms=half.latency_ms,
             cpu_s_per_1k=float(measured["cpu_s"]) / records * 1000,
             peak_rss_mib=int(measured["peak_rss_bytes"]) / (1 << 20),
             cpu_of="client process",
@@ -198,6 +210,7 @@ class Runner:
                 after[0] - before[0], records, self.servers.triton_pid
             ),
             settings={"concurrency": "64", "call": "unary infer"},
+            latency_at_per_s=peak / 2,
         )
 
     async def triton_at(self, rate: float, progress: Progress) -> LoadPoint:
@@ -205,7 +218,7 @@ class Runner:
         count = max(20, int(rate * self.args.sweep_s))
         task = progress.add_task(f"  Triton alone {rate:,.0f}/s", total=count)
         measured = await self._triton_child(count, concurrency=4096, rate=rate)
-        progress.update(task, completed=count)
+        progress.remove_task(task)
         return LoadPoint(
             rate,
             int(measured["records"]) / float(measured["seconds"]),

@@ -1,0 +1,286 @@
+"""The worker crashes, meets poison pills, slow models and a full window: nothing is lost."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka.structs import TopicPartition
+
+from tests.support import (
+    Collected,
+    Topics,
+    collect,
+    create,
+    headers_dict,
+    running_worker,
+    send,
+    settings_for,
+    spawn_worker,
+    worker_env,
+)
+from worker import samples
+from worker.samples import faulty_request
+
+pytestmark = [pytest.mark.fault, pytest.mark.timeout(240)]
+
+
+async def _kill_and_restart(
+    kafka: Any, triton: Any, topics: Topics, tmp_path: Path, total: int, **extra: str
+) -> Collected:
+    """Run a worker process, SIGKILL it mid-stream, run a new one until all is answered."""
+    env = worker_env(kafka, triton, topics, commit_interval_ms="100", **extra)
+    first = spawn_worker(env, tmp_path / "first.log")
+    try:
+        got = await collect(kafka.bootstrap_servers, topics, total // 3, timeout_s=90)
+        first.send_signal(signal.SIGKILL)
+        assert await asyncio.to_thread(first.wait, 30) == -signal.SIGKILL
+    finally:
+        if first.poll() is None:
+            first.kill()
+    second = spawn_worker(env, tmp_path / "second.log")
+    try:
+        got = await collect(kafka.bootstrap_servers, topics, total, timeout_s=120)
+        second.send_signal(signal.SIGTERM)
+        assert await asyncio.to_thread(second.wait, 60) == 0
+    finally:
+        if second.poll() is None:
+            second.kill()
+    return got
+
+
+async def test_sigkill_mid_stream_loses_nothing_and_duplicates_stay_bounded(
+    kafka: Any, triton: Any, unique: str, tmp_path: Path
+) -> None:
+    """SIGKILL a worker mid-stream, start another: all answered; duplicates ≤ window."""
+    topics = Topics.fresh(unique)
+    await create(kafka, topics, partitions=4)
+    requests = samples.good_requests(3000, seed=51, models=("double",))
+    await send(kafka.bootstrap_servers, topics.input, requests)
+    got = await _kill_and_restart(
+        kafka, triton, topics, tmp_path, len(requests), max_in_flight="64"
+    )
+    assert set(got.results) == {r.request_id for r in requests}
+    assert got.dead_letters == {}
+    # Redone after the crash: what was in flight (≤ window) plus what finished after
+    # the last commit (≤ one 100 ms commit interval of throughput).
+    print(f"\nduplicates after SIGKILL: {got.duplicates}")
+    assert got.duplicates <= 64 + 1000
+
+
+async def test_exactly_once_survives_sigkill(
+    kafka: Any, triton: Any, unique: str, tmp_path: Path
+) -> None:
+    """exactly_once + SIGKILL: a read_committed reader sees every request id exactly once."""
+    topics = Topics.fresh(unique)
+    await create(kafka, topics, partitions=2)
+    requests = samples.good_requests(1500, seed=52, models=("double",))
+    requests += samples.bad_requests()[:3]
+    await send(kafka.bootstrap_servers, topics.input, requests)
+    got = await _kill_and_restart(
+        kafka,
+        triton,
+        topics,
+        tmp_path,
+        len(requests),
+        delivery="exactly_once",
+        max_request_bytes=str(samples.BAD_SAMPLES_MAX_REQUEST_BYTES),
+    )
+    assert got.duplicates == 0
+    assert set(got.results) | set(got.dead_letters) == {r.request_id for r in requests}
+    assert set(got.dead_letters) == {r.request_id for r in requests if r.expected_code}
+
+
+async def test_poison_pills_alone_are_dead_lettered(kafka: Any, triton: Any, unique: str) -> None:
+    """Requests the model raises for are dead-lettered (INFERENCE_ERROR, once); others pass."""
+    topics = Topics.fresh(unique)
+    await create(kafka, topics, partitions=2)
+    rng = np.random.default_rng(6)
+    requests = [faulty_request(rng, f"r{i}", fail=i % 10 == 3) for i in range(100)]
+    async with running_worker(settings_for(kafka, triton, topics)):
+        await send(kafka.bootstrap_servers, topics.input, requests)
+        got = await collect(kafka.bootstrap_servers, topics, len(requests))
+    poison = {f"r{i}" for i in range(100) if i % 10 == 3}
+    assert set(got.dead_letters) == poison
+    for rid in poison:
+        headers = headers_dict(got.dead_letters[rid].headers)
+        assert headers["x-error-code"] == b"INFERENCE_ERROR"
+        assert headers["x-attempts"] == b"1"
+    assert len(got.results) == 90
+
+
+async def test_slow_model_times_out_retries_then_dead_letters(
+    kafka: Any, triton: Any, unique: str
+) -> None:
+    """A request slower than its timeout is retried max_attempts times, then RETRIES_EXHAUSTED."""
+    topics = Topics.fresh(unique)
+    await create(kafka, topics, partitions=1)
+    rng = np.random.default_rng(7)
+    requests = [faulty_request(rng, "slow", delay_ms=1500), faulty_request(rng, "quick")]
+    settings = settings_for(
+        kafka,
+        triton,
+        topics,
+        request_timeout_ms="300",
+        max_attempts="3",
+        retry_backoff_ms="10",
+        retry_backoff_max_ms="20",
+    )
+    async with running_worker(settings) as worker:
+        await send(kafka.bootstrap_servers, topics.input, requests)
+        got = await collect(kafka.bootstrap_servers, topics, 2)
+    headers = headers_dict(got.dead_letters["slow"].headers)
+    assert headers["x-error-code"] == b"RETRIES_EXHAUSTED"
+    assert headers["x-attempts"] == b"3"
+    assert headers["x-error-retryable"] == b"true"
+    assert b"TRITON_TIMEOUT" in headers["x-error-message"]
+    assert "quick" in got.results
+    retries = worker.metrics.retries_total.labels(reason="TRITON_TIMEOUT")._value.get()
+    assert retries == 2
+
+
+async def test_window_full_past_max_poll_interval_keeps_membership(
+    kafka: Any, triton: Any, unique: str
+) -> None:
+    """The window stays full 3× longer than max_poll_interval_ms: no rebalance, all answered."""
+    topics = Topics.fresh(unique)
+    await create(kafka, topics, partitions=1)
+    rng = np.random.default_rng(8)
+    requests = [faulty_request(rng, f"s{i}", delay_ms=3000) for i in range(4)]
+    requests += [faulty_request(rng, f"q{i}") for i in range(20)]
+    settings = settings_for(
+        kafka,
+        triton,
+        topics,
+        max_in_flight="2",
+        max_in_flight_per_partition="2",
+        max_poll_interval_ms="1000",
+        session_timeout_ms="6000",
+    )
+    from worker.app import Worker
+
+    worker = Worker(settings)
+    revocations: list[set[TopicPartition]] = []
+    real_revoked = worker.intake.on_partitions_revoked
+
+    async def spy_revoked(revoked: set[TopicPartition]) -> None:
+        revocations.append(set(revoked))
+        await real_revoked(revoked)
+
+    worker.intake.on_partitions_revoked = spy_revoked  # type: ignore[method-assign]
+    async with running_worker(settings, worker):
+        await send(kafka.bootstrap_servers, topics.input, requests)
+        got = await collect(kafka.bootstrap_servers, topics, len(requests), timeout_s=60)
+        assert revocations == [], "the member lost its partitions while the window was full"
+    assert len(got.results) == len(requests)
+    assert got.duplicates == 0
+
+
+async def test_dead_letter_write_failure_stops_the_worker_without_committing(
+    kafka: Any, triton: Any, unique: str, tmp_path: Path
+) -> None:
+    """A DLQ that refuses every write: the worker exits non-zero; the offset stays before it."""
+    topics = Topics.fresh(unique)
+    await kafka.create_topics([topics.input, topics.output], partitions=1)
+    # A real broker refusal: the DLQ topic only takes tiny messages.
+    await kafka.create_topics([topics.dlq], partitions=1, configs={"max.message.bytes": "64"})
+    good = samples.good_requests(5, seed=9, models=("double",))
+    bad = samples.bad_requests()[0]
+    await send(kafka.bootstrap_servers, topics.input, [*good, bad])
+    proc = spawn_worker(
+        worker_env(kafka, triton, topics, commit_interval_ms="100"), tmp_path / "worker.log"
+    )
+    try:
+        code = await asyncio.to_thread(proc.wait, 120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert code == 3
+    committed = await kafka.committed_offsets(topics.group)
+    assert committed.get(TopicPartition(topics.input, 0), 0) <= len(good)
+
+
+async def test_result_refused_by_the_broker_becomes_output_too_large(
+    kafka: Any, triton: Any, unique: str
+) -> None:
+    """The output topic refuses a result for its size: the request is dead-lettered."""
+    topics = Topics.fresh(unique)
+    await kafka.create_topics([topics.input, topics.dlq], partitions=1)
+    await kafka.create_topics([topics.output], partitions=1, configs={"max.message.bytes": "2000"})
+    rng = np.random.default_rng(10)
+    small = samples.SampleRequest(
+        *samples.encode_request("double", samples.double_inputs(rng, 1, 2), "json", "small"),
+        "double",
+        "json",
+        "small",
+    )
+    large = samples.SampleRequest(
+        *samples.encode_request("double", samples.double_inputs(rng, 1, 1000), "json", "large"),
+        "double",
+        "json",
+        "large",
+    )
+    async with running_worker(settings_for(kafka, triton, topics)):
+        await send(kafka.bootstrap_servers, topics.input, [small, large])
+        got = await collect(kafka.bootstrap_servers, topics, 2)
+    assert "small" in got.results
+    assert headers_dict(got.dead_letters["large"].headers)["x-error-code"] == b"OUTPUT_TOO_LARGE"
+
+
+@pytest.mark.parametrize("ordering", ["key", "partition"])
+async def test_ordering_holds_under_concurrency(
+    kafka: Any, triton: Any, unique: str, ordering: str
+) -> None:
+    """key: per key, outputs follow input offsets; partition: per partition, they do too."""
+    topics = Topics.fresh(unique)
+    await create(kafka, topics, partitions=2)
+    rng = np.random.default_rng(11)
+    producer = AIOKafkaProducer(bootstrap_servers=kafka.bootstrap_servers, acks="all")
+    await producer.start()
+    try:
+        for i in range(120):
+            request = faulty_request(rng, f"o{i}", delay_ms=int(rng.integers(0, 40)))
+            await producer.send(
+                topics.input,
+                request.value,
+                key=f"k{i % 6}".encode(),
+                headers=[*request.headers, ("x-request-id", f"o{i}".encode())],
+            )
+        await producer.flush()
+    finally:
+        await producer.stop()
+    settings = settings_for(kafka, triton, topics, ordering=ordering, max_in_flight="64")
+    async with running_worker(settings):
+        got = await collect(kafka.bootstrap_servers, topics, 120)
+    order = await _output_order(kafka.bootstrap_servers, topics.output)
+    group_of = (lambda h: h["key"]) if ordering == "key" else (lambda h: h["x-source-partition"])
+    seen: dict[bytes, list[int]] = {}
+    for headers in order:
+        seen.setdefault(group_of(headers), []).append(int(headers["x-source-offset"]))
+    assert len(got.results) == 120
+    for group, offsets in seen.items():
+        assert offsets == sorted(offsets), (group, offsets)
+
+
+async def _output_order(bootstrap: str, topic: str) -> list[dict[str, bytes]]:
+    """Headers (plus the key) of every output record, in the order they were written."""
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
+    await consumer.start()
+    out: list[dict[str, bytes]] = []
+    try:
+        tp = TopicPartition(topic, 0)
+        consumer.assign([tp])
+        await consumer.seek_to_beginning(tp)
+        end = (await consumer.end_offsets([tp]))[tp]
+        while await consumer.position(tp) < end:
+            for records in (await consumer.getmany(timeout_ms=500)).values():
+                for r in records:
+                    out.append({**headers_dict(r.headers), "key": r.key or b""})
+    finally:
+        await consumer.stop()
+    return out
