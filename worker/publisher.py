@@ -9,6 +9,7 @@ from typing import Any
 import structlog
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError, MessageSizeTooLargeError
+from aiokafka.partitioner import DefaultPartitioner
 from aiokafka.structs import ConsumerRecord
 
 from worker import errors
@@ -71,6 +72,24 @@ class Publisher:
             sent = await self._producer.send(
                 self.output_topic, value=value, key=key, headers=list(headers)
             )
+            return await sent
+        except MessageSizeTooLargeError:
+            # The broker refuses whole batches: an innocent result may have shared a
+            # batch with a too-large one. Alone in a batch of its own, it is judged
+            # on its own size.
+            return await self._write_alone(value, key, headers)
+
+    async def _write_alone(self, value: bytes, key: bytes | None, headers: Headers) -> Any:
+        batch = self._producer.create_batch()
+        if batch.append(key=key, value=value, timestamp=None, headers=list(headers)) is None:
+            raise errors.OutputTooLarge(
+                f"result of {len(value)} bytes is larger than the producer's request limit"
+            )
+        batch.close()
+        partitions = sorted(await self._producer.partitions_for(self.output_topic))
+        partition = DefaultPartitioner()(key, partitions, partitions)
+        try:
+            sent = await self._producer.send_batch(batch, self.output_topic, partition=partition)
             return await sent
         except MessageSizeTooLargeError:
             raise errors.OutputTooLarge(
