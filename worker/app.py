@@ -17,10 +17,12 @@ from aiokafka.structs import ConsumerRecord, TopicPartition
 
 from worker import preflight, security
 from worker.audit import Audit
+from worker.batching import MicroBatcher
 from worker.breaker import CircuitBreaker
 from worker.config import Settings
 from worker.handler import RecordHandler, Sink
 from worker.intake import Intake
+from worker.limiter import AdaptiveLimiter
 from worker.observability import HealthServer, Metrics
 from worker.offsets import OffsetTracker
 from worker.ordering import Ticket, Turns
@@ -73,8 +75,23 @@ class Worker:
             settings.breaker_failure_threshold,
             on_change=lambda is_open: self.metrics.breaker_open.set(1 if is_open else 0),
         )
+        self.batcher = MicroBatcher(
+            self.pool, settings.batch_max_size, settings.batch_delay_ms / 1000
+        )
+        self.limiter = (
+            AdaptiveLimiter(self.window, settings.min_in_flight, settings.max_in_flight)
+            if settings.window_mode == "adaptive"
+            else None
+        )
         self.handler = RecordHandler(
-            settings, self.pool, sink, self.metrics, self.audit, self.breaker
+            settings,
+            self.pool,
+            sink,
+            self.metrics,
+            self.audit,
+            self.breaker,
+            self.batcher,
+            self.limiter,
         )
         self.intake = Intake(
             settings,
@@ -166,6 +183,7 @@ class Worker:
         if self._stopped:
             return
         self._stopped = True
+        await self.batcher.close()
         await self.pool.close(drain_timeout_s=5.0)
         if self.txn is not None:
             await self.txn.close()

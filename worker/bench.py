@@ -16,7 +16,6 @@ load, and Triton alone is driven at half that peak for the latency target.
 from __future__ import annotations
 
 import argparse
-import inspect
 import shutil
 import sys
 from pathlib import Path
@@ -34,13 +33,14 @@ MODELS = ("double", "mlp", "echo_bytes")
 
 #: Settings of the tuned worker, beyond the defaults (batching added when available).
 TUNED_SETTINGS = {
+    "BATCH_MAX_SIZE": "32",
+    "BATCH_DELAY_MS": "2",
     "TRITON_STREAMS": "4",
     "MAX_IN_FLIGHT": "512",
     "MAX_IN_FLIGHT_PER_PARTITION": "256",
     "MAX_POLL_RECORDS": "1000",
     "LINGER_MS": "10",
 }
-TUNED_BATCHING = {"BATCH_MAX_SIZE": "32", "BATCH_DELAY_MS": "2"}
 
 
 def add_bench_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -74,13 +74,6 @@ def add_bench_parser(commands: argparse._SubParsersAction[argparse.ArgumentParse
         "--smoke", action="store_true", help="a tiny run (a few hundred records) for CI"
     )
     bench.set_defaults(handler=run_bench)
-
-
-def batching_wired() -> bool:
-    """True when the record handler sends through the micro-batcher."""
-    from worker import handler
-
-    return "MicroBatcher" in inspect.getsource(handler)
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -130,8 +123,6 @@ async def _bench(args: argparse.Namespace, servers: Servers, console: Console) -
         console.print(f"[red]unknown variants: {', '.join(sorted(unknown))}[/red]")
         return 2
     tuned = dict(TUNED_SETTINGS)
-    if batching_wired():
-        tuned.update(TUNED_BATCHING)
     else:
         console.print(
             "[yellow]micro-batching is not wired into the handler yet: the tuned "
@@ -177,7 +168,6 @@ async def _bench(args: argparse.Namespace, servers: Servers, console: Console) -
         "machine": report.machine(),
         "command": "python -m worker bench " + " ".join(sys.argv[2:]),
         "tuned_settings": {f"WORKER_{k}": v for k, v in tuned.items()},
-        "batching_wired": batching_wired(),
     }
     report.print_tables(console, results, targets)
     table = report.markdown(results, sweep, targets, meta)

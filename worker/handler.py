@@ -21,13 +21,15 @@ from aiokafka.structs import ConsumerRecord
 
 from worker import codec, errors
 from worker.audit import Audit
+from worker.batching import MicroBatcher
 from worker.breaker import CircuitBreaker
 from worker.config import Settings
+from worker.limiter import AdaptiveLimiter
 from worker.observability import Metrics
 from worker.publisher import Headers
 from worker.security import check_model_allowed
 from worker.triton import TritonPool
-from worker.validation import check_request
+from worker.validation import ModelSpec, check_request
 
 log = structlog.get_logger(__name__)
 
@@ -81,6 +83,8 @@ class RecordHandler:
         metrics: Metrics,
         audit: Audit,
         breaker: CircuitBreaker,
+        batcher: MicroBatcher,
+        limiter: AdaptiveLimiter | None = None,
     ) -> None:
         self._settings = settings
         self._pool = pool
@@ -88,6 +92,8 @@ class RecordHandler:
         self._metrics = metrics
         self._audit = audit
         self._breaker = breaker
+        self._batcher = batcher
+        self._limiter = limiter
 
     async def handle(self, record: ConsumerRecord[bytes, bytes]) -> None:
         """Process ``record``; returns once its result or dead letter is acknowledged."""
@@ -116,7 +122,7 @@ class RecordHandler:
                 budget, lambda _: self._pool.model_spec(request.model_name, request.model_version)
             )
             check_request(spec, request)
-            response = await self._infer(request, budget)
+            response = await self._infer(request, spec, budget)
             outcome.served_version = response.model_version
             outcome.value, encoding_headers = codec.encode_result(
                 request, response, max_result_bytes=self._settings.max_output_bytes
@@ -181,17 +187,23 @@ class RecordHandler:
             max(0.0, time.time() - outcome.record.timestamp / 1000)
         )
 
-    async def _infer(self, request: codec.DecodedRequest, budget: _Budget) -> Any:
+    async def _infer(self, request: codec.DecodedRequest, spec: ModelSpec, budget: _Budget) -> Any:
         model = self._metrics.model_label(request.model_name)
+        try_timeout_s = self._settings.request_timeout_ms / 1000
 
         async def once(timeout_s: float) -> Any:
             started = time.monotonic()
-            response = await self._pool.infer(
-                request.infer_request, min(timeout_s, self._settings.request_timeout_ms / 1000)
-            )
-            self._metrics.inference_latency_seconds.labels(model=model).observe(
-                time.monotonic() - started
-            )
+            try:
+                response = await self._batcher.infer(request, spec, min(timeout_s, try_timeout_s))
+            except (errors.TritonOverloaded, errors.TritonTimeout):
+                if self._limiter is not None:
+                    self._limiter.on_overload()
+                raise
+            latency_s = time.monotonic() - started
+            self._metrics.inference_latency_seconds.labels(model=model).observe(latency_s)
+            if self._limiter is not None:
+                self._limiter.on_success(latency_s)
+                self._metrics.window_limit.set(self._limiter.limit)
             return response
 
         return await self._retrying(budget, once)

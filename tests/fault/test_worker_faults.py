@@ -147,7 +147,7 @@ async def test_slow_model_times_out_retries_then_dead_letters(
 async def test_window_full_past_max_poll_interval_keeps_membership(
     kafka: Any, triton: Any, unique: str
 ) -> None:
-    """The window stays full three times longer than max_poll_interval_ms: no rebalance, all answered."""
+    """The window stays full three times longer than max_poll_interval_ms: no rebalance."""
     topics = Topics.fresh(unique)
     await create(kafka, topics, partitions=1)
     rng = np.random.default_rng(8)
