@@ -123,11 +123,6 @@ async def _bench(args: argparse.Namespace, servers: Servers, console: Console) -
         console.print(f"[red]unknown variants: {', '.join(sorted(unknown))}[/red]")
         return 2
     tuned = dict(TUNED_SETTINGS)
-    else:
-        console.print(
-            "[yellow]micro-batching is not wired into the handler yet: the tuned "
-            "worker runs without it[/yellow]"
-        )
     for item in args.tuned:
         name, _, value = item.partition("=")
         tuned[name.removeprefix("WORKER_")] = value
