@@ -20,6 +20,7 @@ from aiokafka.errors import KafkaError
 from aiokafka.structs import ConsumerRecord
 
 from worker.config import Settings
+from worker.errors import WriteFailed
 
 #: Sends (topic, value, key) and waits for the broker's ack.
 Send = Callable[[str, bytes, bytes | None], Awaitable[object]]
@@ -30,7 +31,7 @@ AUDIT_LOGGER = "worker.audit"
 AUDIT_EVENT = "audit"
 
 
-class AuditWriteFailed(RuntimeError):
+class AuditWriteFailed(WriteFailed):
     """An audit record could not be written to the audit topic after every retry.
 
     The record's offset is not marked done: it is processed (and audited) again

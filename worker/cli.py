@@ -61,9 +61,9 @@ def run_worker(args: argparse.Namespace) -> int:
         return EXIT_CONFIG
 
     from worker.app import serve
+    from worker.errors import WriteFailed
     from worker.observability import configure_logging
     from worker.preflight import StartupCheckFailed
-    from worker.publisher import DeadLetterWriteFailed
 
     configure_logging(settings.log_format, settings.log_level)
     try:
@@ -73,7 +73,7 @@ def run_worker(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_CONFIG
     except BaseExceptionGroup as group:
-        matched, _ = group.split(DeadLetterWriteFailed)
+        matched, _ = group.split(WriteFailed)
         if matched is None:
             raise
         # Crash loudly rather than lose a record: its offset was never committed.

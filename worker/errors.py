@@ -296,3 +296,11 @@ def from_exception(exc: BaseException) -> WorkerError:
     if isinstance(exc, (ConnectionError, OSError, EOFError)):
         return TritonUnavailable(f"{type(exc).__name__}: {exc}")
     return InferenceError(f"{type(exc).__name__}: {exc}")
+
+
+class WriteFailed(RuntimeError):
+    """An outcome (result, dead letter, audit record) could not be written after every retry.
+
+    Not a WorkerError: no dead letter can fix it. The worker stops with a non-zero
+    exit code and the record's offset is never committed, so nothing is lost.
+    """

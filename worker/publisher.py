@@ -19,11 +19,12 @@ log = structlog.get_logger(__name__)
 Headers = Sequence[tuple[str, bytes]]
 
 
-class DeadLetterWriteFailed(RuntimeError):
-    """A dead letter could not be written after every retry: the worker must stop.
+class DeadLetterWriteFailed(errors.WriteFailed):
+    """A dead letter could not be written after every retry: the worker must stop."""
 
-    Its offset never moves past the record; crashing loudly is better than losing it.
-    """
+
+class ResultWriteFailed(errors.WriteFailed):
+    """A result could not be written after every retry: the worker must stop."""
 
 
 class Publisher:
@@ -39,11 +40,11 @@ class Publisher:
         linger_ms: int,
         max_request_bytes: int,
         client_kwargs: Mapping[str, Any],
-        dead_letter_attempts: int = 5,
+        write_attempts: int = 5,
     ) -> None:
         self.output_topic = output_topic
         self.dlq_topic = dlq_topic
-        self._dead_letter_attempts = dead_letter_attempts
+        self._write_attempts = write_attempts
         self._producer = AIOKafkaProducer(
             bootstrap_servers=bootstrap_servers,
             client_id=client_id,
@@ -69,10 +70,7 @@ class Publisher:
         refuses the record for its size; other Kafka errors propagate.
         """
         try:
-            sent = await self._producer.send(
-                self.output_topic, value=value, key=key, headers=list(headers)
-            )
-            return await sent
+            return await self._send(self.output_topic, value, key, headers, ResultWriteFailed)
         except MessageSizeTooLargeError:
             # The broker refuses whole batches: an innocent result may have shared a
             # batch with a too-large one. Alone in a batch of its own, it is judged
@@ -117,23 +115,35 @@ class Publisher:
         self, value: bytes | None, key: bytes | None, headers: Headers
     ) -> Any:
         """Write a dead letter, retrying with backoff; DeadLetterWriteFailed if it never lands."""
+        return await self._send(self.dlq_topic, value, key, headers, DeadLetterWriteFailed)
+
+    async def _send(
+        self,
+        topic: str,
+        value: bytes | None,
+        key: bytes | None,
+        headers: Headers,
+        failure: type[errors.WriteFailed],
+    ) -> Any:
+        """Send and wait for the ack, retrying Kafka errors (a broker restart, a leader
+        moving) with backoff; ``failure`` when every try failed. A size refusal is
+        not retried: it raises MessageSizeTooLargeError at once."""
         delay_s = 0.2
-        for attempt in range(1, self._dead_letter_attempts + 1):
+        for attempt in range(1, self._write_attempts + 1):
             try:
-                sent = await self._producer.send(
-                    self.dlq_topic, value=value, key=key, headers=list(headers)
-                )
+                sent = await self._producer.send(topic, value=value, key=key, headers=list(headers))
                 return await sent
+            except MessageSizeTooLargeError:
+                raise
             except KafkaError as exc:
                 log.warning(
-                    "dead_letter_write_failed",
+                    "write_failed",
+                    topic=topic,
                     attempt=attempt,
                     error=f"{type(exc).__name__}: {exc}",
                 )
-                if attempt == self._dead_letter_attempts:
-                    raise DeadLetterWriteFailed(
-                        f"dead letter to {self.dlq_topic!r} failed {attempt} times: {exc}"
-                    ) from exc
+                if attempt == self._write_attempts:
+                    raise failure(f"write to {topic!r} failed {attempt} times: {exc}") from exc
                 await asyncio.sleep(delay_s)
                 delay_s = min(delay_s * 2, 5.0)
         raise AssertionError("unreachable")
