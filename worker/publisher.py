@@ -115,7 +115,14 @@ class Publisher:
         self, value: bytes | None, key: bytes | None, headers: Headers
     ) -> Any:
         """Write a dead letter, retrying with backoff; DeadLetterWriteFailed if it never lands."""
-        return await self._send(self.dlq_topic, value, key, headers, DeadLetterWriteFailed)
+        try:
+            return await self._send(self.dlq_topic, value, key, headers, DeadLetterWriteFailed)
+        except MessageSizeTooLargeError as exc:
+            size = len(value or b"")
+            raise DeadLetterWriteFailed(
+                f"dead letter of {size} bytes is larger than {self.dlq_topic!r} accepts; "
+                "raise the topic's max.message.bytes"
+            ) from exc
 
     async def _send(
         self,
