@@ -115,6 +115,9 @@ class Collected:
     results: dict[str, ConsumerRecord[bytes, bytes]] = field(default_factory=dict)
     dead_letters: dict[str, ConsumerRecord[bytes, bytes]] = field(default_factory=dict)
     duplicates: int = 0
+    # (topic, partition, offset) already read, so that collecting again from the
+    # start does not count the same records twice.
+    seen: set[tuple[str, int, int]] = field(default_factory=set)
 
     def __len__(self) -> int:
         return len(self.results) + len(self.dead_letters)
@@ -152,6 +155,10 @@ async def collect(
             batch = await consumer.getmany(timeout_ms=500)
             for records in batch.values():
                 for record in records:
+                    position = (record.topic, record.partition, record.offset)
+                    if position in got.seen:
+                        continue
+                    got.seen.add(position)
                     target = got.results if record.topic == topics.output else got.dead_letters
                     rid = request_id_of(record)
                     if rid in got.results or rid in got.dead_letters:

@@ -110,7 +110,9 @@ class Worker:
         self._records: set[asyncio.Task[None]] = set()
         self._stop = asyncio.Event()
         self._stopped = False
-        self.metrics.window_limit.set(settings.max_in_flight)
+        # Read at scrape time rather than set on every record.
+        self.metrics.window_limit.set_function(lambda: self.window.limit)
+        self.metrics.in_flight.set_function(lambda: self.window.in_flight)
 
     # -- lifecycle ---------------------------------------------------------------
 
@@ -209,7 +211,6 @@ class Worker:
         task = self._tasks.create_task(self._process(record, generation, key_turn, publish_turn))
         self._records.add(task)
         task.add_done_callback(self._records.discard)
-        self.metrics.in_flight.set(self.window.in_flight)
 
     async def _process(
         self,
@@ -248,7 +249,6 @@ class Worker:
                 if turn is not None:
                     turn.done()
             self.window.release(tp)
-            self.metrics.in_flight.set(self.window.in_flight)
 
     # -- health ------------------------------------------------------------------
 

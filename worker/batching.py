@@ -40,6 +40,8 @@ __all__ = ["BatchStats", "MicroBatcher", "batchable"]
 #: Request parameters that tie a request to server-side state: never batched.
 _STATEFUL_PARAMETERS = frozenset({"sequence_id", "sequence_start", "sequence_end"})
 _LENGTH_PREFIX = struct.Struct("<I")
+#: Entries of one batch whose deadlines differ by less than this share the batch's.
+_DEADLINE_SLACK_S = 0.005
 
 
 def batchable(spec: ModelSpec, request: DecodedRequest) -> bool:
@@ -151,18 +153,10 @@ class MicroBatcher:
         loop = asyncio.get_running_loop()
         entry = _Entry(request, rows, time.monotonic() + timeout_s, loop.create_future())
         self._enqueue(_key(request.infer_request), entry, capacity)
-        # Wait on our own deadline: a batch may carry requests with longer ones.
-        try:
-            done, _ = await asyncio.wait({entry.future}, timeout=timeout_s)
-        except asyncio.CancelledError:
-            entry.future.cancel()  # a batch not yet sent leaves it out
-            raise
-        if not done:
-            entry.future.cancel()
-            raise errors.TritonTimeout(
-                f"no response from Triton within {timeout_s * 1000:.0f} ms (batched)"
-            )
-        return entry.future.result()
+        # No timer per request: the batch's send enforces each entry's deadline
+        # (see _send). Cancelling this await cancels the future, and a batch not
+        # yet sent leaves it out.
+        return await entry.future
 
     def _enqueue(self, key: tuple[object, ...], entry: _Entry, capacity: int) -> None:
         pending = self._pending.get(key)
@@ -200,7 +194,18 @@ class MicroBatcher:
         live = [e for e in entries if not e.future.done()]
         if not live:
             return
-        timeout_s = max(0.001, max(e.deadline for e in live) - time.monotonic())
+        latest = max(e.deadline for e in live)
+        timeout_s = max(0.001, latest - time.monotonic())
+        # The batch waits for its latest deadline; entries due sooner get a timer
+        # of their own (rare: entries of one batch were queued within delay_s).
+        timers = [_deadline_timer(e) for e in live if e.deadline < latest - _DEADLINE_SLACK_S]
+        try:
+            await self._send_live(live, timeout_s)
+        finally:
+            for timer in timers:
+                timer.cancel()
+
+    async def _send_live(self, live: list[_Entry], timeout_s: float) -> None:
         try:
             if len(live) == 1:
                 response = await self._pool.infer(live[0].request.infer_request, timeout_s)
@@ -249,6 +254,21 @@ class MicroBatcher:
             task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _deadline_timer(entry: _Entry) -> asyncio.TimerHandle:
+    """Fail ``entry`` with TritonTimeout at its own deadline if no response came by then."""
+
+    def expire() -> None:
+        _fail(entry, errors.TritonTimeout("no response from Triton within the deadline (batched)"))
+
+    return asyncio.get_running_loop().call_at(_loop_time_of(entry.deadline), expire)
+
+
+def _loop_time_of(monotonic_s: float) -> float:
+    """The event loop's clock reading at ``time.monotonic()`` = ``monotonic_s``."""
+    loop = asyncio.get_running_loop()
+    return loop.time() + (monotonic_s - time.monotonic())
 
 
 def _resolve(entry: _Entry, response: Any) -> None:

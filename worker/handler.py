@@ -94,6 +94,8 @@ class RecordHandler:
         self._breaker = breaker
         self._batcher = batcher
         self._limiter = limiter
+        # Per-model metric children: labels() is a locked dict lookup, too dear per record.
+        self._model_metrics: dict[str, tuple[Any, Any]] = {}
 
     async def handle(self, record: ConsumerRecord[bytes, bytes]) -> None:
         """Process ``record``; returns once its result or dead letter is acknowledged."""
@@ -170,9 +172,7 @@ class RecordHandler:
             self._metrics.dead_letters_total.labels(code=outcome.error.code).inc()
         else:
             assert outcome.request is not None
-            self._metrics.results_published_total.labels(
-                model=self._metrics.model_label(outcome.request.model_name)
-            ).inc()
+            self._metrics_for(outcome.request.model_name)[0].inc()
         await self._audit.record(
             outcome.record,
             request_id=outcome.request.request_id if outcome.request else None,
@@ -187,8 +187,20 @@ class RecordHandler:
             max(0.0, time.time() - outcome.record.timestamp / 1000)
         )
 
+    def _metrics_for(self, model_name: str) -> tuple[Any, Any]:
+        """(results published counter, inference latency histogram) of ``model_name``."""
+        children = self._model_metrics.get(model_name)
+        if children is None:
+            model = self._metrics.model_label(model_name)
+            children = (
+                self._metrics.results_published_total.labels(model=model),
+                self._metrics.inference_latency_seconds.labels(model=model),
+            )
+            self._model_metrics[model_name] = children
+        return children
+
     async def _infer(self, request: codec.DecodedRequest, spec: ModelSpec, budget: _Budget) -> Any:
-        model = self._metrics.model_label(request.model_name)
+        latency = self._metrics_for(request.model_name)[1]
         try_timeout_s = self._settings.request_timeout_ms / 1000
 
         async def once(timeout_s: float) -> Any:
@@ -200,10 +212,9 @@ class RecordHandler:
                     self._limiter.on_overload()
                 raise
             latency_s = time.monotonic() - started
-            self._metrics.inference_latency_seconds.labels(model=model).observe(latency_s)
+            latency.observe(latency_s)
             if self._limiter is not None:
                 self._limiter.on_success(latency_s)
-                self._metrics.window_limit.set(self._limiter.limit)
             return response
 
         return await self._retrying(budget, once)

@@ -18,6 +18,10 @@ log = structlog.get_logger(__name__)
 
 Headers = Sequence[tuple[str, bytes]]
 
+#: Producer batch per partition. aiokafka's 16 KiB default fills after ~40 results;
+#: senders then queue behind the in-flight batch, which costs CPU per record.
+_MAX_BATCH_BYTES = 512 * 1024
+
 
 class DeadLetterWriteFailed(errors.WriteFailed):
     """A dead letter could not be written after every retry: the worker must stop."""
@@ -52,6 +56,7 @@ class Publisher:
             enable_idempotence=True,
             linger_ms=linger_ms,
             max_request_size=max_request_bytes,
+            max_batch_size=min(_MAX_BATCH_BYTES, max_request_bytes),
             compression_type=None,
             **client_kwargs,
         )
