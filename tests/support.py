@@ -233,3 +233,13 @@ def result_outputs(record: ConsumerRecord[bytes, bytes]) -> dict[str, Any]:
         )
         for o in doc["outputs"]
     }
+
+
+def report(scenario: str, sent: int, got: Collected, recovery_s: float | None = None) -> None:
+    """Print one line of the README's reliability table (visible with ``pytest -s``)."""
+    answered = len(got)
+    recovery = f"{recovery_s:.1f} s" if recovery_s is not None else "-"
+    print(
+        f"\nRELIABILITY | {scenario} | {sent} | {sent - answered} | {got.duplicates} | "
+        f"{len(got.dead_letters)} | {recovery} |"
+    )

@@ -6,6 +6,7 @@ import asyncio
 import signal
 import subprocess
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ from tests.support import (
     Topics,
     collect,
     create,
+    report,
     running_worker,
     send,
     settings_for,
@@ -64,7 +66,12 @@ async def test_single_broker_restart_mid_stream(
         got = await collect(own_kafka.bootstrap_servers, topics, 300)
         await asyncio.to_thread(own_kafka.stop_node, 1)
         await asyncio.to_thread(own_kafka.start_node, 1)
+        back = time.monotonic()
+        answered = len(got)
+        got = await collect(own_kafka.bootstrap_servers, topics, answered + 1, 120, into=got)
+        recovery_s = time.monotonic() - back
         got = await collect(own_kafka.bootstrap_servers, topics, len(requests), 120, into=got)
+    report("single broker restarted mid-stream", len(requests), got, recovery_s)
     assert got.dead_letters == {}
     assert set(got.results) == {r.request_id for r in requests}
 
@@ -81,7 +88,12 @@ async def test_partition_leader_failover(cluster3: KafkaCluster, triton: Any, un
         await send(cluster3.bootstrap_servers, topics.input, requests)
         got = await collect(cluster3.bootstrap_servers, topics, 300)
         await asyncio.to_thread(cluster3.stop_node, leader)
+        stopped = time.monotonic()
+        answered = len(got)
+        got = await collect(cluster3.bootstrap_servers, topics, answered + 1, 120, into=got)
+        recovery_s = time.monotonic() - stopped
         got = await collect(cluster3.bootstrap_servers, topics, len(requests), 120, into=got)
+    report("partition leader failover (3 nodes)", len(requests), got, recovery_s)
     assert await cluster3.leader(topics.input, 0) not in {leader, -1}
     assert got.dead_letters == {}
     assert set(got.results) == {r.request_id for r in requests}
@@ -118,5 +130,5 @@ async def test_group_scales_one_three_one_mid_stream(
     assert set(got.results) == {r.request_id for r in requests}
     # Graceful hand-overs drain and commit: at most the records finished between a
     # commit and a revocation may be redone.
-    print(f"\nduplicates while scaling 1 → 3 → 1: {got.duplicates}")
+    report("group scaled 1 → 3 → 1 mid-stream", len(requests), got)
     assert got.duplicates <= 3 * 64

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from tests.support import Topics, collect, create, running_worker, send, settings_for
+from tests.support import Topics, collect, create, report, running_worker, send, settings_for
 from worker import samples
 from worker.devstack.paths import models_dir
 from worker.devstack.triton import TritonServer, ensure_triton
@@ -50,6 +50,7 @@ async def test_triton_killed_and_restarted_mid_stream(
         assert report is not None
         await asyncio.to_thread(own_triton.start)
         got = await collect(kafka.bootstrap_servers, topics, len(requests), 120, into=got)
+    report("Triton killed (SIGKILL) and restarted mid-stream", len(requests), got)
     assert got.duplicates <= 256, "duplicates beyond the window"
     assert got.dead_letters == {}
     assert set(got.results) == {r.request_id for r in requests}
@@ -81,6 +82,6 @@ async def test_triton_down_30s_no_dead_letters_resume_within_5s(
         got = await collect(kafka.bootstrap_servers, topics, answered_during_outage + 1, into=got)
         resume_s = time.monotonic() - ready_at
         got = await collect(kafka.bootstrap_servers, topics, len(first) + len(during), into=got)
+    report("Triton down for 30 s", len(first) + len(during), got, resume_s)
     assert got.dead_letters == {}
     assert resume_s <= 5.0, f"processing resumed {resume_s:.1f} s after Triton was ready"
-    print(f"\nresume after Triton ready: {resume_s:.2f} s")

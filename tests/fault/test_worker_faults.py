@@ -18,6 +18,7 @@ from tests.support import (
     collect,
     create,
     headers_dict,
+    report,
     running_worker,
     send,
     settings_for,
@@ -69,7 +70,7 @@ async def test_sigkill_mid_stream_loses_nothing_and_duplicates_stay_bounded(
     assert got.dead_letters == {}
     # Redone after the crash: what was in flight (≤ window) plus what finished after
     # the last commit (≤ one 100 ms commit interval of throughput).
-    print(f"\nduplicates after SIGKILL: {got.duplicates}")
+    report("worker SIGKILL mid-stream, restarted", len(requests), got)
     assert got.duplicates <= 64 + 1000
 
 
@@ -91,6 +92,7 @@ async def test_exactly_once_survives_sigkill(
         delivery="exactly_once",
         max_request_bytes=str(samples.BAD_SAMPLES_MAX_REQUEST_BYTES),
     )
+    report("exactly_once, worker SIGKILL mid-stream (read_committed)", len(requests), got)
     assert got.duplicates == 0
     assert set(got.results) | set(got.dead_letters) == {r.request_id for r in requests}
     assert set(got.dead_letters) == {r.request_id for r in requests if r.expected_code}
@@ -106,6 +108,7 @@ async def test_poison_pills_alone_are_dead_lettered(kafka: Any, triton: Any, uni
         await send(kafka.bootstrap_servers, topics.input, requests)
         got = await collect(kafka.bootstrap_servers, topics, len(requests))
     poison = {f"r{i}" for i in range(100) if i % 10 == 3}
+    report("poison pills (10 of 100 make the model raise)", len(requests), got)
     assert set(got.dead_letters) == poison
     for rid in poison:
         headers = headers_dict(got.dead_letters[rid].headers)
@@ -134,6 +137,7 @@ async def test_slow_model_times_out_retries_then_dead_letters(
     async with running_worker(settings) as worker:
         await send(kafka.bootstrap_servers, topics.input, requests)
         got = await collect(kafka.bootstrap_servers, topics, 2)
+    report("slow model: timeouts, 3 tries, RETRIES_EXHAUSTED", len(requests), got)
     headers = headers_dict(got.dead_letters["slow"].headers)
     assert headers["x-error-code"] == b"RETRIES_EXHAUSTED"
     assert headers["x-attempts"] == b"3"
@@ -178,6 +182,7 @@ async def test_window_full_past_max_poll_interval_keeps_membership(
         await send(kafka.bootstrap_servers, topics.input, requests)
         got = await collect(kafka.bootstrap_servers, topics, len(requests), timeout_s=60)
         assert revocations == [], "the member lost its partitions while the window was full"
+    report("window full 3 s > max_poll_interval_ms 1 s", len(requests), got)
     assert len(got.results) == len(requests)
     assert got.duplicates == 0
 
@@ -258,6 +263,7 @@ async def test_ordering_holds_under_concurrency(
     settings = settings_for(kafka, triton, topics, ordering=ordering, max_in_flight="64")
     async with running_worker(settings):
         got = await collect(kafka.bootstrap_servers, topics, 120)
+    report(f"ordering={ordering} under concurrency", 120, got)
     order = await _output_order(kafka.bootstrap_servers, topics.output)
     group_of = (lambda h: h["key"]) if ordering == "key" else (lambda h: h["x-source-partition"])
     seen: dict[bytes, list[int]] = {}
