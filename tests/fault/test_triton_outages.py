@@ -46,8 +46,8 @@ async def test_triton_killed_and_restarted_mid_stream(
         await send(kafka.bootstrap_servers, topics.input, requests)
         got = await collect(kafka.bootstrap_servers, topics, 200)
         await asyncio.to_thread(own_triton.kill)
-        report = own_triton.death_report()
-        assert report is not None
+        death = own_triton.death_report()
+        assert death is not None, "the kill left no trace"
         await asyncio.to_thread(own_triton.start)
         got = await collect(kafka.bootstrap_servers, topics, len(requests), 120, into=got)
     report("Triton killed (SIGKILL) and restarted mid-stream", len(requests), got)

@@ -204,13 +204,13 @@ def test_prometheus_scrapes_every_worker_and_triton() -> None:
 
 
 def test_alerts_name_a_runbook_section() -> None:
-    """Every alert links to a section of docs/operations.md that exists."""
+    """Every alert links to a section of the README's runbook that exists."""
     rules = yaml.safe_load((PROMETHEUS / "alerts.yml").read_text())
-    headings = re.findall(r"^#+ (.+)$", (ROOT / "docs" / "operations.md").read_text(), re.M)
+    headings = re.findall(r"^#+ (.+)$", (ROOT / "README.md").read_text(), re.M)
     anchors = {re.sub(r"[^a-z0-9 -]", "", h.lower()).replace(" ", "-") for h in headings}
     for rule in (r for group in rules["groups"] for r in group["rules"]):
         page, _, anchor = rule["annotations"]["runbook"].partition("#")
-        assert page == "docs/operations.md" and anchor in anchors, rule["alert"]
+        assert page == "README.md" and anchor in anchors, rule["alert"]
 
 
 def test_grafana_provisioning_points_at_the_dashboard() -> None:
