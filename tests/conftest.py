@@ -13,7 +13,9 @@ from typing import Any
 
 import pytest
 
+from tests.support import local_kafka
 from worker.devstack.containers import ContainerKafka, ContainerTriton, docker_available
+from worker.devstack.kafka import KafkaCluster
 from worker.devstack.stack import LocalStack
 
 
@@ -58,6 +60,13 @@ def kafka(stack: Any) -> Any:
 def triton(stack: Any) -> Any:
     """The session's Triton: ``grpc_address``, ``http_address``; stop/kill/restart."""
     return stack.triton
+
+
+@pytest.fixture(scope="session")
+def cluster3() -> Iterator[KafkaCluster]:
+    """Three KRaft nodes on this host, for leader failover (started when first asked for)."""
+    with local_kafka(nodes=3) as cluster:
+        yield cluster
 
 
 @pytest.fixture

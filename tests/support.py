@@ -7,8 +7,9 @@ import contextlib
 import os
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,21 @@ from aiokafka.structs import ConsumerRecord
 from worker.app import Worker
 from worker.codec import header_value
 from worker.config import Settings, load_settings
+from worker.devstack.kafka import KafkaCluster, ensure_kafka_jars
 from worker.samples import SampleRequest
+
+
+@contextlib.contextmanager
+def local_kafka(nodes: int) -> Iterator[KafkaCluster]:
+    """A Kafka cluster of its own (``nodes`` KRaft nodes), stopped with nothing left behind."""
+    with tempfile.TemporaryDirectory() as tmp:
+        cluster = KafkaCluster(ensure_kafka_jars(log=lambda _: None), Path(tmp), nodes=nodes)
+        cluster.start()
+        try:
+            yield cluster
+        finally:
+            cluster.stop()
+        assert cluster.running_nodes() == []
 
 
 def mlp_reference(rows: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:

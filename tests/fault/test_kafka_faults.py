@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import signal
 import subprocess
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,6 +16,7 @@ from tests.support import (
     Topics,
     collect,
     create,
+    local_kafka,
     report,
     running_worker,
     send,
@@ -25,7 +25,7 @@ from tests.support import (
     worker_env,
 )
 from worker import samples
-from worker.devstack.kafka import KafkaCluster, ensure_kafka_jars
+from worker.devstack.kafka import KafkaCluster
 
 pytestmark = [pytest.mark.fault, pytest.mark.timeout(300)]
 
@@ -33,25 +33,8 @@ pytestmark = [pytest.mark.fault, pytest.mark.timeout(300)]
 @pytest.fixture(scope="module")
 def own_kafka() -> Iterator[KafkaCluster]:
     """A single-node broker for this module alone, so restarting it disturbs no other test."""
-    with tempfile.TemporaryDirectory() as tmp:
-        cluster = KafkaCluster(ensure_kafka_jars(log=lambda _: None), Path(tmp), nodes=1)
-        cluster.start()
-        try:
-            yield cluster
-        finally:
-            cluster.stop()
-
-
-@pytest.fixture(scope="module")
-def cluster3() -> Iterator[KafkaCluster]:
-    """Three KRaft nodes on this host."""
-    with tempfile.TemporaryDirectory() as tmp:
-        cluster = KafkaCluster(ensure_kafka_jars(log=lambda _: None), Path(tmp), nodes=3)
-        cluster.start()
-        try:
-            yield cluster
-        finally:
-            cluster.stop()
+    with local_kafka(nodes=1) as cluster:
+        yield cluster
 
 
 async def test_single_broker_restart_mid_stream(

@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-import tempfile
 import time
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.structs import TopicPartition
 
-from worker.devstack.kafka import KafkaCluster, ensure_kafka_jars
+from worker.devstack.kafka import KafkaCluster
 
 pytestmark = pytest.mark.integration
 
@@ -52,19 +49,6 @@ async def test_produce_consume_commit_read_back(kafka: Any, unique: str) -> None
     assert sorted(seen) == sorted(f"v{i}".encode() for i in range(20))
     committed = await kafka.committed_offsets(group)
     assert committed == {TopicPartition(topic, 0): 10, TopicPartition(topic, 1): 10}
-
-
-@pytest.fixture(scope="module")
-def cluster3() -> Iterator[KafkaCluster]:
-    """A three-node KRaft cluster on this host, for leader failover."""
-    with tempfile.TemporaryDirectory() as tmp:
-        cluster = KafkaCluster(ensure_kafka_jars(log=lambda _: None), Path(tmp), nodes=3)
-        cluster.start()
-        try:
-            yield cluster
-        finally:
-            cluster.stop()
-    assert cluster.running_nodes() == []
 
 
 async def test_three_nodes_survive_leader_stop(cluster3: KafkaCluster, unique: str) -> None:
