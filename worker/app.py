@@ -50,6 +50,8 @@ class Worker:
             settings.triton_streams,
             client_kwargs=security.triton_client_kwargs(settings),
             auth=security.TritonAuth(settings),
+            shm_min_bytes=settings.shm_min_bytes if settings.triton_shm == "system" else None,
+            shm_pool_bytes=settings.shm_pool_bytes,
         )
         self.publisher = Publisher(
             settings.bootstrap_servers,

@@ -375,7 +375,7 @@ class Settings:
         "exactly_once: prefix of the producers' transactional ids (one per input partition).")
     # -- performance ---------------------------------------------------------------
     batch_max_size: int = _setting(
-        1, _int(1, 1024),
+        32, _int(1, 1024),
         "Client-side micro-batching: most requests coalesced into one Triton request "
         "(1 disables it).")
     batch_delay_ms: float = _setting(

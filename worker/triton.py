@@ -28,6 +28,7 @@ from tritonclient.grpc.aio import InferenceServerClient
 
 from worker import errors
 from worker.security import TritonAuth
+from worker.shm import ShmPool
 from worker.validation import ModelSpec
 
 log = structlog.get_logger(__name__)
@@ -159,7 +160,10 @@ class TritonPool:
         *,
         client_kwargs: Mapping[str, Any] | None = None,
         auth: TritonAuth | None = None,
+        shm_min_bytes: int | None = None,
+        shm_pool_bytes: int = 0,
     ) -> None:
+        """``shm_min_bytes`` set: inputs that large go through system shared memory."""
         self.url = url
         self._client_kwargs = dict(client_kwargs or {})
         self._auth = auth
@@ -173,10 +177,20 @@ class TritonPool:
         self._closing = False
         self._reopen_backoff_s = 0.1
         self._wake = asyncio.Event()
+        self._shm_min_bytes = shm_min_bytes
+        self._shm_pool_bytes = shm_pool_bytes
+        self.shm: ShmPool | None = None
 
     async def start(self) -> None:
         """Create the channel and open the streams (no server round trip needed)."""
         self._client = InferenceServerClient(self.url, **self._client_kwargs)
+        if self._shm_min_bytes is not None:
+            self.shm = ShmPool(
+                self._client,
+                min_bytes=self._shm_min_bytes,
+                pool_bytes=self._shm_pool_bytes,
+                headers=self._headers,
+            )
         for index in range(self._size):
             self._open(index)
 
@@ -197,6 +211,8 @@ class TritonPool:
         if self._closing:
             return
         log.warning("triton_stream_broken", stream=stream.index, error=str(stream.broken))
+        if self.shm is not None:
+            self.shm.invalidate()  # a restarted Triton has forgotten the regions
         # Back off before re-opening, so a down server is not hammered; the other
         # streams keep serving meanwhile.
         with contextlib.suppress(TimeoutError):
@@ -240,9 +256,14 @@ class TritonPool:
             raise stream.broken
         correlation = str(next(self._ids))
         request.id = correlation
+        lease = None
+        if self.shm is not None:
+            request, lease = await self.shm.place(request)
         future = stream.submit(request)
+        answered = False
         try:
             response = await asyncio.wait_for(future, timeout_s)
+            answered = True
         except TimeoutError:
             stream.forget(correlation)
             raise errors.TritonTimeout(
@@ -251,6 +272,13 @@ class TritonPool:
         except asyncio.CancelledError:
             stream.forget(correlation)
             raise
+        except errors.WorkerError:
+            answered = stream.broken is None  # an error response: Triton is done with it
+            raise
+        finally:
+            if lease is not None:
+                assert self.shm is not None
+                self.shm.release(lease, reusable=answered)
         self._reopen_backoff_s = 0.1
         return response
 
@@ -314,6 +342,8 @@ class TritonPool:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.shm is not None:
+            await self.shm.close()
         if self._client is not None:
             await self._client.close()
 
