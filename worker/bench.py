@@ -29,9 +29,11 @@ if TYPE_CHECKING:
 
 #: The variants, in the order they run (names in worker.benchmarks.report.VARIANTS).
 VARIANT_KEYS = ("sync", "naive", "worker", "worker_tuned", "triton", "kafka")
+#: Measurements beyond the table (worker.benchmarks.extras, worker.benchmarks.scaleout).
+EXTRA_KEYS = ("batching", "windows", "shm", "scale_out")
 MODELS = ("double", "mlp", "echo_bytes")
 
-#: Settings of the tuned worker, beyond the defaults (batching added when available).
+#: Settings of the tuned worker, beyond the defaults.
 TUNED_SETTINGS = {
     "BATCH_MAX_SIZE": "32",
     "BATCH_DELAY_MS": "2",
@@ -39,7 +41,7 @@ TUNED_SETTINGS = {
     "MAX_IN_FLIGHT": "512",
     "MAX_IN_FLIGHT_PER_PARTITION": "256",
     "MAX_POLL_RECORDS": "1000",
-    "LINGER_MS": "10",
+    "LINGER_MS": "5",
 }
 
 
@@ -58,8 +60,22 @@ def add_bench_parser(commands: argparse._SubParsersAction[argparse.ArgumentParse
     bench.add_argument("--sweep-s", type=float, default=4.0, help="seconds per offered load")
     bench.add_argument(
         "--variants",
-        default=",".join(VARIANT_KEYS),
-        help="comma-separated subset of: " + ", ".join(VARIANT_KEYS),
+        default=",".join(VARIANT_KEYS + EXTRA_KEYS),
+        help="comma-separated subset of: " + ", ".join(VARIANT_KEYS + EXTRA_KEYS),
+    )
+    bench.add_argument(
+        "--backlog",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also produce N records and sample the worker's RSS while it drains them",
+    )
+    bench.add_argument(
+        "--backlog-drain",
+        type=int,
+        default=300_000,
+        metavar="N",
+        help="stop sampling after this many results of the backlog",
     )
     bench.add_argument(
         "--tuned",
@@ -86,6 +102,7 @@ def run_bench(args: argparse.Namespace) -> int:
     console = Console()
     if args.smoke:
         args.records, args.sync_records, args.sweep_s = 300, 100, 1.0
+        args.variants = ",".join(VARIANT_KEYS)
     args.out.mkdir(parents=True, exist_ok=True)
     stack = None
     if args.bootstrap_servers and args.triton_url:
@@ -98,7 +115,9 @@ def run_bench(args: argparse.Namespace) -> int:
         # A fresh stack each run: old data would carry another cluster id.
         shutil.rmtree(workdir, ignore_errors=True)
         with console.status("starting a local Kafka broker and Triton server..."):
-            stack = LocalStack.create(workdir, models=[args.model], log=console.print)
+            # double: the shared-memory measurement; faulty: the scale-out one.
+            models = sorted({args.model, "double", "faulty"})
+            stack = LocalStack.create(workdir, models=models, log=console.print)
             stack.start()
         kafka_pids = tuple(n["pid"] for n in stack.kafka.to_state()["nodes"] if n["pid"])
         servers = Servers(
@@ -118,7 +137,7 @@ async def _bench(args: argparse.Namespace, servers: Servers, console: Console) -
     from worker.benchmarks.runner import Runner
 
     wanted = [v for v in args.variants.split(",") if v]
-    unknown = set(wanted) - set(report.VARIANTS)
+    unknown = set(wanted) - set(report.VARIANTS) - set(EXTRA_KEYS)
     if unknown:
         console.print(f"[red]unknown variants: {', '.join(sorted(unknown))}[/red]")
         return 2
@@ -154,7 +173,8 @@ async def _bench(args: argparse.Namespace, servers: Servers, console: Console) -
         if sweep and "triton" in wanted:
             half_rate = results["worker_tuned"].records_per_s / 2
             triton_half = await runner.triton_at(half_rate, progress)
-    targets = report.ratios(results, sweep, triton_half)
+    extras = await _extras(args, servers, wanted, tuned, console)
+    targets = report.ratios(results, sweep, triton_half) + report.extra_ratios(extras)
     meta = {
         "model": args.model,
         "records": args.records,
@@ -165,7 +185,7 @@ async def _bench(args: argparse.Namespace, servers: Servers, console: Console) -
         "tuned_settings": {f"WORKER_{k}": v for k, v in tuned.items()},
     }
     report.print_tables(console, results, targets)
-    table = report.markdown(results, sweep, targets, meta)
+    table = report.markdown(results, sweep, targets, meta) + report.extras_markdown(extras)
     (args.out / "bench.md").write_text(table)
     report.write_json(
         args.out / "bench.json",
@@ -175,11 +195,79 @@ async def _bench(args: argparse.Namespace, servers: Servers, console: Console) -
             "worker_tuned_latency_vs_load": sweep,
             "triton_at_half_worker_peak": triton_half,
             "targets": targets,
+            "extras": extras,
         },
     )
-    plotted = report.plot(args.out / "bench.png", results, sweep)
+    plotted = report.plot(args.out / "bench.png", results, sweep, extras.get("backlog"))
     console.print(
         f"written: {args.out / 'bench.json'}, {args.out / 'bench.md'}"
         + (f", {args.out / 'bench.png'}" if plotted else " (no matplotlib: no plot)")
     )
     return 0
+
+
+async def _extras(
+    args: argparse.Namespace,
+    servers: Servers,
+    wanted: list[str],
+    tuned: dict[str, str],
+    console: Console,
+) -> dict[str, object]:
+    """Scale-out, adaptive window, shared memory and backlog memory, as asked for."""
+    from worker.benchmarks import extras, scaleout
+
+    out: dict[str, object] = {}
+    if "batching" in wanted:
+        with console.status("batching: the tuned worker with and without micro-batching..."):
+            out["batching"] = [
+                await extras.drain(
+                    servers.bootstrap,
+                    servers.triton,
+                    args.out,
+                    label=label,
+                    model=args.model,
+                    backlog=args.records,
+                    settings={**tuned, "BATCH_MAX_SIZE": size},
+                    sample_s=0.5,
+                )
+                for label, size in (("unbatched", "1"), ("batched", tuned["BATCH_MAX_SIZE"]))
+            ]
+    if "windows" in wanted:
+        with console.status("window sweep: fixed windows and the adaptive one..."):
+            out["windows"] = await extras.window_sweep(
+                servers.bootstrap,
+                servers.triton,
+                args.out,
+                model=args.model,
+                records=args.records,
+                base={k: v for k, v in tuned.items() if not k.startswith("MAX_IN_FLIGHT")},
+            )
+    if "shm" in wanted:
+        with console.status("shared memory: 4 MiB tensors with and without..."):
+            out["shm"] = await extras.shm_gain(
+                servers.triton, tensor_bytes=4 << 20, requests=max(20, min(400, args.records // 50))
+            )
+    if "scale_out" in wanted:
+        with console.status("scale-out: one worker, then three in one group..."):
+            points = [
+                await scaleout.measure_workers(
+                    servers.bootstrap, servers.triton, args.out, workers=n, records=600
+                )
+                for n in (1, 3)
+            ]
+        out["scale_out"] = points
+    if args.backlog:
+        with console.status(f"backlog: producing {args.backlog:,} records, then draining..."):
+            out["backlog"] = await extras.drain(
+                servers.bootstrap,
+                servers.triton,
+                args.out,
+                label="backlog",
+                model=args.model,
+                backlog=args.backlog,
+                settings={},
+                until_results=min(args.backlog, args.backlog_drain),
+                sample_s=2.0,
+                timeout_s=900,
+            )
+    return out

@@ -11,8 +11,13 @@ At the end of each window:
 - an overload (RESOURCE_EXHAUSTED, a timeout) seen in it cuts the limit
   multiplicatively (once per window: the requests already in flight when the
   first overload arrived must not cut it again);
-- an average latency above ``tolerance`` x the floor (the lowest window
-  average seen) means a queue is building: the limit shrinks a little;
+- a window that completed at least ``rate_gain`` more requests per second
+  than any before it shows that more in flight buys throughput (with
+  micro-batching, larger batches): the limit grows, and the latency seen there
+  becomes the reference, even when it is above the floor;
+- an average latency above ``tolerance`` x the reference (the lowest window
+  average seen, or the latency where throughput last grew) means a queue is
+  building without more throughput: the limit shrinks a little;
 - otherwise, if the window was actually used (in flight reached half the
   limit), the limit grows by about its square root.
 
@@ -25,6 +30,8 @@ PROBE_RTT. Without this a floor measured long ago would let the limit creep.
 from __future__ import annotations
 
 import math
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from worker.window import Window
@@ -48,6 +55,8 @@ class LimiterSettings:
     max_window_samples: int = 200
     #: Windows between two floor probes.
     probe_every_windows: int = 100
+    #: A window this much faster than the best before it counts as more throughput.
+    rate_gain: float = 1.05
 
 
 class AdaptiveLimiter:
@@ -59,8 +68,9 @@ class AdaptiveLimiter:
         min_limit: int,
         max_limit: int,
         settings: LimiterSettings | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        """Start at ``min_limit`` and set ``window.limit`` to it."""
+        """Start at ``min_limit`` and set ``window.limit`` to it; ``clock`` times windows."""
         if not 1 <= min_limit <= max_limit:
             raise ValueError(f"need 1 <= min_limit <= max_limit, got {min_limit}, {max_limit}")
         self._window = window
@@ -77,6 +87,10 @@ class AdaptiveLimiter:
         self._sum_s = 0.0
         self._overloads = 0
         self._peak_in_flight = 0
+        self._clock = clock
+        self._window_started = clock()
+        self._best_rate = 0.0
+        self._earned_s = 0.0
         self._apply()
 
     @property
@@ -117,23 +131,33 @@ class AdaptiveLimiter:
             return
         successes = self._count - self._overloads
         average_s = self._sum_s / successes if successes > 0 else math.inf
+        now = self._clock()
+        rate = successes / max(now - self._window_started, 1e-9)
+        self._window_started = now
         self._windows += 1
-        self._update(average_s)
+        self._update(average_s, rate)
         self._reset_window()
         self._apply()
 
-    def _update(self, average_s: float) -> None:
+    def _update(self, average_s: float, rate: float) -> None:
         s = self._settings
         if self._probe_stage:
             self._probe(average_s)
             return
         if average_s < self._floor_s:
             self._floor_s = average_s
+        used = 2 * self._peak_in_flight >= self._estimate
         if self._overloads > 0:
             self._estimate *= s.backoff_ratio
+        elif used and rate > s.rate_gain * self._best_rate and math.isfinite(average_s):
+            # More in flight bought throughput: its latency is the price, not queueing.
+            self._best_rate = rate
+            self._earned_s = average_s
+            self._floor_s = max(self._floor_s, average_s)
+            self._estimate += math.sqrt(self._estimate)
         elif average_s > s.tolerance * self._floor_s:
             self._estimate *= s.latency_backoff_ratio
-        elif 2 * self._peak_in_flight >= self._estimate:
+        elif used:
             # Grow only when the limit is what holds traffic back.
             self._estimate += math.sqrt(self._estimate)
         if self._windows % s.probe_every_windows == 0:
@@ -146,7 +170,8 @@ class AdaptiveLimiter:
         if self._probe_stage == 0:
             # The measuring window ran at half the limit: take its latency as the floor.
             if math.isfinite(average_s) and self._overloads == 0:
-                self._floor_s = average_s
+                # Latency earned by throughput (see _update) stays acceptable.
+                self._floor_s = max(average_s, self._earned_s)
             self._estimate = self._before_probe * (
                 self._settings.backoff_ratio if self._overloads > 0 else 1.0
             )

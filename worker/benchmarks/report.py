@@ -196,8 +196,13 @@ def _jsonable(value: Any) -> Any:
     raise TypeError(f"not JSON serialisable: {type(value).__name__}")
 
 
-def plot(path: Path, results: dict[str, VariantResult], sweep: Sequence[LoadPoint]) -> bool:
-    """Throughput per variant, and the tuned worker's latency against offered load."""
+def plot(
+    path: Path,
+    results: dict[str, VariantResult],
+    sweep: Sequence[LoadPoint],
+    backlog: Any = None,
+) -> bool:
+    """Throughput per variant, the tuned worker's latency against load, RSS draining a backlog."""
     try:
         import matplotlib
 
@@ -205,7 +210,9 @@ def plot(path: Path, results: dict[str, VariantResult], sweep: Sequence[LoadPoin
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    fig, (bars, lines) = plt.subplots(1, 2, figsize=(13, 4.8))
+    panels = 3 if backlog is not None and backlog.samples else 2
+    fig, axes = plt.subplots(1, panels, figsize=(6.5 * panels, 4.8))
+    bars, lines = axes[0], axes[1]
     keys = [k for k in VARIANTS if k in results]
     bars.barh([VARIANTS[k] for k in keys], [results[k].records_per_s for k in keys])
     bars.invert_yaxis()
@@ -220,6 +227,13 @@ def plot(path: Path, results: dict[str, VariantResult], sweep: Sequence[LoadPoin
     lines.set_xlabel("offered load, records/s")
     lines.set_ylabel("end-to-end latency, ms")
     lines.set_title("tuned worker: latency against offered load")
+    if panels == 3:
+        memory = axes[2]
+        memory.plot([s[1] for s in backlog.samples], [s[2] for s in backlog.samples], marker=".")
+        memory.set_ylim(bottom=0)
+        memory.set_xlabel("results published")
+        memory.set_ylabel("worker RSS, MiB")
+        memory.set_title(f"RSS draining a {backlog.backlog:,}-record backlog")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -242,3 +256,116 @@ def machine() -> str:
         f"{os.cpu_count()} CPUs ({model or platform.machine()}), "
         f"Python {platform.python_version()}, {platform.system()} {platform.release()}"
     )
+
+
+#: RSS growth while draining a backlog that still counts as flat.
+FLAT_RSS_GROWTH_MIB = 32.0
+
+
+def extra_ratios(extras: dict[str, Any]) -> list[Ratio]:
+    """Targets of the extra measurements: batching, adaptive window, scale-out, memory."""
+    out: list[Ratio] = []
+    batching = extras.get("batching")
+    if batching and batching[0].records_per_s > 0:
+        value = batching[1].records_per_s / batching[0].records_per_s
+        out.append(Ratio("batched / unbatched (tuned worker)", value, ">= 2.0", value >= 2.0))
+    windows = extras.get("windows")
+    if windows:
+        fixed = [d for d in windows if d.label.startswith("fixed")]
+        adaptive = next(d for d in windows if d.label == "adaptive")
+        best = max(fixed, key=lambda d: d.records_per_s)
+        value = adaptive.records_per_s / best.records_per_s if best.records_per_s else 0.0
+        out.append(Ratio(f"adaptive / best fixed ({best.label})", value, ">= 0.8", value >= 0.8))
+        largest = fixed[-1]
+        out.append(
+            Ratio(
+                f"adaptive inference p99 under backlog (ms), vs {largest.label}",
+                adaptive.inference_p99_ms,
+                f"< {largest.inference_p99_ms:,.1f}",
+                adaptive.inference_p99_ms < largest.inference_p99_ms,
+            )
+        )
+    shm = extras.get("shm")
+    if shm:
+        value = shm["gain"]
+        out.append(Ratio("system shm / gRPC, 4 MiB tensors", value, "> 1.0", value > 1.0))
+    scale = extras.get("scale_out")
+    if scale and scale[0].records_per_s > 0:
+        value = scale[1].records_per_s / scale[0].records_per_s
+        out.append(Ratio("3 workers / 1 worker (latency-bound)", value, ">= 2.5", value >= 2.5))
+    backlog = extras.get("backlog")
+    if backlog and backlog.samples:
+        growth = rss_growth_mib(backlog)
+        out.append(
+            Ratio(
+                f"RSS growth draining a {backlog.backlog:,} backlog (MiB)",
+                growth,
+                f"< {FLAT_RSS_GROWTH_MIB:.0f}",
+                growth < FLAT_RSS_GROWTH_MIB,
+            )
+        )
+    return out
+
+
+def rss_growth_mib(backlog: Any) -> float:
+    """Highest RSS minus the RSS once a tenth of the drained results were out (warm)."""
+    final = backlog.samples[-1][1]
+    warm = next(s for s in backlog.samples if s[1] >= final / 10)
+    return float(max(s[2] for s in backlog.samples) - warm[2])
+
+
+def extras_markdown(extras: dict[str, Any]) -> str:
+    """The extra measurements as Markdown tables."""
+    lines: list[str] = []
+    drains = [*(extras.get("batching") or []), *(extras.get("windows") or [])]
+    if drains:
+        lines += [
+            "",
+            "One worker draining a backlog (tuned settings but for the column 'settings'):",
+            "",
+            "| run | settings | records/s | inference p99 ms | peak RSS MiB |",
+            "| --- | --- | ---: | ---: | ---: |",
+        ]
+        for d in drains:
+            keys = ("BATCH_MAX_SIZE", "WINDOW_MODE", "MAX_IN_FLIGHT")
+            shown = ", ".join(f"{k}={d.settings[k]}" for k in keys if k in d.settings)
+            lines.append(
+                f"| {d.label} | {shown} | {d.records_per_s:,.0f} "
+                f"| {d.inference_p99_ms:,.1f} | {d.peak_rss_mib:,.1f} |"
+            )
+    shm = extras.get("shm")
+    if shm:
+        lines += [
+            "",
+            f"Triton alone, `double`, {shm['tensor_bytes'] / (1 << 20):.0f} MiB FP32 tensors, "
+            "4 concurrent:",
+            "",
+            "| path | requests/s | MB/s |",
+            "| --- | ---: | ---: |",
+            f"| gRPC bytes | {shm['grpc_requests_per_s']:,.1f} | {shm['grpc_mb_per_s']:,.0f} |",
+            f"| system shared memory | {shm['system_shm_requests_per_s']:,.1f} "
+            f"| {shm['system_shm_mb_per_s']:,.0f} |",
+        ]
+    scale = extras.get("scale_out")
+    if scale:
+        lines += [
+            "",
+            "Scale-out, `faulty` with DELAY_MS=20, WORKER_MAX_IN_FLIGHT=1 per worker:",
+            "",
+            "| workers | records | records/s |",
+            "| ---: | ---: | ---: |",
+        ]
+        lines += [f"| {p.workers} | {p.records} | {p.records_per_s:,.1f} |" for p in scale]
+    backlog = extras.get("backlog")
+    if backlog:
+        lines += [
+            "",
+            f"Backlog of {backlog.backlog:,} records, default settings; RSS while draining:",
+            "",
+            "| s | results | RSS MiB |",
+            "| ---: | ---: | ---: |",
+        ]
+        step = max(1, len(backlog.samples) // 12)
+        for t, n, rss in backlog.samples[::step]:
+            lines.append(f"| {t:.0f} | {n:,} | {rss:.1f} |")
+    return "\n".join(lines) + "\n" if lines else ""
