@@ -46,6 +46,8 @@ class _Stream:
         self.index = index
         self._stub = stub
         self._metadata = tuple(headers.items())
+        self._call: Any = None
+        self._abandoned = False
         self._outbox: asyncio.Queue[service_pb2.ModelInferRequest | None] = asyncio.Queue()
         # Insertion-ordered: the first entry is the oldest request still owed.
         self.pending: dict[str, asyncio.Future[service_pb2.ModelInferResponse]] = {}
@@ -70,6 +72,7 @@ class _Stream:
         call = self._stub.ModelStreamInfer(  # type: ignore[attr-defined]
             self, metadata=self._metadata or None
         )
+        self._call = call
         try:
             async for response in call:
                 self._deliver(response)
@@ -83,6 +86,9 @@ class _Stream:
         except asyncio.CancelledError:
             call.cancel()
             self.broken = errors.TritonUnavailable("the inference stream was cancelled")
+            task = asyncio.current_task()
+            if self._abandoned and task is not None and not task.cancelling():
+                return  # close() abandoned the drained call; this task was not cancelled
             raise
         finally:
             self._fail_pending(self.broken or errors.TritonUnavailable("stream ended"))
@@ -137,9 +143,17 @@ class _Stream:
             self._idle.set()
 
     async def close(self, drain_timeout_s: float) -> None:
-        """Wait (bounded) for every owed response, then end the request iterator."""
+        """Wait (bounded) for every owed response, then abandon the call.
+
+        Cancelling rather than half-closing: tritonserver 2.51 was seen to crash
+        when a client half-closed a stream, even an idle one, while cancelling
+        never crashed it.
+        """
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._idle.wait(), drain_timeout_s)
+        self._abandoned = True
+        if self._call is not None:
+            self._call.cancel()
         self._outbox.put_nowait(None)
 
 
