@@ -6,9 +6,9 @@ feeds it ready-made ``ModelInferRequest`` messages (the codec builds them
 straight from the Kafka value) instead of dicts of ``InferInput``, which would
 force a numpy copy of every tensor.
 
-A stream's request iterator stays open until every response it owes has
-arrived: tritonserver 2.51 can crash when a client half-closes a stream with
-requests in flight.
+A stream stays open until every response it owes has arrived, then is
+cancelled, never half-closed: tritonserver 2.51 can crash when a client
+half-closes a stream, even an idle one.
 """
 
 from __future__ import annotations
