@@ -8,7 +8,7 @@ Docker engine answers or ``WORKER_TEST_DOCKER=1``.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import pytest
@@ -17,6 +17,7 @@ from tests.support import local_kafka
 from worker.devstack.containers import ContainerKafka, ContainerTriton, docker_available
 from worker.devstack.kafka import KafkaCluster
 from worker.devstack.stack import LocalStack
+from worker.triton import TritonPool
 
 
 def _report(config: pytest.Config, line: str) -> None:
@@ -67,6 +68,15 @@ def cluster3() -> Iterator[KafkaCluster]:
     """Three KRaft nodes on this host, for leader failover (started when first asked for)."""
     with local_kafka(nodes=3) as cluster:
         yield cluster
+
+
+@pytest.fixture
+async def pool(triton: Any) -> AsyncIterator[TritonPool]:
+    """A stream pool (two streams) to the session's Triton, closed after the test."""
+    pool = TritonPool(triton.grpc_address, streams=2)
+    await pool.start()
+    yield pool
+    await pool.close()
 
 
 @pytest.fixture

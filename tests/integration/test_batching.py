@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 from typing import Any
 
 import numpy as np
@@ -39,14 +38,6 @@ def floats(model: str, rows: np.ndarray[Any, Any], rid: str) -> codec.DecodedReq
 def output(response: Any, index: int = 0) -> np.ndarray[Any, Any]:
     tensor = response.outputs[index]
     return raw_to_numpy(tensor.datatype, list(tensor.shape), response.raw_output_contents[index])
-
-
-@pytest.fixture
-async def pool(triton: Any) -> AsyncIterator[TritonPool]:
-    pool = TritonPool(triton.grpc_address, streams=2)
-    await pool.start()
-    yield pool
-    await pool.close()
 
 
 async def test_batched_double_equals_unbatched(pool: TritonPool) -> None:

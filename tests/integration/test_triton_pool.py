@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 import numpy as np
@@ -31,14 +30,6 @@ def _faulty(rng: np.random.Generator, rid: str, delay_ms: int = 0, fail: bool = 
         max_request_bytes=1 << 20,
     )
     return decoded.infer_request
-
-
-@pytest.fixture
-async def pool(triton: Any) -> AsyncIterator[TritonPool]:
-    pool = TritonPool(triton.grpc_address, streams=2)
-    await pool.start()
-    yield pool
-    await pool.close()
 
 
 async def test_fast_requests_avoid_a_stream_stuck_behind_a_slow_one(pool: TritonPool) -> None:
