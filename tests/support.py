@@ -201,6 +201,26 @@ def spawn_worker(env: Mapping[str, str], log_path: Path) -> subprocess.Popen[byt
         )
 
 
+def _answers_ready(port: int) -> bool:
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=2) as response:
+            return bool(response.status == 200)
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+async def wait_ready(port: int, proc: subprocess.Popen[bytes], timeout_s: float = 60) -> None:
+    """Wait until a worker process answers ``/readyz`` with 200 (fails if it exits first)."""
+    deadline = time.monotonic() + timeout_s
+    while not await asyncio.to_thread(_answers_ready, port):
+        assert proc.poll() is None, f"worker exited with {proc.returncode} before it was ready"
+        assert time.monotonic() < deadline, f"worker on port {port} not ready in {timeout_s} s"
+        await asyncio.sleep(0.1)  # polling another process's endpoint: nothing to await
+
+
 def rss_bytes(pid: int) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):

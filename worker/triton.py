@@ -23,7 +23,8 @@ from typing import Any
 
 import grpc  # type: ignore[import-untyped, unused-ignore]
 import structlog
-from tritonclient.grpc import InferenceServerException, service_pb2
+from tritonclient.grpc import InferenceServerException, KeepAliveOptions, service_pb2
+from tritonclient.grpc._client import MAX_GRPC_MESSAGE_SIZE
 from tritonclient.grpc.aio import InferenceServerClient
 
 from worker import errors
@@ -197,7 +198,9 @@ class TritonPool:
 
     async def start(self) -> None:
         """Create the channel and open the streams (no server round trip needed)."""
-        self._client = InferenceServerClient(self.url, **self._client_kwargs)
+        self._client = InferenceServerClient(
+            self.url, channel_args=channel_args(), **self._client_kwargs
+        )
         if self._shm_min_bytes is not None:
             self.shm = ShmPool(
                 self._client,
@@ -360,6 +363,28 @@ class TritonPool:
             await self.shm.close()
         if self._client is not None:
             await self._client.close()
+
+
+def channel_args() -> list[tuple[str, Any]]:
+    """tritonclient's own channel options, plus a short reconnect backoff.
+
+    gRPC's default reconnect backoff grows to two minutes: after a long Triton
+    outage the channel would wait that long before trying again, keeping the
+    worker (and its health probe) down well after Triton is ready. One second
+    at most keeps resumption within seconds.
+    """
+    keepalive = KeepAliveOptions()
+    return [
+        ("grpc.max_send_message_length", MAX_GRPC_MESSAGE_SIZE),
+        ("grpc.max_receive_message_length", MAX_GRPC_MESSAGE_SIZE),
+        ("grpc.keepalive_time_ms", keepalive.keepalive_time_ms),
+        ("grpc.keepalive_timeout_ms", keepalive.keepalive_timeout_ms),
+        ("grpc.keepalive_permit_without_calls", keepalive.keepalive_permit_without_calls),
+        ("grpc.http2.max_pings_without_data", keepalive.http2_max_pings_without_data),
+        ("grpc.initial_reconnect_backoff_ms", 100),
+        ("grpc.min_reconnect_backoff_ms", 100),
+        ("grpc.max_reconnect_backoff_ms", 1000),
+    ]
 
 
 def _from_client_error(exc: InferenceServerException, what: str) -> errors.WorkerError:

@@ -22,10 +22,12 @@ from tests.support import (
     send,
     settings_for,
     spawn_worker,
+    wait_ready,
     worker_env,
 )
 from worker import samples
 from worker.devstack.kafka import KafkaCluster
+from worker.devstack.process import free_port
 
 pytestmark = [pytest.mark.fault, pytest.mark.timeout(300)]
 
@@ -91,13 +93,25 @@ async def test_group_scales_one_three_one_mid_stream(
     await create(kafka, topics, partitions=6)
     requests = samples.good_requests(6000, seed=63, models=("double",))
     await send(kafka.bootstrap_servers, topics.input, requests)
-    env = worker_env(kafka, triton, topics, max_in_flight="64", commit_interval_ms="200")
+    # Throttled (small window, no batching) so the stream outlasts the workers' start-up.
+    settings = {"max_in_flight": "8", "batch_max_size": "1", "commit_interval_ms": "200"}
+    ports = [free_port() for _ in range(3)]
     procs: list[subprocess.Popen[bytes]] = []
     try:
-        procs.append(spawn_worker(env, tmp_path / "w0.log"))
-        got = await collect(kafka.bootstrap_servers, topics, 1000, 120)
-        procs += [spawn_worker(env, tmp_path / f"w{i}.log") for i in (1, 2)]
-        got = await collect(kafka.bootstrap_servers, topics, 3000, 120, into=got)
+        procs.append(
+            spawn_worker(
+                worker_env(kafka, triton, topics, metrics_port=str(ports[0]), **settings),
+                tmp_path / "w0.log",
+            )
+        )
+        got = await collect(kafka.bootstrap_servers, topics, 500, 120)
+        for i in (1, 2):
+            env = worker_env(kafka, triton, topics, metrics_port=str(ports[i]), **settings)
+            procs.append(spawn_worker(env, tmp_path / f"w{i}.log"))
+        for port, proc in zip(ports[1:], procs[1:], strict=True):
+            await wait_ready(port, proc)
+        got = await collect(kafka.bootstrap_servers, topics, len(got) + 1, 120, into=got)
+        assert len(got) < len(requests), "the stream ended before the group grew"
         for proc in procs[1:]:
             proc.send_signal(signal.SIGTERM)
         for proc in procs[1:]:
@@ -109,6 +123,7 @@ async def test_group_scales_one_three_one_mid_stream(
         for proc in procs:
             if proc.poll() is None:
                 proc.kill()
+                proc.wait()
     assert got.dead_letters == {}
     assert set(got.results) == {r.request_id for r in requests}
     # Graceful hand-overs drain and commit: at most the records finished between a

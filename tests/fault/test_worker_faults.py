@@ -44,6 +44,7 @@ async def _kill_and_restart(
     finally:
         if first.poll() is None:
             first.kill()
+            first.wait()
     second = spawn_worker(env, tmp_path / "second.log")
     try:
         got = await collect(kafka.bootstrap_servers, topics, total, timeout_s=120)
@@ -52,6 +53,7 @@ async def _kill_and_restart(
     finally:
         if second.poll() is None:
             second.kill()
+            second.wait()
     return got
 
 
@@ -206,6 +208,7 @@ async def test_dead_letter_write_failure_stops_the_worker_without_committing(
     finally:
         if proc.poll() is None:
             proc.kill()
+            proc.wait()
     assert code == 3
     committed = await kafka.committed_offsets(topics.group)
     assert committed.get(TopicPartition(topics.input, 0), 0) <= len(good)

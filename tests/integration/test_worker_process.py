@@ -132,6 +132,7 @@ async def test_sigterm_drains_commits_and_exits_zero(
     finally:
         if proc.poll() is None:
             proc.kill()
+            proc.wait()
     assert code == 0, log.read_text()[-3000:]
 
     committed = await kafka.committed_offsets(topics.group)
@@ -210,6 +211,7 @@ async def test_backlog_of_100k_keeps_memory_bounded(
     finally:
         if proc.poll() is None:
             proc.kill()
+            proc.wait()
     assert max(samples_taken) <= bound, samples_taken
     growth_mb = (rss_late - rss_early) / 2**20
     assert growth_mb < 40, f"RSS grew {growth_mb:.1f} MiB while draining the backlog"
