@@ -7,7 +7,6 @@ hold without the audit trail itself carrying anyone's data.
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import logging
 from collections.abc import Awaitable, Callable
@@ -16,11 +15,11 @@ from typing import Any
 
 import orjson
 import structlog
-from aiokafka.errors import KafkaError
 from aiokafka.structs import ConsumerRecord
 
 from worker.config import Settings
 from worker.errors import WriteFailed
+from worker.publisher import write_with_retries
 
 #: Sends (topic, value, key) and waits for the broker's ack.
 Send = Callable[[str, bytes, bytes | None], Awaitable[object]]
@@ -129,22 +128,16 @@ class Audit:
             await self._write(entry)
 
     async def _write(self, entry: dict[str, Any]) -> None:
-        assert self._topic is not None
+        topic = self._topic
+        assert topic is not None
         value = orjson.dumps(entry)
         key = entry["request_id"].encode() if entry["request_id"] else None
-        delay_s = 0.2
-        for attempt in range(1, self._topic_attempts + 1):
-            try:
-                await self._send(self._topic, value, key)
-                return
-            except KafkaError as exc:
-                if attempt == self._topic_attempts:
-                    raise AuditWriteFailed(
-                        f"audit record to {self._topic!r} failed {attempt} times: "
-                        f"{type(exc).__name__}"
-                    ) from exc
-                await asyncio.sleep(delay_s)
-                delay_s = min(delay_s * 2, 5.0)
+        await write_with_retries(
+            lambda: self._send(topic, value, key),
+            what=f"audit record to {topic!r}",
+            attempts=self._topic_attempts,
+            failure=AuditWriteFailed,
+        )
 
 
 def _audit_logger() -> Any:

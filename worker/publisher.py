@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any, TypeVar
 
 import structlog
 from aiokafka import AIOKafkaProducer
@@ -17,6 +17,7 @@ from worker import errors
 log = structlog.get_logger(__name__)
 
 Headers = Sequence[tuple[str, bytes]]
+_T = TypeVar("_T")
 
 #: Producer batch per partition. aiokafka's 16 KiB default fills after ~40 results;
 #: senders then queue behind the in-flight batch, which costs CPU per record.
@@ -137,25 +138,41 @@ class Publisher:
         headers: Headers,
         failure: type[errors.WriteFailed],
     ) -> Any:
-        """Send and wait for the ack, retrying Kafka errors (a broker restart, a leader
-        moving) with backoff; ``failure`` when every try failed. A size refusal is
-        not retried: it raises MessageSizeTooLargeError at once."""
-        delay_s = 0.2
-        for attempt in range(1, self._write_attempts + 1):
-            try:
-                sent = await self._producer.send(topic, value=value, key=key, headers=list(headers))
-                return await sent
-            except MessageSizeTooLargeError:
-                raise
-            except KafkaError as exc:
-                log.warning(
-                    "write_failed",
-                    topic=topic,
-                    attempt=attempt,
-                    error=f"{type(exc).__name__}: {exc}",
-                )
-                if attempt == self._write_attempts:
-                    raise failure(f"write to {topic!r} failed {attempt} times: {exc}") from exc
-                await asyncio.sleep(delay_s)
-                delay_s = min(delay_s * 2, 5.0)
-        raise AssertionError("unreachable")
+        """Send and wait for the ack, with `write_with_retries`; ``failure`` if it never lands."""
+
+        async def send_once() -> Any:
+            sent = await self._producer.send(topic, value=value, key=key, headers=list(headers))
+            return await sent
+
+        return await write_with_retries(
+            send_once, what=f"write to {topic!r}", attempts=self._write_attempts, failure=failure
+        )
+
+
+async def write_with_retries(
+    write: Callable[[], Awaitable[_T]],
+    *,
+    what: str,
+    attempts: int,
+    failure: type[errors.WriteFailed],
+) -> _T:
+    """Call ``write``, retrying Kafka errors (a broker restart, a leader moving) with
+    backoff; raise ``failure`` when every try failed. A size refusal is not retried:
+    MessageSizeTooLargeError propagates at once."""
+    delay_s = 0.2
+    for attempt in range(1, attempts + 1):
+        try:
+            return await write()
+        except MessageSizeTooLargeError:
+            raise
+        except KafkaError as exc:
+            log.warning(
+                "write_failed", what=what, attempt=attempt, error=f"{type(exc).__name__}: {exc}"
+            )
+            if attempt == attempts:
+                raise failure(
+                    f"{what} failed {attempt} times: {type(exc).__name__}: {exc}"
+                ) from exc
+            await asyncio.sleep(delay_s)
+            delay_s = min(delay_s * 2, 5.0)
+    raise AssertionError("unreachable")
