@@ -31,7 +31,6 @@ class CircuitBreaker:
         self._closed.set()
         self._opened = asyncio.Event()
         self.opened_at: float | None = None
-        self.transitions = 0
 
     @property
     def is_open(self) -> bool:
@@ -52,7 +51,6 @@ class CircuitBreaker:
         self._closed.clear()
         self._opened.set()
         self.opened_at = time.monotonic()
-        self.transitions += 1
         log.warning("circuit_open", consecutive_failures=self._failures)
         if self._on_change is not None:
             self._on_change(True)
@@ -64,7 +62,6 @@ class CircuitBreaker:
         self._failures = 0
         self._opened.clear()
         self._closed.set()
-        self.transitions += 1
         log.info("circuit_closed", outage_s=round(outage_s, 3))
         if self._on_change is not None:
             self._on_change(False)

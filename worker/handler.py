@@ -97,10 +97,6 @@ class RecordHandler:
         # Per-model metric children: labels() is a locked dict lookup, too dear per record.
         self._model_metrics: dict[str, tuple[Any, Any]] = {}
 
-    async def handle(self, record: ConsumerRecord[bytes, bytes]) -> None:
-        """Process ``record``; returns once its result or dead letter is acknowledged."""
-        await self.deliver(await self.evaluate(record))
-
     async def evaluate(self, record: ConsumerRecord[bytes, bytes]) -> Outcome:
         """Decode, validate and infer: the record's result, or why it must be dead-lettered."""
         outcome = Outcome(record, time.monotonic())
