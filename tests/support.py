@@ -19,11 +19,12 @@ import numpy.typing as npt
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.structs import ConsumerRecord
 
+from worker import codec
 from worker.app import Worker
 from worker.codec import header_value
 from worker.config import Settings, load_settings
 from worker.devstack.kafka import KafkaCluster, ensure_kafka_jars
-from worker.samples import SampleRequest
+from worker.samples import Encoding, SampleRequest, Tensor, encode_request
 
 
 @contextlib.contextmanager
@@ -37,6 +38,22 @@ def local_kafka(nodes: int) -> Iterator[KafkaCluster]:
         finally:
             cluster.stop()
         assert cluster.running_nodes() == []
+
+
+def decode_sample(
+    model: str, tensors: Sequence[Tensor], request_id: str, encoding: Encoding = "protobuf"
+) -> codec.DecodedRequest:
+    """Encode tensors as a request for ``model`` and decode it as the worker would."""
+    value, headers = encode_request(model, tensors, encoding, request_id)
+    return codec.decode_request(
+        value,
+        headers,
+        topic="t",
+        partition=0,
+        offset=0,
+        default_model=None,
+        max_request_bytes=1 << 20,
+    )
 
 
 def mlp_reference(rows: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:

@@ -8,31 +8,18 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tests.support import mlp_reference
+from tests.support import decode_sample, mlp_reference
 from worker import codec, errors
 from worker.batching import MicroBatcher
-from worker.samples import Tensor, encode_request
+from worker.samples import Tensor
 from worker.tensors import deserialize_bytes_tensor, raw_to_numpy, serialize_bytes_tensor
 from worker.triton import TritonPool
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
 
-def decoded(model: str, tensors: list[Tensor], rid: str) -> codec.DecodedRequest:
-    value, headers = encode_request(model, tensors, "protobuf", rid)
-    return codec.decode_request(
-        value,
-        headers,
-        topic="t",
-        partition=0,
-        offset=0,
-        default_model=None,
-        max_request_bytes=1 << 20,
-    )
-
-
 def floats(model: str, rows: np.ndarray[Any, Any], rid: str) -> codec.DecodedRequest:
-    return decoded(model, [Tensor("INPUT0", "FP32", rows.shape, rows)], rid)
+    return decode_sample(model, [Tensor("INPUT0", "FP32", rows.shape, rows)], rid)
 
 
 def output(response: Any, index: int = 0) -> np.ndarray[Any, Any]:
@@ -121,7 +108,7 @@ async def test_a_poison_pill_fails_alone_inside_a_real_batch(pool: TritonPool) -
     requests = []
     for i, word in enumerate(words):
         # Tensor.raw() would encode str; build the invalid bytes directly.
-        request = decoded("echo_bytes", [Tensor("TEXT", "BYTES", (1, 1), ["x"])], f"p{i}")
+        request = decode_sample("echo_bytes", [Tensor("TEXT", "BYTES", (1, 1), ["x"])], f"p{i}")
         del request.infer_request.raw_input_contents[:]
         request.infer_request.raw_input_contents.append(serialize_bytes_tensor([word]))
         requests.append(request)

@@ -9,26 +9,17 @@ from typing import Any
 import numpy as np
 import pytest
 
-from worker import codec, errors
-from worker.samples import encode_request, faulty_inputs
+from tests.support import decode_sample
+from worker import errors
+from worker.samples import faulty_inputs
 from worker.triton import TritonPool
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
 
 def _faulty(rng: np.random.Generator, rid: str, delay_ms: int = 0, fail: bool = False) -> Any:
-    value, headers = encode_request(
-        "faulty", faulty_inputs(rng, delay_ms=delay_ms, fail=fail), "json", rid
-    )
-    decoded = codec.decode_request(
-        value,
-        headers,
-        topic="t",
-        partition=0,
-        offset=0,
-        default_model=None,
-        max_request_bytes=1 << 20,
-    )
+    tensors = faulty_inputs(rng, delay_ms=delay_ms, fail=fail)
+    decoded = decode_sample("faulty", tensors, rid, encoding="json")
     return decoded.infer_request
 
 

@@ -15,9 +15,10 @@ import numpy as np
 import pytest
 from tritonclient.grpc import service_pb2
 
+from tests.support import decode_sample
 from worker import codec, errors
 from worker.batching import MicroBatcher, _merge, _split, batchable
-from worker.samples import Tensor, encode_request
+from worker.samples import Tensor
 from worker.tensors import deserialize_bytes_tensor, serialize_bytes_tensor
 from worker.validation import ModelSpec, TensorSpec
 
@@ -40,16 +41,7 @@ TEXT_SPEC = ModelSpec(
 
 
 def decoded(tensors: list[Tensor], model: str = "m", rid: str = "r") -> codec.DecodedRequest:
-    value, headers = encode_request(model, tensors, "protobuf", rid)
-    return codec.decode_request(
-        value,
-        headers,
-        topic="t",
-        partition=0,
-        offset=0,
-        default_model=None,
-        max_request_bytes=1 << 20,
-    )
+    return decode_sample(model, tensors, rid)
 
 
 def floats(rows: int, width: int = 4, start: float = 0.0) -> codec.DecodedRequest:
