@@ -15,7 +15,7 @@ from collections.abc import Mapping
 import structlog
 from aiokafka.structs import ConsumerRecord, TopicPartition
 
-from worker import preflight, security
+from worker import errors, preflight, security
 from worker.audit import Audit
 from worker.batching import MicroBatcher
 from worker.breaker import CircuitBreaker
@@ -23,18 +23,16 @@ from worker.config import Settings
 from worker.handler import RecordHandler, Sink
 from worker.intake import Intake
 from worker.limiter import AdaptiveLimiter
+from worker.model_gate import ModelGate
 from worker.observability import HealthServer, Metrics
 from worker.offsets import OffsetTracker
 from worker.ordering import Ticket, Turns
-from worker.publisher import Publisher
-from worker.transactions import PartitionRevoked, TransactionalSink
+from worker.publisher import PRODUCER_HEADROOM_BYTES, Publisher
+from worker.transactions import TransactionalSink
 from worker.triton import TritonPool
 from worker.window import Window
 
 log = structlog.get_logger(__name__)
-
-#: Kafka's default broker limit; results above max_output_bytes never get that far.
-_PRODUCER_HEADROOM_BYTES = 64 * 1024
 
 
 class Worker:
@@ -53,14 +51,20 @@ class Worker:
             shm_min_bytes=settings.shm_min_bytes if settings.triton_shm == "system" else None,
             shm_pool_bytes=settings.shm_pool_bytes,
         )
+        # A dead letter carries the request as it came: up to max_request_bytes.
+        largest_record = (
+            max(settings.max_output_bytes, settings.max_request_bytes) + PRODUCER_HEADROOM_BYTES
+        )
         self.publisher = Publisher(
             settings.bootstrap_servers,
             output_topic=settings.output_topic,
             dlq_topic=settings.dlq_topic,
             client_id=settings.client_id,
             linger_ms=settings.linger_ms,
-            max_request_bytes=settings.max_output_bytes + _PRODUCER_HEADROOM_BYTES,
+            max_request_bytes=largest_record,
             client_kwargs=security.kafka_client_kwargs(settings),
+            compression_type=settings.compression_type,
+            on_value_omitted=self.metrics.dead_letter_values_omitted_total.inc,
         )
         self.txn: TransactionalSink | None = None
         sink: Sink = self.publisher
@@ -70,7 +74,7 @@ class Worker:
                 self.offsets,
                 self.metrics,
                 security.kafka_client_kwargs(settings),
-                max_request_bytes=settings.max_output_bytes + _PRODUCER_HEADROOM_BYTES,
+                max_request_bytes=largest_record,
             )
         self.audit = Audit(settings, self.publisher.send_audit)
         self.breaker = CircuitBreaker(
@@ -85,6 +89,13 @@ class Worker:
             if settings.window_mode == "adaptive"
             else None
         )
+        self.models = ModelGate(
+            seen_ready=self.pool.has_spec,
+            listed=self.pool.repository_lists,
+            ready=self.pool.model_ready,
+            released=lambda name, _version: self.pool.forget_model(name),
+            interval_s=settings.breaker_probe_interval_ms / 1000,
+        )
         self.handler = RecordHandler(
             settings,
             self.pool,
@@ -94,6 +105,7 @@ class Worker:
             self.breaker,
             self.batcher,
             self.limiter,
+            self.models,
         )
         self.intake = Intake(
             settings,
@@ -115,6 +127,7 @@ class Worker:
         # Read at scrape time rather than set on every record.
         self.metrics.window_limit.set_function(lambda: self.window.limit)
         self.metrics.in_flight.set_function(lambda: self.window.in_flight)
+        self.metrics.models_not_ready.set_function(lambda: len(self.models.held()))
 
     # -- lifecycle ---------------------------------------------------------------
 
@@ -148,6 +161,7 @@ class Worker:
                         ),
                         name="triton-health",
                     ),
+                    tasks.create_task(self.models.probe_loop(), name="model-readiness"),
                 ]
                 self.started.set()
                 await self._stop.wait()
@@ -242,8 +256,14 @@ class Worker:
                     # first pause); it returns once the transaction carrying the
                     # outcome and the offsets has committed.
                     await self.handler.deliver(outcome)
-        except PartitionRevoked:
+        except errors.PartitionRevoked:
             pass  # the partition moved away; its next owner redoes the record
+        except errors.Fatal:
+            raise
+        except Exception as exc:
+            # A bug in the bookkeeping around the record: never a crash for every member
+            # that takes the partition. The record stays uncommitted.
+            self.handler.internal_failure(exc)
         finally:
             # Forced stop (cancelled) lands here too: the record is not done and
             # its offset is not committed.
@@ -264,11 +284,14 @@ class Worker:
 
     def readiness(self) -> tuple[bool, Mapping[str, object]]:
         """Ready when the consumer runs, Triton is reachable and the breaker is closed."""
-        detail = {
+        detail: dict[str, object] = {
             "consumer": "running" if self.intake.running else "stopped",
             "triton": "up" if self.triton_up else "down",
             "breaker": "open" if self.breaker.is_open else "closed",
         }
+        if held := self.models.held():
+            # Other models keep flowing: a model being reloaded does not make the worker unready.
+            detail["models_not_ready"] = held
         ready = self.intake.running and self.triton_up and not self.breaker.is_open
         return ready, detail
 

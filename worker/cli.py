@@ -13,9 +13,10 @@ from worker import __version__
 from worker.bench import add_bench_parser
 from worker.check import add_check_parser
 from worker.devcli import add_dev_parser
+from worker.errors import ExitCode
 
 #: Exit code for invalid configuration (the process never started).
-EXIT_CONFIG = 2
+EXIT_CONFIG = ExitCode.CONFIG
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -61,7 +62,7 @@ def run_worker(args: argparse.Namespace) -> int:
         return EXIT_CONFIG
 
     from worker.app import serve
-    from worker.errors import WriteFailed
+    from worker.errors import Fatal, WriteFailed
     from worker.observability import configure_logging
     from worker.preflight import StartupCheckFailed
 
@@ -73,12 +74,19 @@ def run_worker(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_CONFIG
     except BaseExceptionGroup as group:
-        matched, _ = group.split(WriteFailed)
+        matched, _ = group.split(Fatal)
         if matched is None:
             raise
+        first = _first_leaf(matched)
         # Crash loudly rather than lose a record: its offset was never committed.
-        print(f"fatal: {matched.exceptions[0]}; its offset was not committed", file=sys.stderr)
-        return 3
+        suffix = "; its offset was not committed" if isinstance(first, WriteFailed) else ""
+        print(f"fatal: {first}{suffix}", file=sys.stderr)
+        return ExitCode.FATAL
+
+
+def _first_leaf(group: BaseExceptionGroup[BaseException]) -> BaseException:
+    first = group.exceptions[0]
+    return _first_leaf(first) if isinstance(first, BaseExceptionGroup) else first
 
 
 def run_async(main: Coroutine[Any, Any, int]) -> int:

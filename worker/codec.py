@@ -63,7 +63,8 @@ __all__ = [
     "result_headers",
 ]
 
-Headers = Sequence[tuple[str, bytes]]
+#: Kafka record headers; a header's value may be null.
+Headers = Sequence[tuple[str, bytes | None]]
 Encoding = Literal["json", "binary", "protobuf"]
 
 CONTENT_TYPE: Final = "content-type"
@@ -106,6 +107,7 @@ _FRAMING_PARAMETERS: Final = frozenset({"binary_data_output", "binary_data", BIN
 _STREAM_PARAMETERS: Final = frozenset({"triton_final_response"})
 
 _request_decoder: Final = msgspec.json.Decoder(InferRequestJSON)
+_UTF8_BOM: Final = b"\xef\xbb\xbf"
 
 
 @dataclass(slots=True)
@@ -366,6 +368,9 @@ def decode_request(
     else:
         header_end: int | None = None
         json_part: bytes | memoryview = value
+        if encoding == "json" and value.startswith(_UTF8_BOM):
+            # RFC 8259 lets a parser ignore a byte order mark; some Windows tools write one.
+            json_part = memoryview(value)[len(_UTF8_BOM) :]
         if encoding == "binary":
             header_end = _binary_header_length(headers, value)
             json_part = memoryview(value)[:header_end]
@@ -507,11 +512,16 @@ def encode_result(
 
 def _merge_headers(
     original: Headers, added: list[tuple[str, bytes]], also_drop: frozenset[str] = frozenset()
-) -> list[tuple[str, bytes]]:
+) -> list[tuple[str, bytes | None]]:
     # The worker's value wins: originals of the same name are dropped, not duplicated.
+    # Null values and repeated names among the others pass through as they came.
     replaced = {name for name, _ in added} | also_drop
-    kept = [(name, bytes(value)) for name, value in original if name.lower() not in replaced]
-    return kept + added
+    kept: list[tuple[str, bytes | None]] = [
+        (name, None if value is None else bytes(value))
+        for name, value in original
+        if name.lower() not in replaced
+    ]
+    return [*kept, *added]
 
 
 def result_headers(
@@ -523,7 +533,7 @@ def result_headers(
     partition: int,
     offset: int,
     served_model_version: str = "",
-) -> list[tuple[str, bytes]]:
+) -> list[tuple[str, bytes | None]]:
     """Headers of a result: the request's, then the worker's (which replace same names).
 
     `served_model_version` is the version Triton reports having used, when known.
@@ -569,7 +579,7 @@ def dead_letter_headers(
     timestamp_ms: int,
     group_id: str,
     failed_at: datetime,
-) -> list[tuple[str, bytes]]:
+) -> list[tuple[str, bytes | None]]:
     """Headers of a dead letter: the original ones first, then the explanation.
 
     A retryable error is reported as RETRIES_EXHAUSTED naming it, so that

@@ -35,6 +35,7 @@ SaslMechanism = Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "OAUTHBEARER"
 WindowMode = Literal["fixed", "adaptive"]
 ShmMode = Literal["none", "system"]
 AuditMode = Literal["none", "log", "topic", "both"]
+Compression = Literal["none", "gzip", "snappy", "lz4", "zstd"]
 
 _MIB = 1024 * 1024
 _TOPIC_RE = re.compile(r"[A-Za-z0-9._-]{1,249}")
@@ -321,6 +322,10 @@ class Settings:
     max_poll_records: int = _setting(500, _int(1), "Most records returned by one fetch.")
     commit_interval_ms: int = _setting(1000, _int(10), "How often done offsets are committed.")
     linger_ms: int = _setting(5, _int(0), "Producer linger: time spent filling a batch.")
+    compression_type: Compression = _setting(  # noqa: RUF009
+        "none", _choice("none", "gzip", "snappy", "lz4", "zstd"),
+        "Compression of the batches the worker produces (results, dead letters, audit). "
+        "Input batches of every codec are read whatever this says.")
     triton_url: str = _setting("localhost:8001", _host_ports(many=False), "Triton gRPC endpoint.")
     triton_streams: int = _setting(2, _int(1, 64), "Number of stream_infer streams to Triton.")
     default_model: str | None = _setting(
@@ -361,6 +366,10 @@ class Settings:
         300_000, _int(1000), "Kafka max.poll.interval.ms of the consumer.")
     session_timeout_ms: int = _setting(
         10_000, _int(1000), "Kafka session timeout: how soon a dead member is noticed.")
+    max_consecutive_internal_errors: int = _setting(
+        100, _int(1),
+        "Records in a row that may meet a bug (INTERNAL_ERROR) before the worker stops "
+        "with exit 3 rather than dead-letter a whole topic.")
     revoke_timeout_s: float = _setting(
         10.0, _seconds(), "Bound on waiting for a revoked partition's in-flight records.")
     ordering: Ordering = _setting(  # noqa: RUF009

@@ -13,6 +13,7 @@ record is dead-lettered as `RetriesExhausted`, which names the last error.
 from __future__ import annotations
 
 import asyncio
+import enum
 from typing import ClassVar, Final
 
 import grpc  # type: ignore[import-untyped, unused-ignore]
@@ -20,18 +21,24 @@ import grpc  # type: ignore[import-untyped, unused-ignore]
 __all__ = [
     "ERROR_CODES",
     "DecodeError",
+    "ExitCode",
+    "Fatal",
     "Forbidden",
     "InferenceError",
+    "InternalError",
     "InvalidRequest",
     "ModelNotFound",
     "ModelNotReady",
     "OutputTooLarge",
+    "PartitionRevoked",
     "RetriesExhausted",
     "TooLarge",
+    "TooManyInternalErrors",
     "TritonOverloaded",
     "TritonTimeout",
     "TritonUnavailable",
     "WorkerError",
+    "WriteFailed",
     "from_exception",
     "from_grpc",
     "from_stream_error",
@@ -108,6 +115,18 @@ class Forbidden(WorkerError):
     code = "FORBIDDEN"
 
 
+class InternalError(WorkerError):
+    """A bug met while handling one record: that record is dead-lettered, the worker goes on."""
+
+    code = "INTERNAL_ERROR"
+
+    @classmethod
+    def wrapping(cls, exc: BaseException) -> InternalError:
+        """The dead letter's error for an unexpected exception: its type and message."""
+        text = str(exc)
+        return cls(f"{type(exc).__name__}: {text}" if text else type(exc).__name__)
+
+
 # --- Retryable: the record is fine, Triton is not (yet) able to serve it.
 
 
@@ -148,6 +167,7 @@ ERROR_CODES: Final[tuple[str, ...]] = (
     RetriesExhausted.code,
     OutputTooLarge.code,
     Forbidden.code,
+    InternalError.code,
 )
 """The codes a dead letter can carry (retryable errors end as RETRIES_EXHAUSTED)."""
 
@@ -298,9 +318,34 @@ def from_exception(exc: BaseException) -> WorkerError:
     return InferenceError(f"{type(exc).__name__}: {exc}")
 
 
-class WriteFailed(RuntimeError):
-    """An outcome (result, dead letter, audit record) could not be written after every retry.
+class ExitCode(enum.IntEnum):
+    """The worker's process exit codes."""
 
-    Not a WorkerError: no dead letter can fix it. The worker stops with a non-zero
-    exit code and the record's offset is never committed, so nothing is lost.
+    OK = 0
+    #: A second signal abandoned in-flight records (they stay uncommitted).
+    FORCED = 1
+    #: Invalid settings, or a credential, certificate or ACL problem found at start-up.
+    CONFIG = 2
+    #: An outcome can never be written, or too many records in a row met a bug.
+    FATAL = 3
+
+
+class Fatal(RuntimeError):
+    """The worker must stop (exit 3): going on would lose records or dead-letter a topic.
+
+    Not a WorkerError: no dead letter can fix it. The offsets of the records
+    concerned are never committed, so nothing is lost.
     """
+
+
+class WriteFailed(Fatal):
+    """An outcome (result, dead letter, audit record) could not be written after every retry."""
+
+
+class PartitionRevoked(Exception):
+    """The partition moved away before the record's outcome was committed; its next owner
+    processes the record again. Control flow, not a failure of the record."""
+
+
+class TooManyInternalErrors(Fatal):
+    """So many records in a row met a bug that the worker stops rather than dead-letter them all."""

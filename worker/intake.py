@@ -89,20 +89,12 @@ class Intake(ConsumerRebalanceListener):  # type: ignore[misc]
             self._dispatch_backlog()
             self._sync_pauses()
             assigned = consumer.assignment()
-            if assigned and assigned <= consumer.paused():
-                # Nothing may be fetched: wait for a free slot (or the breaker to
-                # close), bounded so that getmany below still runs often (it is what
-                # keeps us in the group).
-                room = (
-                    self._breaker.wait_closed()
-                    if self._breaker.is_open
-                    else self._window.wait_for_room()
-                )
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(room, _POLL_TIMEOUT_MS / 1000)
-            # All paused: the wait above already took the time; fetch nothing, go
-            # dispatch what the freed slots allow.
             all_paused = bool(assigned) and assigned <= consumer.paused()
+            if all_paused:
+                # Nothing may be fetched: sleep until a slot that some partition can use
+                # frees (or the breaker closes), for at most one poll interval, so that
+                # getmany below still runs often (it is what keeps us in the group).
+                await self._wait_for_room(assigned)
             batch = await consumer.getmany(timeout_ms=0 if all_paused else _POLL_TIMEOUT_MS)
             for tp, records in batch.items():
                 if tp not in consumer.assignment():
@@ -111,7 +103,20 @@ class Intake(ConsumerRebalanceListener):  # type: ignore[misc]
                     topic=tp.topic, partition=str(tp.partition)
                 ).inc(len(records))
                 self._backlog.setdefault(tp, deque()).extend(records)
+            # Every turn gives the loop back, even when each await above completed at once
+            # (from Python 3.12 on, wait_for on a finished awaitable does not yield).
+            await asyncio.sleep(0)
         self._backlog.clear()
+
+    async def _wait_for_room(self, assigned: set[TopicPartition]) -> None:
+        room = (
+            self._breaker.wait_closed()
+            if self._breaker.is_open
+            else self._window.wait_for_room_any(assigned)
+        )
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(_POLL_TIMEOUT_MS / 1000):
+                await room
 
     def _dispatch_backlog(self) -> None:
         if self._breaker.is_open:

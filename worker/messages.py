@@ -12,11 +12,11 @@ import json
 import sys
 from collections.abc import Collection, Mapping
 from pathlib import Path
-from typing import Annotated, Any, Final, Literal, get_args
+from typing import TYPE_CHECKING, Annotated, Any, Final, Literal, get_args
 
 import msgspec
 
-from worker.errors import InvalidRequest
+from worker.errors import ERROR_CODES, InvalidRequest
 
 __all__ = [
     "DATATYPE_NAMES",
@@ -197,16 +197,13 @@ def parameters_to_json(parameters: Any, skip: Collection[str] = ()) -> dict[str,
 
 
 _Digits = Annotated[str, msgspec.Meta(pattern=r"^-?[0-9]+$")]
-_ErrorCode = Literal[
-    "DECODE_ERROR",
-    "INVALID_REQUEST",
-    "MODEL_NOT_FOUND",
-    "TOO_LARGE",
-    "INFERENCE_ERROR",
-    "RETRIES_EXHAUSTED",
-    "OUTPUT_TOO_LARGE",
-    "FORBIDDEN",
-]
+if TYPE_CHECKING:
+    _ErrorCode = str
+else:
+    # The codes come from the error classes; the schema lists them as an enum.
+    _ErrorCode = Literal[ERROR_CODES]
+_True = Literal["true"]
+_Sha256 = Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{64}$")]
 
 
 class DeadLetterHeaders(msgspec.Struct, frozen=True):
@@ -261,6 +258,35 @@ class DeadLetterHeaders(msgspec.Struct, frozen=True):
             description="When the record was dead-lettered, RFC 3339 UTC.",
         ),
     ] = msgspec.field(name="x-failed-at")
+    value_omitted: Annotated[
+        _True | msgspec.UnsetType,
+        msgspec.Meta(
+            description=(
+                "Present when the dead-letter topic refused the record for its size: the "
+                "value is empty; the original stays at x-source-topic/partition/offset."
+            )
+        ),
+    ] = msgspec.field(default=msgspec.UNSET, name="x-value-omitted")
+    original_value_bytes: Annotated[
+        _Digits | msgspec.UnsetType,
+        msgspec.Meta(description="With x-value-omitted: size of the original value."),
+    ] = msgspec.field(default=msgspec.UNSET, name="x-original-value-bytes")
+    original_value_sha256: Annotated[
+        _Sha256 | msgspec.UnsetType,
+        msgspec.Meta(description="With x-value-omitted: SHA-256 of the original value, hex."),
+    ] = msgspec.field(default=msgspec.UNSET, name="x-original-value-sha256")
+    key_omitted: Annotated[
+        _True | msgspec.UnsetType,
+        msgspec.Meta(description="Present when the key had to be left out too (the key is null)."),
+    ] = msgspec.field(default=msgspec.UNSET, name="x-key-omitted")
+    original_key_bytes: Annotated[
+        _Digits | msgspec.UnsetType,
+        msgspec.Meta(description="With x-key-omitted: size of the original key."),
+    ] = msgspec.field(default=msgspec.UNSET, name="x-original-key-bytes")
+    original_key_sha256: Annotated[
+        _Sha256 | msgspec.UnsetType,
+        msgspec.Meta(description="With x-key-omitted: SHA-256 of the original key, hex."),
+    ] = msgspec.field(default=msgspec.UNSET, name="x-original-key-sha256")
 
 
 _SCHEMA_DIALECT: Final = "https://json-schema.org/draft/2020-12/schema"

@@ -158,6 +158,13 @@ METRICS_SPEC: tuple[MetricSpec, ...] = (
                (), "1 while the Triton circuit breaker is open (no new work dispatched)."),
     MetricSpec("transactions_total", "worker_transactions_total", "counter",
                (), "Kafka transactions committed (exactly_once delivery)."),
+    MetricSpec("internal_errors_total", "worker_internal_errors_total", "counter",
+               (), "Records that met a bug in the worker (dead-lettered INTERNAL_ERROR)."),
+    MetricSpec("dead_letter_values_omitted_total", "worker_dead_letter_values_omitted_total",
+               "counter", (), "Dead letters written without their value (or key): the "
+               "dead-letter topic refused them for their size."),
+    MetricSpec("models_not_ready", "worker_models_not_ready", "gauge",
+               (), "Models being (re)loaded in Triton whose records are held, not failed."),
     MetricSpec("worker_info", "worker_info", "gauge",
                ("version",), "Always 1; the label carries the worker version."),
     MetricSpec("inference_latency_seconds", "worker_inference_latency_seconds", "histogram",
@@ -196,6 +203,9 @@ class Metrics:
     triton_up: Gauge
     breaker_open: Gauge
     transactions_total: Counter
+    internal_errors_total: Counter
+    dead_letter_values_omitted_total: Counter
+    models_not_ready: Gauge
     worker_info: Gauge
     inference_latency_seconds: Histogram
     end_to_end_latency_seconds: Histogram

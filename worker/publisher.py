@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import hashlib
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -16,7 +18,7 @@ from worker import errors
 
 log = structlog.get_logger(__name__)
 
-Headers = Sequence[tuple[str, bytes]]
+Headers = Sequence[tuple[str, bytes | None]]
 _T = TypeVar("_T")
 
 #: Producer batch per partition. aiokafka's 16 KiB default fills after ~40 results;
@@ -32,6 +34,52 @@ class ResultWriteFailed(errors.WriteFailed):
     """A result could not be written after every retry: the worker must stop."""
 
 
+#: Room for headers (ours and the request's) on top of the largest value a producer sends.
+PRODUCER_HEADROOM_BYTES = 64 * 1024
+
+#: Headers of a dead letter whose value (or key) the dead-letter topic refused for its size.
+X_VALUE_OMITTED = "x-value-omitted"
+X_ORIGINAL_VALUE_BYTES = "x-original-value-bytes"
+X_ORIGINAL_VALUE_SHA256 = "x-original-value-sha256"
+X_KEY_OMITTED = "x-key-omitted"
+X_ORIGINAL_KEY_BYTES = "x-original-key-bytes"
+X_ORIGINAL_KEY_SHA256 = "x-original-key-sha256"
+
+
+def kafka_compression(compression_type: str) -> str | None:
+    """The producers' ``compression_type`` for the setting (``none`` is no compression)."""
+    return None if compression_type == "none" else compression_type
+
+
+def dead_letter_value(value: bytes | None, key: bytes | None) -> bytes | None:
+    """The value a dead letter carries: the original, or empty when key and value are null.
+
+    Kafka allows a record with neither key nor value; aiokafka refuses to send one.
+    """
+    return b"" if value is None and key is None else value
+
+
+def omitted(
+    headers: Headers, value: bytes | None, key: bytes | None, *, drop_key: bool
+) -> tuple[bytes, bytes | None, list[tuple[str, bytes | None]]]:
+    """A dead letter without its value (and key): sizes and digests in headers instead.
+
+    The original stays findable through ``x-source-topic/partition/offset``.
+    """
+    added: list[tuple[str, bytes | None]] = [
+        (X_VALUE_OMITTED, b"true"),
+        (X_ORIGINAL_VALUE_BYTES, str(len(value or b"")).encode()),
+        (X_ORIGINAL_VALUE_SHA256, hashlib.sha256(value or b"").hexdigest().encode()),
+    ]
+    if drop_key:
+        added += [
+            (X_KEY_OMITTED, b"true"),
+            (X_ORIGINAL_KEY_BYTES, str(len(key or b"")).encode()),
+            (X_ORIGINAL_KEY_SHA256, hashlib.sha256(key or b"").hexdigest().encode()),
+        ]
+    return b"", None if drop_key else key, [*headers, *added]
+
+
 class Publisher:
     """An idempotent producer (``acks=all``) writing results and dead letters."""
 
@@ -45,11 +93,16 @@ class Publisher:
         linger_ms: int,
         max_request_bytes: int,
         client_kwargs: Mapping[str, Any],
+        compression_type: str = "none",
         write_attempts: int = 5,
+        on_value_omitted: Callable[[], None] | None = None,
     ) -> None:
+        """``max_request_bytes`` bounds one record: the largest result or dead letter, headers
+        included (see PRODUCER_HEADROOM_BYTES)."""
         self.output_topic = output_topic
         self.dlq_topic = dlq_topic
         self._write_attempts = write_attempts
+        self._on_value_omitted = on_value_omitted
         self._producer = AIOKafkaProducer(
             bootstrap_servers=bootstrap_servers,
             client_id=client_id,
@@ -58,7 +111,7 @@ class Publisher:
             linger_ms=linger_ms,
             max_request_size=max_request_bytes,
             max_batch_size=min(_MAX_BATCH_BYTES, max_request_bytes),
-            compression_type=None,
+            compression_type=kafka_compression(compression_type),
             **client_kwargs,
         )
 
@@ -75,30 +128,45 @@ class Publisher:
         Raises OutputTooLarge when the broker (or the producer's own limit)
         refuses the record for its size; other Kafka errors propagate.
         """
+        topic = self.output_topic
         try:
-            return await self._send(self.output_topic, value, key, headers, ResultWriteFailed)
+            return await self._send(topic, value, key, headers, ResultWriteFailed)
         except MessageSizeTooLargeError:
-            # The broker refuses whole batches: an innocent result may have shared a
-            # batch with a too-large one. Alone in a batch of its own, it is judged
-            # on its own size.
-            return await self._write_alone(value, key, headers)
-
-    async def _write_alone(self, value: bytes, key: bytes | None, headers: Headers) -> Any:
-        batch = self._producer.create_batch()
-        if batch.append(key=key, value=value, timestamp=None, headers=list(headers)) is None:
-            raise errors.OutputTooLarge(
-                f"result of {len(value)} bytes is larger than the producer's request limit"
-            )
-        batch.close()
-        partitions = sorted(await self._producer.partitions_for(self.output_topic))
-        partition = DefaultPartitioner()(key, partitions, partitions)
+            pass
+        # The broker refuses whole batches: an innocent result may have shared a
+        # batch with a too-large one. Alone in a batch of its own, it is judged
+        # on its own size.
         try:
-            sent = await self._producer.send_batch(batch, self.output_topic, partition=partition)
-            return await sent
+            return await self._send_alone(topic, value, key, headers, ResultWriteFailed)
         except MessageSizeTooLargeError:
+            keyed = f" with a {len(key)}-byte key" if key and len(key) > 1024 else ""
             raise errors.OutputTooLarge(
-                f"result of {len(value)} bytes is larger than the output topic accepts"
+                f"result of {len(value)} bytes{keyed} is larger than {topic!r} accepts"
             ) from None
+
+    async def _send_alone(
+        self,
+        topic: str,
+        value: bytes | None,
+        key: bytes | None,
+        headers: Headers,
+        failure: type[errors.WriteFailed],
+    ) -> Any:
+        """Send one record in a batch of its own; MessageSizeTooLargeError if refused for size."""
+
+        async def send_once() -> Any:
+            batch = self._producer.create_batch()
+            if batch.append(key=key, value=value, timestamp=None, headers=list(headers)) is None:
+                raise MessageSizeTooLargeError("larger than the producer's request limit")
+            batch.close()
+            partitions = sorted(await self._producer.partitions_for(topic))
+            partition = DefaultPartitioner()(key, partitions, partitions)
+            sent = await self._producer.send_batch(batch, topic, partition=partition)
+            return await sent
+
+        return await write_with_retries(
+            send_once, what=f"write to {topic!r}", attempts=self._write_attempts, failure=failure
+        )
 
     # -- the at-least-once sink: straight to the broker, waiting for each ack ------
 
@@ -120,15 +188,40 @@ class Publisher:
     async def write_dead_letter(
         self, value: bytes | None, key: bytes | None, headers: Headers
     ) -> Any:
-        """Write a dead letter, retrying with backoff; DeadLetterWriteFailed if it never lands."""
+        """Write a dead letter, retrying with backoff; DeadLetterWriteFailed if it never lands.
+
+        A dead letter refused for its size is tried alone in a batch, then without
+        its value, then without its key too (the dead-letter topic's
+        ``max.message.bytes`` may be below the input topic's); only a topic that
+        refuses even that stops the worker.
+        """
+        topic = self.dlq_topic
+        value = dead_letter_value(value, key)
         try:
-            return await self._send(self.dlq_topic, value, key, headers, DeadLetterWriteFailed)
-        except MessageSizeTooLargeError as exc:
-            size = len(value or b"")
-            raise DeadLetterWriteFailed(
-                f"dead letter of {size} bytes is larger than {self.dlq_topic!r} accepts; "
-                "raise the topic's max.message.bytes"
-            ) from exc
+            return await self._send(topic, value, key, headers, DeadLetterWriteFailed)
+        except MessageSizeTooLargeError:
+            pass
+        with contextlib.suppress(MessageSizeTooLargeError):
+            return await self._send_alone(topic, value, key, headers, DeadLetterWriteFailed)
+        for drop_key in (False, True):
+            if drop_key and key is None:
+                continue
+            slim = omitted(headers, value, key, drop_key=drop_key)
+            with contextlib.suppress(MessageSizeTooLargeError):
+                sent = await self._send_alone(topic, *slim, DeadLetterWriteFailed)
+                log.warning(
+                    "dead_letter_value_omitted",
+                    value_bytes=len(value or b""),
+                    key_omitted=drop_key,
+                    dlq_topic=topic,
+                )
+                if self._on_value_omitted is not None:
+                    self._on_value_omitted()
+                return sent
+        raise DeadLetterWriteFailed(
+            f"{topic!r} refuses the dead letter even without its value and key; "
+            "raise the topic's max.message.bytes"
+        )
 
     async def _send(
         self,

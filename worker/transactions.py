@@ -25,15 +25,12 @@ from aiokafka.errors import KafkaError
 from aiokafka.structs import ConsumerRecord, OffsetAndMetadata, TopicPartition
 
 from worker.config import Settings
+from worker.errors import PartitionRevoked
 from worker.observability import Metrics
 from worker.offsets import OffsetTracker
-from worker.publisher import Headers
+from worker.publisher import Headers, dead_letter_value, kafka_compression
 
 log = structlog.get_logger(__name__)
-
-
-class PartitionRevoked(Exception):
-    """The partition moved away before its transaction committed; the record will be redone."""
 
 
 @dataclass
@@ -87,6 +84,7 @@ class TransactionalSink:
             enable_idempotence=True,
             linger_ms=self._settings.linger_ms,
             max_request_size=self._max_request_bytes,
+            compression_type=kafka_compression(self._settings.compression_type),
             **self._client_kwargs,
         )
         await producer.start()
@@ -135,7 +133,8 @@ class TransactionalSink:
     async def publish_dead_letter(
         self, record: ConsumerRecord[bytes, bytes], headers: Headers
     ) -> None:
-        await self._stage(record, (self._settings.dlq_topic, record.value, record.key, headers))
+        value = dead_letter_value(record.value, record.key)
+        await self._stage(record, (self._settings.dlq_topic, value, record.key, headers))
 
     async def _stage(
         self,

@@ -38,6 +38,10 @@ log = structlog.get_logger(__name__)
 _NEGATIVE_CACHE_S = 5.0
 #: A stream whose oldest request waits longer than this is avoided for new requests.
 _STUCK_AFTER_S = 0.25
+#: How long one read of the repository index answers for (a burst of failures asks once).
+_INDEX_CACHE_S = 1.0
+#: Repository states of a model that Triton is expected to serve (again) soon.
+_SERVABLE_STATES = frozenset({"READY", "LOADING", "UNLOADING", "UNAVAILABLE"})
 
 
 class _Stream:
@@ -195,6 +199,8 @@ class TritonPool:
         self._shm_min_bytes = shm_min_bytes
         self._shm_pool_bytes = shm_pool_bytes
         self.shm: ShmPool | None = None
+        self._index: tuple[float, set[tuple[str, str]]] | None = None
+        self._index_lock = asyncio.Lock()
 
     async def start(self) -> None:
         """Create the channel and open the streams (no server round trip needed)."""
@@ -322,6 +328,54 @@ class TritonPool:
                 raise
             self._specs[key] = _CachedSpec(spec, None, float("inf"))
             return spec
+
+    def has_spec(self, name: str, version: str) -> bool:
+        """True when ``name`` at ``version`` was ready earlier in this process (spec cached)."""
+        cached = self._specs.get((name, version))
+        return cached is not None and cached.spec is not None
+
+    def forget_model(self, name: str) -> None:
+        """Drop what is cached about ``name``: after a reload its configuration may differ."""
+        for key in [key for key in self._specs if key[0] == name]:
+            del self._specs[key]
+
+    async def model_ready(self, name: str, version: str = "") -> bool:
+        """True when Triton says ``name`` (``version``) is ready to serve."""
+        if self._client is None:
+            return False
+        try:
+            ready = self._client.is_model_ready(name, version, headers=self._headers())
+            return bool(await asyncio.wait_for(ready, 2.0))
+        except (TimeoutError, InferenceServerException, grpc.aio.AioRpcError):
+            return False
+
+    async def repository_lists(self, name: str, version: str) -> bool:
+        """True when Triton's repository index lists ``name`` in a state it can serve from.
+
+        READY, LOADING, UNLOADING or UNAVAILABLE (unloaded, or failed to load):
+        the model exists and a rollout may bring it back. A model never loaded
+        (no state) or absent from the repository is not listed; ``version`` ""
+        means any version. The index is read at most once a second; an
+        unreadable index lists nothing.
+        """
+        async with self._index_lock:
+            now = time.monotonic()
+            if self._index is None or now - self._index[0] > _INDEX_CACHE_S:
+                self._index = (now, await self._read_index())
+            listed = self._index[1]
+        return (name, version) in listed or (not version and any(n == name for n, _ in listed))
+
+    async def _read_index(self) -> set[tuple[str, str]]:
+        """(name, version) of every model version the index lists in a servable state."""
+        if self._client is None:
+            return set()
+        try:
+            index = await asyncio.wait_for(
+                self._client.get_model_repository_index(headers=self._headers()), 2.0
+            )
+        except (TimeoutError, InferenceServerException, grpc.aio.AioRpcError):
+            return set()
+        return {(m.name, m.version) for m in index.models if m.state in _SERVABLE_STATES}
 
     async def _fetch_spec(self, name: str, version: str) -> ModelSpec:
         assert self._client is not None

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import OrderedDict, deque
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Collection, Hashable
 
 __all__ = ["DiscardedError", "Window"]
 
@@ -155,6 +155,10 @@ class Window:
             await self._wait_until(lambda: self._in_flight < self._limit)
         else:
             await self._wait_until(lambda: not self.full_for(key))
+
+    async def wait_for_room_any(self, keys: Collection[Hashable]) -> None:
+        """Return once some key of ``keys`` could take a slot (its own and the global limit)."""
+        await self._wait_until(lambda: any(not self.full_for(key) for key in keys))
 
     async def wait_empty(self, key: Hashable | None = None) -> None:
         """Return once nothing is in flight (for ``key``, if given): the drain."""

@@ -19,6 +19,7 @@ NON_RETRYABLE = (
     errors.RetriesExhausted,
     errors.OutputTooLarge,
     errors.Forbidden,
+    errors.InternalError,
 )
 RETRYABLE = (
     errors.TritonUnavailable,
@@ -28,7 +29,7 @@ RETRYABLE = (
 )
 
 
-def test_dead_letter_codes_are_the_eight_non_retryable_ones() -> None:
+def test_dead_letter_codes_are_the_nine_non_retryable_ones() -> None:
     """ERROR_CODES lists exactly the codes of the non-retryable errors, in contract order."""
     assert errors.ERROR_CODES == (
         "DECODE_ERROR",
@@ -39,6 +40,7 @@ def test_dead_letter_codes_are_the_eight_non_retryable_ones() -> None:
         "RETRIES_EXHAUSTED",
         "OUTPUT_TOO_LARGE",
         "FORBIDDEN",
+        "INTERNAL_ERROR",
     )
     assert tuple(cls.code for cls in NON_RETRYABLE) == errors.ERROR_CODES
     assert not any(cls.retryable for cls in NON_RETRYABLE)
@@ -49,6 +51,14 @@ def test_retryable_errors_never_reach_a_dead_letter_code() -> None:
     assert all(cls.retryable for cls in RETRYABLE)
     assert not {cls.code for cls in RETRYABLE} & set(errors.ERROR_CODES)
     assert errors.TritonUnavailable.code == "TRITON_UNAVAILABLE"
+
+
+def test_internal_error_names_the_exception_type_and_message() -> None:
+    """An unexpected exception becomes INTERNAL_ERROR with its type and message, not retryable."""
+    error = errors.InternalError.wrapping(AssertionError("Need at least one: key or value"))
+    assert error.code == "INTERNAL_ERROR" and not error.retryable
+    assert error.message == "AssertionError: Need at least one: key or value"
+    assert errors.InternalError.wrapping(KeyError()).message == "KeyError"
 
 
 def test_message_is_kept_and_is_the_text() -> None:

@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import os
+import sys
 import sysconfig
 from pathlib import Path
 
 import pytest
 
 from worker.devstack.triton import (
+    MODEL_PYTHON_VERSIONS,
     SITE_PACKAGES_ENV,
     TritonInstall,
     TritonPorts,
+    model_python,
     prepare_backend_dir,
     server_argv,
     triton_env,
@@ -19,7 +22,8 @@ from worker.devstack.triton import (
 
 pytestmark = pytest.mark.unit
 
-INSTALL = TritonInstall.at(Path("/cache/triton/cp311"))
+LIBDIR = "/pythons/3.11/lib"
+INSTALL = TritonInstall.at(Path("/cache/triton/cp311"), LIBDIR)
 SYSTEM_LIBS = "/system/lib"
 
 
@@ -28,10 +32,10 @@ def _library_path(env: dict[str, str]) -> list[str]:
 
 
 def test_interpreter_libdir_comes_first_on_library_path() -> None:
-    """Pitfall 1: this interpreter's libpython directory precedes any system library folder."""
+    """Pitfall 1: the models' interpreter's libpython folder precedes any system library folder."""
     env = triton_env(INSTALL, {"LD_LIBRARY_PATH": SYSTEM_LIBS})
 
-    assert _library_path(env)[0] == sysconfig.get_config_var("LIBDIR")
+    assert _library_path(env)[0] == LIBDIR
     assert _library_path(env).index(SYSTEM_LIBS) > 0
 
 
@@ -39,10 +43,20 @@ def test_wheel_libs_are_on_library_path() -> None:
     """Pitfall 2: nvidia_pytriton.libs is on the library path for the backend and stub."""
     env = triton_env(INSTALL, {})
 
-    assert _library_path(env)[:2] == [
-        sysconfig.get_config_var("LIBDIR"),
-        str(INSTALL.libs_dir),
-    ]
+    assert _library_path(env)[:2] == [LIBDIR, str(INSTALL.libs_dir)]
+
+
+def test_the_models_run_on_a_python_with_a_numpy_below_2() -> None:
+    """This interpreter when numpy<2 exists for it (3.11, 3.12), else one found beside it."""
+    python = model_python()
+    assert python.version in MODEL_PYTHON_VERSIONS
+    assert (Path(python.libdir) / f"libpython{python.version}.so.1.0").exists()
+    here = f"{sys.version_info.major}.{sys.version_info.minor}"
+    if here in MODEL_PYTHON_VERSIONS:
+        assert python.executable == sys.executable
+        assert python.libdir == sysconfig.get_config_var("LIBDIR")
+    else:
+        assert python.executable != sys.executable
 
 
 def test_models_are_told_the_numpy_site_dir() -> None:
@@ -107,7 +121,7 @@ def test_backend_dir_survives_renaming_the_install(tmp_path: Path) -> None:
 
     (tmp_path / "partial").rename(tmp_path / "final")
 
-    install = TritonInstall.at(tmp_path / "final")
+    install = TritonInstall.at(tmp_path / "final", LIBDIR)
     utils = install.backend_dir / "python" / "triton_python_backend_utils.py"
     assert utils.read_text() == "backends/python/triton_python_backend_utils.py"
 

@@ -44,6 +44,73 @@ _SHM_PREFIX = "triton_python_backend_shm_region_"
 
 
 @dataclass(frozen=True)
+class ModelPython:
+    """The CPython that runs the models (the Python backend's stub links its libpython)."""
+
+    executable: str
+    version: str  # "3.11"
+    libdir: str  # where its libpython3.X.so.1.0 is
+
+    @property
+    def tag(self) -> str:
+        return "cp" + self.version.replace(".", "")
+
+
+#: CPython versions with a numpy<2 wheel, newest first: the models' interpreter is one of them.
+MODEL_PYTHON_VERSIONS = ("3.12", "3.11")
+
+
+def model_python() -> ModelPython:
+    """The interpreter for the models: this one if numpy<2 exists for it, else one beside it.
+
+    The stub needs numpy<2 (pitfall 3), whose last wheels are for CPython 3.12. A
+    worker running on a newer Python (3.13) serves its Triton models with a 3.12 or
+    3.11 found on PATH or in pyenv; the worker itself never imports that numpy.
+    """
+    current = _python_version()
+    if current in MODEL_PYTHON_VERSIONS:
+        return ModelPython(sys.executable, current, str(sysconfig.get_config_var("LIBDIR")))
+    for candidate in _model_python_candidates():
+        found = _probe_python(candidate)
+        if found is not None and found.version in MODEL_PYTHON_VERSIONS:
+            return found
+    raise RuntimeError(
+        f"Triton's Python backend needs CPython {' or '.join(MODEL_PYTHON_VERSIONS)} beside "
+        f"Python {current} (numpy<2 has no wheel for {current}); install one, for example "
+        "with 'pyenv install 3.12'"
+    )
+
+
+def _model_python_candidates() -> list[str]:
+    found = []
+    for version in MODEL_PYTHON_VERSIONS:
+        on_path = shutil.which(f"python{version}")
+        if on_path:
+            found.append(on_path)
+        pyenv_root = Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv"))
+        found += sorted(str(p) for p in pyenv_root.glob(f"versions/{version}*/bin/python{version}"))
+    return found
+
+
+def _probe_python(executable: str) -> ModelPython | None:
+    """Version and LIBDIR of ``executable``, or None if it does not run (a bare pyenv shim)."""
+    code = (
+        "import sys, sysconfig; print('%d.%d' % sys.version_info[:2]); "
+        "print(sysconfig.get_config_var('LIBDIR'))"
+    )
+    try:
+        done = subprocess.run(
+            [executable, "-c", code], capture_output=True, text=True, timeout=30, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    lines = done.stdout.split()
+    if done.returncode != 0 or len(lines) != 2:
+        return None
+    return ModelPython(executable, lines[0], lines[1])
+
+
+@dataclass(frozen=True)
 class TritonInstall:
     """Paths of one installed tritonserver and the Python backend prepared for it."""
 
@@ -51,9 +118,10 @@ class TritonInstall:
     server_binary: Path
     backend_dir: Path
     libs_dir: Path
+    python_libdir: Path  # the models' interpreter's libpython folder
 
     @classmethod
-    def at(cls, root: Path) -> TritonInstall:
+    def at(cls, root: Path, python_libdir: str | Path) -> TritonInstall:
         """The layout of an install rooted at ``root`` (``site/`` and ``backends/``)."""
         site = root / "site"
         return cls(
@@ -61,6 +129,7 @@ class TritonInstall:
             server_binary=site / _WHEEL_SERVER / "bin" / "tritonserver",
             backend_dir=root / "backends",
             libs_dir=site / "nvidia_pytriton.libs",
+            python_libdir=Path(python_libdir),
         )
 
     def complete(self) -> bool:
@@ -75,10 +144,9 @@ def _python_version() -> str:
     return f"{sys.version_info.major}.{sys.version_info.minor}"
 
 
-def install_root() -> Path:
-    """Where the install for the running interpreter lives (numpy's wheel is per CPython)."""
-    tag = f"cp{sys.version_info.major}{sys.version_info.minor}"
-    return cache_dir() / f"triton-{TRITON_VERSION}" / tag
+def install_root(python: ModelPython) -> Path:
+    """Where the install for the models' interpreter lives (numpy's wheel is per CPython)."""
+    return cache_dir() / f"triton-{TRITON_VERSION}" / python.tag
 
 
 def prepare_backend_dir(site_dir: Path, backend_dir: Path, python_version: str) -> None:
@@ -109,9 +177,11 @@ def _remove_stale_partials(root: Path) -> None:
             shutil.rmtree(partial, ignore_errors=True)
 
 
-def _pip_install(site_dir: Path) -> None:
+def _pip_install(site_dir: Path, python: ModelPython) -> None:
+    # This interpreter's pip, fetching wheels for the models' one.
     argv = [sys.executable, "-m", "pip", "install", "--no-deps", "--no-input", "--target"]
     argv += [str(site_dir), "--only-binary=:all:", "--disable-pip-version-check"]
+    argv += ["--python-version", python.version, "--implementation", "cp"]
     argv += TRITON_REQUIREMENTS
     done = subprocess.run(argv, capture_output=True, text=True, check=False)
     if done.returncode != 0:
@@ -125,8 +195,9 @@ def ensure_triton(log: Callable[[str], None] = print) -> TritonInstall:
     The install is built in a temporary folder and renamed into place, so an
     interrupted install is never mistaken for a finished one.
     """
-    root = install_root()
-    install = TritonInstall.at(root)
+    python = model_python()
+    root = install_root(python)
+    install = TritonInstall.at(root, python.libdir)
     if install.complete():
         return install
     if root.exists() and not install.complete():  # damaged by hand: renames are atomic
@@ -138,8 +209,8 @@ def ensure_triton(log: Callable[[str], None] = print) -> TritonInstall:
     log(f"installing Triton {TRITON_VERSION} ({', '.join(TRITON_REQUIREMENTS)}) into {root}")
     started = time.monotonic()
     try:
-        _pip_install(partial / "site")
-        prepare_backend_dir(partial / "site", partial / "backends", _python_version())
+        _pip_install(partial / "site", python)
+        prepare_backend_dir(partial / "site", partial / "backends", python.version)
         try:
             partial.rename(root)
         except OSError:
@@ -156,15 +227,15 @@ def ensure_triton(log: Callable[[str], None] = print) -> TritonInstall:
 def triton_env(install: TritonInstall, base_env: Mapping[str, str]) -> dict[str, str]:
     """The environment for the tritonserver process (and the stubs it starts).
 
-    - The running interpreter's libpython directory comes first on
+    - The models' interpreter's libpython directory comes first on
       ``LD_LIBRARY_PATH``: otherwise the stub may load the system's libpython
-      while the standard library comes from this interpreter's install.
+      while the standard library comes from that interpreter's install.
     - ``nvidia_pytriton.libs`` follows, for the libraries the binaries link.
     - ``TRITON_MODEL_SITE_PACKAGES`` names the site directory with numpy<2: the
       stub ignores ``PYTHONPATH``, so the models put it on ``sys.path`` themselves.
     """
     env = dict(base_env)
-    libdir = str(sysconfig.get_config_var("LIBDIR"))
+    libdir = str(install.python_libdir)
     existing = [part for part in env.get("LD_LIBRARY_PATH", "").split(os.pathsep) if part]
     env["LD_LIBRARY_PATH"] = os.pathsep.join([libdir, str(install.libs_dir), *existing])
     env[SITE_PACKAGES_ENV] = str(install.site_dir)
@@ -375,7 +446,10 @@ class TritonServer:
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> TritonServer:
         """The server described by ``to_state()``; a restart uses the default environment."""
-        install = TritonInstall(**{key: Path(value) for key, value in state["install"].items()})
+        paths = {key: Path(value) for key, value in state["install"].items()}
+        # State written before the models' interpreter was recorded: it was this one's.
+        paths.setdefault("python_libdir", Path(str(sysconfig.get_config_var("LIBDIR"))))
+        install = TritonInstall(**paths)
         server = cls(
             install,
             Path(state["model_repository"]),
