@@ -1,18 +1,26 @@
 # Two commands for a newcomer: `make demo` and `make test`. Everything they need
-# (virtualenv, Python packages, Kafka jars, the Triton wheel) is installed here.
+# (virtualenvs, Python packages, Kafka jars, the Triton wheel) is installed here.
+#
+# `make test` runs the whole suite on the oldest supported Python (the default
+# virtualenv, .venv) and on the newest (.venv-3.13), and the unit tests on the
+# ones between, since asyncio behaves differently across versions.
 
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
+# Python versions beside the default one: the newest runs everything, the others the unit tests.
+FULL_PYTHONS ?= 3.13
+UNIT_PYTHONS ?= 3.12
 
-.PHONY: help tools venv fetch test unit lint demo bench dev-up dev-down clean
+.PHONY: help tools venv fetch test test-one matrix unit lint demo bench dev-up dev-down clean
 
 help:
-	@echo "make demo   - start a local Kafka + Triton, run the worker end to end, print a summary"
-	@echo "make test   - lint, type-check and run the whole test suite against real Kafka and Triton"
-	@echo "make bench  - run the benchmark"
+	@echo "make demo      - start a local Kafka + Triton, run the worker end to end, print a summary"
+	@echo "make test      - lint, type-check, the whole suite on Python 3.11 and 3.13, unit tests on 3.12"
+	@echo "make test-one  - lint, type-check and the whole suite on the default Python only"
+	@echo "make bench     - run the benchmark"
 
 tools:
 	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "Python 3.11+ is needed"' \
@@ -27,6 +35,13 @@ $(STAMP): pyproject.toml constraints.txt
 
 venv: tools $(STAMP)
 
+# .venv-X.Y: the same packages on Python X.Y, found on PATH or in pyenv.
+.venv-%/.installed: pyproject.toml constraints.txt
+	@found=$$(bash .ci/find-python $*) || exit 1; \
+		test -x .venv-$*/bin/python || $$found -m venv .venv-$*
+	.venv-$*/bin/python -m pip install -q -c constraints.txt -e '.[test,bench]'
+	@touch $@
+
 fetch: venv
 	$(PY) -m worker dev fetch
 
@@ -35,8 +50,21 @@ lint: venv
 	$(PY) -m ruff format --check worker tests
 	$(PY) -m mypy
 
-test: fetch lint
+test: test-one matrix
+
+test-one: fetch lint
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+matrix: $(foreach v,$(FULL_PYTHONS) $(UNIT_PYTHONS),.venv-$(v)/.installed)
+	@for v in $(FULL_PYTHONS); do \
+		echo "== Python $$v: the whole suite"; \
+		.venv-$$v/bin/python -m worker dev fetch && \
+		.venv-$$v/bin/python -m pytest -p no:cacheprovider $(PYTEST_ARGS) || exit 1; \
+	done
+	@for v in $(UNIT_PYTHONS); do \
+		echo "== Python $$v: unit tests"; \
+		.venv-$$v/bin/python -m pytest -p no:cacheprovider -m unit $(PYTEST_ARGS) || exit 1; \
+	done
 
 unit: venv
 	$(PY) -m pytest -m unit $(PYTEST_ARGS)
@@ -55,4 +83,4 @@ dev-down: venv
 
 clean:
 	-$(PY) -m worker dev down
-	rm -rf $(VENV) .devstack .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .venv-* .devstack .pytest_cache .mypy_cache .ruff_cache
