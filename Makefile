@@ -43,11 +43,11 @@ venv: tools $(STAMP)
 	@touch $@
 
 fetch: venv
-	$(PY) -m worker dev fetch
+	$(PY) -m devtools dev fetch
 
 lint: venv
-	$(PY) -m ruff check worker tests
-	$(PY) -m ruff format --check worker tests
+	$(PY) -m ruff check worker devtools tests
+	$(PY) -m ruff format --check worker devtools tests
 	$(PY) -m mypy
 
 test: test-one matrix
@@ -58,7 +58,7 @@ test-one: fetch lint
 matrix: $(foreach v,$(FULL_PYTHONS) $(UNIT_PYTHONS),.venv-$(v)/.installed)
 	@for v in $(FULL_PYTHONS); do \
 		echo "== Python $$v: the whole suite"; \
-		.venv-$$v/bin/python -m worker dev fetch && \
+		.venv-$$v/bin/python -m devtools dev fetch && \
 		.venv-$$v/bin/python -m pytest -p no:cacheprovider $(PYTEST_ARGS) || exit 1; \
 	done
 	@for v in $(UNIT_PYTHONS); do \
@@ -70,17 +70,17 @@ unit: venv
 	$(PY) -m pytest -m unit $(PYTEST_ARGS)
 
 demo: fetch
-	$(PY) -m worker demo
+	$(PY) -m devtools demo
 
 bench: fetch
-	$(PY) -m worker bench
+	$(PY) -m devtools bench
 
 dev-up: fetch
-	$(PY) -m worker dev up
+	$(PY) -m devtools dev up
 
 dev-down: venv
-	$(PY) -m worker dev down
+	$(PY) -m devtools dev down
 
 clean:
-	-$(PY) -m worker dev down
+	-$(PY) -m devtools dev down
 	rm -rf $(VENV) .venv-* .devstack .pytest_cache .mypy_cache .ruff_cache

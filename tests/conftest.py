@@ -2,7 +2,7 @@
 
 Both run as local processes started by the project's own devstack code (the
 default, and what CI uses), or as containers through testcontainers when a
-Docker engine answers or ``WORKER_TEST_DOCKER=1``.
+Docker engine answers or ``DEVSTACK_DOCKER=1``.
 """
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ from typing import Any
 
 import pytest
 
+from devtools.devstack.containers import ContainerKafka, ContainerTriton, docker_available
+from devtools.devstack.kafka import KafkaCluster
+from devtools.devstack.stack import LocalStack
 from tests.support import local_kafka
-from worker.devstack.containers import ContainerKafka, ContainerTriton, docker_available
-from worker.devstack.kafka import KafkaCluster
-from worker.devstack.stack import LocalStack
-from worker.triton import TritonPool
+from worker.triton.pool import TritonPool
 
 
 def _report(config: pytest.Config, line: str) -> None:

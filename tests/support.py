@@ -19,12 +19,12 @@ import numpy.typing as npt
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.structs import ConsumerRecord
 
-from worker import codec
+from devtools.devstack.kafka import KafkaCluster, ensure_kafka_jars
+from devtools.samples import Encoding, SampleRequest, Tensor, encode_request
 from worker.app import Worker
-from worker.codec import header_value
-from worker.config import Settings, load_settings
-from worker.devstack.kafka import KafkaCluster, ensure_kafka_jars
-from worker.samples import Encoding, SampleRequest, Tensor, encode_request
+from worker.settings import Settings, load_settings
+from worker.wire import codec
+from worker.wire.codec import header_value
 
 
 @contextlib.contextmanager
@@ -251,7 +251,7 @@ def result_outputs(record: ConsumerRecord[bytes, bytes]) -> dict[str, Any]:
 
     from tritonclient.grpc import service_pb2
 
-    from worker.tensors import deserialize_bytes_tensor, raw_to_numpy
+    from worker.wire.tensors import deserialize_bytes_tensor, raw_to_numpy
 
     content_type = (header_value(record.headers, "content-type") or b"").decode()
     value = record.value or b""

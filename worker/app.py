@@ -10,27 +10,31 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Mapping
+from collections.abc import Coroutine, Mapping
+from typing import Any
 
 import structlog
 from aiokafka.structs import ConsumerRecord, TopicPartition
 
-from worker import errors, preflight, security
+from worker import errors
 from worker.audit import Audit
-from worker.batching import MicroBatcher
-from worker.breaker import CircuitBreaker
-from worker.config import Settings
-from worker.handler import RecordHandler, Sink
-from worker.intake import Intake
-from worker.limiter import AdaptiveLimiter
-from worker.model_gate import ModelGate
-from worker.observability import HealthServer, Metrics
-from worker.offsets import OffsetTracker
-from worker.ordering import Ticket, Turns
-from worker.publisher import PRODUCER_HEADROOM_BYTES, Publisher
-from worker.transactions import TransactionalSink
-from worker.triton import TritonPool
-from worker.window import Window
+from worker.checks import startup as preflight
+from worker.delivery.exactly_once import TransactionalSink
+from worker.delivery.offsets import OffsetTracker
+from worker.errors import ExitCode
+from worker.flow.breaker import CircuitBreaker
+from worker.flow.holds import ModelGate
+from worker.flow.limiter import AdaptiveLimiter
+from worker.flow.ordering import Ticket, Turns
+from worker.flow.window import Window
+from worker.kafka import options as security
+from worker.kafka.intake import Intake
+from worker.kafka.publisher import PRODUCER_HEADROOM_BYTES, Publisher
+from worker.observability.metrics import HealthServer, Metrics
+from worker.record import RecordHandler, Sink
+from worker.settings import Settings
+from worker.triton.batching import MicroBatcher
+from worker.triton.pool import TritonPool
 
 log = structlog.get_logger(__name__)
 
@@ -41,34 +45,37 @@ class Worker:
     def __init__(self, settings: Settings, metrics: Metrics | None = None) -> None:
         self.settings = settings
         self.metrics = metrics or Metrics()
-        self.window = Window(settings.max_in_flight, settings.max_in_flight_per_partition)
+        self.window = Window(settings.flow.max_in_flight, settings.flow.max_in_flight_per_partition)
         self.offsets = OffsetTracker()
         self.pool = TritonPool(
-            settings.triton_url,
-            settings.triton_streams,
+            settings.triton.triton_url,
+            settings.triton.triton_streams,
             client_kwargs=security.triton_client_kwargs(settings),
             auth=security.TritonAuth(settings),
-            shm_min_bytes=settings.shm_min_bytes if settings.triton_shm == "system" else None,
-            shm_pool_bytes=settings.shm_pool_bytes,
+            shm_min_bytes=settings.triton.shm_min_bytes
+            if settings.triton.triton_shm == "system"
+            else None,
+            shm_pool_bytes=settings.triton.shm_pool_bytes,
         )
         # A dead letter carries the request as it came: up to max_request_bytes.
         largest_record = (
-            max(settings.max_output_bytes, settings.max_request_bytes) + PRODUCER_HEADROOM_BYTES
+            max(settings.limits.max_output_bytes, settings.limits.max_request_bytes)
+            + PRODUCER_HEADROOM_BYTES
         )
         self.publisher = Publisher(
-            settings.bootstrap_servers,
-            output_topic=settings.output_topic,
-            dlq_topic=settings.dlq_topic,
-            client_id=settings.client_id,
-            linger_ms=settings.linger_ms,
+            settings.kafka.bootstrap_servers,
+            output_topic=settings.topics.output_topic,
+            dlq_topic=settings.topics.dlq_topic,
+            client_id=settings.kafka.client_id,
+            linger_ms=settings.kafka.linger_ms,
             max_request_bytes=largest_record,
             client_kwargs=security.kafka_client_kwargs(settings),
-            compression_type=settings.compression_type,
+            compression_type=settings.kafka.compression_type,
             on_value_omitted=self.metrics.dead_letter_values_omitted_total.inc,
         )
         self.txn: TransactionalSink | None = None
         sink: Sink = self.publisher
-        if settings.delivery == "exactly_once":
+        if settings.delivery.delivery == "exactly_once":
             self.txn = sink = TransactionalSink(
                 settings,
                 self.offsets,
@@ -78,15 +85,15 @@ class Worker:
             )
         self.audit = Audit(settings, self.publisher.send_audit)
         self.breaker = CircuitBreaker(
-            settings.breaker_failure_threshold,
+            settings.retry.breaker_failure_threshold,
             on_change=lambda is_open: self.metrics.breaker_open.set(1 if is_open else 0),
         )
         self.batcher = MicroBatcher(
-            self.pool, settings.batch_max_size, settings.batch_delay_ms / 1000
+            self.pool, settings.flow.batch_max_size, settings.flow.batch_delay_ms / 1000
         )
         self.limiter = (
-            AdaptiveLimiter(self.window, settings.min_in_flight, settings.max_in_flight)
-            if settings.window_mode == "adaptive"
+            AdaptiveLimiter(self.window, settings.flow.min_in_flight, settings.flow.max_in_flight)
+            if settings.flow.window_mode == "adaptive"
             else None
         )
         self.models = ModelGate(
@@ -94,7 +101,7 @@ class Worker:
             listed=self.pool.repository_lists,
             ready=self.pool.model_ready,
             released=lambda name, _version: self.pool.forget_model(name),
-            interval_s=settings.breaker_probe_interval_ms / 1000,
+            interval_s=settings.retry.breaker_probe_interval_ms / 1000,
         )
         self.handler = RecordHandler(
             settings,
@@ -134,9 +141,9 @@ class Worker:
     async def start(self) -> None:
         """Connect everything; the consumer joins its group last, when all else is ready."""
         await preflight.run_checks(self.settings)
-        if self.settings.metrics_port:
+        if self.settings.ops.metrics_port:
             self.health = HealthServer(
-                self.metrics.registry, self.readiness, port=self.settings.metrics_port
+                self.metrics.registry, self.readiness, port=self.settings.ops.metrics_port
             )
             await self.health.start()
         await self.pool.start()
@@ -156,7 +163,7 @@ class Worker:
                     tasks.create_task(
                         self.breaker.probe_loop(
                             self.pool.server_ready,
-                            self.settings.breaker_probe_interval_ms / 1000,
+                            self.settings.retry.breaker_probe_interval_ms / 1000,
                             self._report_health,
                         ),
                         name="triton-health",
@@ -186,7 +193,7 @@ class Worker:
 
     async def _drain(self) -> None:
         """Wait for in-flight records within the bound, then commit what is done."""
-        timeout_s = self.settings.shutdown_timeout_s
+        timeout_s = self.settings.ops.shutdown_timeout_s
         try:
             await asyncio.wait_for(self.window.wait_empty(), timeout_s)
         except TimeoutError:
@@ -217,7 +224,7 @@ class Worker:
         assert self._tasks is not None
         tp = TopicPartition(record.topic, record.partition)
         # Tickets are taken here, synchronously, because dispatch runs in offset order.
-        mode = self.settings.ordering
+        mode = self.settings.delivery.ordering
         key_turn = (
             self._turns.ticket((tp, record.key))
             if mode == "key" and record.key is not None
@@ -296,6 +303,15 @@ class Worker:
         return ready, detail
 
 
+def run_async(main: Coroutine[Any, Any, int]) -> int:
+    """Run on uvloop where it is installed (faster I/O), else on asyncio's own loop."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(main)
+    return uvloop.run(main)
+
+
 async def serve(settings: Settings, worker: Worker | None = None) -> int:
     """Run a worker under SIGTERM/SIGINT handling; return the process exit code."""
     import signal
@@ -323,4 +339,4 @@ async def serve(settings: Settings, worker: Worker | None = None) -> int:
         for signum in signals:
             with contextlib.suppress(Exception):
                 loop.remove_signal_handler(signum)
-    return 0 if received <= 1 else 1
+    return ExitCode.OK if received <= 1 else ExitCode.FORCED

@@ -17,9 +17,9 @@ import orjson
 import structlog
 from aiokafka.structs import ConsumerRecord
 
-from worker.config import Settings
 from worker.errors import WriteFailed
-from worker.publisher import write_with_retries
+from worker.kafka.publisher import write_with_retries
+from worker.settings import Settings
 
 #: Sends (topic, value, key) and waits for the broker's ack.
 Send = Callable[[str, bytes, bytes | None], Awaitable[object]]
@@ -81,9 +81,9 @@ class Audit:
     def __init__(self, settings: Settings, send: Send, *, topic_attempts: int = 5) -> None:
         self._settings = settings
         self._send = send
-        self._to_log = settings.audit in ("log", "both")
-        self._to_topic = settings.audit in ("topic", "both")
-        self._topic = settings.audit_topic
+        self._to_log = settings.ops.audit in ("log", "both")
+        self._to_topic = settings.ops.audit in ("topic", "both")
+        self._topic = settings.ops.audit_topic
         self._topic_attempts = topic_attempts
         if self._to_log:
             # Audit lines are kept whatever WORKER_LOG_LEVEL says.
@@ -114,7 +114,7 @@ class Audit:
             return
         entry = audit_record(
             record,
-            worker_id=self._settings.client_id,
+            worker_id=self._settings.kafka.client_id,
             request_id=request_id,
             model_name=model_name,
             model_version=model_version,

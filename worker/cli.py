@@ -1,22 +1,16 @@
-"""Command line: ``run``, ``dev``, ``demo``, ``produce``."""
+"""Command line: ``run``, ``check``, ``produce``. Nothing imports this module."""
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import sys
-from collections.abc import Coroutine, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 from worker import __version__
-from worker.bench import add_bench_parser
-from worker.check import add_check_parser
-from worker.devcli import add_dev_parser
+from worker.checks.report import add_check_parser
 from worker.errors import ExitCode
-
-#: Exit code for invalid configuration (the process never started).
-EXIT_CONFIG = ExitCode.CONFIG
+from worker.produce import add_produce_parser
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,18 +28,14 @@ def build_parser() -> argparse.ArgumentParser:
         add_help=False,
     )
     run.set_defaults(handler=run_worker)
-    add_dev_parser(commands)
-    from worker.democli import add_demo_parsers
-
-    add_demo_parsers(commands)
     add_check_parser(commands)
-    add_bench_parser(commands)
+    add_produce_parser(commands)
     return parser
 
 
 def run_worker(args: argparse.Namespace) -> int:
     """``run``: load settings (exit 2 with one line if invalid), then serve until signalled."""
-    from worker.config import ConfigError, add_run_arguments, load_settings
+    from worker.settings import ConfigError, add_run_arguments, load_settings
 
     if "-h" in args.settings or "--help" in args.settings:
         helper = argparse.ArgumentParser(
@@ -59,20 +49,20 @@ def run_worker(args: argparse.Namespace) -> int:
         settings = load_settings(os.environ, args.settings, isatty=sys.stderr.isatty())
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return EXIT_CONFIG
+        return ExitCode.CONFIG
 
-    from worker.app import serve
+    from worker.app import run_async, serve
+    from worker.checks.startup import StartupCheckFailed
     from worker.errors import Fatal, WriteFailed
-    from worker.observability import configure_logging
-    from worker.preflight import StartupCheckFailed
+    from worker.observability.metrics import configure_logging
 
-    configure_logging(settings.log_format, settings.log_level)
+    configure_logging(settings.ops.log_format, settings.ops.log_level)
     try:
         return run_async(serve(settings))
     except (ConfigError, StartupCheckFailed) as exc:
         # A credential, certificate or ACL problem found at start-up: no retry fixes it.
         print(f"error: {exc}", file=sys.stderr)
-        return EXIT_CONFIG
+        return ExitCode.CONFIG
     except BaseExceptionGroup as group:
         matched, _ = group.split(Fatal)
         if matched is None:
@@ -87,15 +77,6 @@ def run_worker(args: argparse.Namespace) -> int:
 def _first_leaf(group: BaseExceptionGroup[BaseException]) -> BaseException:
     first = group.exceptions[0]
     return _first_leaf(first) if isinstance(first, BaseExceptionGroup) else first
-
-
-def run_async(main: Coroutine[Any, Any, int]) -> int:
-    """Run on uvloop where it is installed (faster I/O), else on asyncio's own loop."""
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.run(main)
-    return uvloop.run(main)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -12,6 +12,9 @@ from typing import Any
 
 import pytest
 
+from devtools import samples
+from devtools.devstack.kafka import KafkaCluster
+from devtools.devstack.process import free_port
 from tests.support import (
     Topics,
     collect,
@@ -25,9 +28,6 @@ from tests.support import (
     wait_ready,
     worker_env,
 )
-from worker import samples
-from worker.devstack.kafka import KafkaCluster
-from worker.devstack.process import free_port
 
 pytestmark = [pytest.mark.fault, pytest.mark.timeout(300)]
 

@@ -13,10 +13,10 @@ from typing import Any
 
 import pytest
 
+from devtools import samples
+from devtools.devstack.paths import models_dir
+from devtools.devstack.triton import TritonServer, ensure_triton
 from tests.support import Topics, collect, create, report, running_worker, send, settings_for
-from worker import samples
-from worker.devstack.paths import models_dir
-from worker.devstack.triton import TritonServer, ensure_triton
 
 pytestmark = [pytest.mark.fault, pytest.mark.timeout(240)]
 

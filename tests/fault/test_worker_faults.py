@@ -12,6 +12,8 @@ import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.structs import TopicPartition
 
+from devtools import samples
+from devtools.samples import faulty_request
 from tests.support import (
     Collected,
     Topics,
@@ -25,8 +27,6 @@ from tests.support import (
     spawn_worker,
     worker_env,
 )
-from worker import samples
-from worker.samples import faulty_request
 
 pytestmark = [pytest.mark.fault, pytest.mark.timeout(240)]
 

@@ -8,12 +8,13 @@ from typing import Any
 import numpy as np
 import pytest
 
+from devtools.samples import Tensor
 from tests.support import decode_sample, mlp_reference
-from worker import codec, errors
-from worker.batching import MicroBatcher
-from worker.samples import Tensor
-from worker.tensors import deserialize_bytes_tensor, raw_to_numpy, serialize_bytes_tensor
-from worker.triton import TritonPool
+from worker import errors
+from worker.triton.batching import MicroBatcher
+from worker.triton.pool import TritonPool
+from worker.wire import codec
+from worker.wire.tensors import deserialize_bytes_tensor, raw_to_numpy, serialize_bytes_tensor
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 

@@ -10,9 +10,10 @@ from typing import Any
 
 import pytest
 
-from worker.bench import VARIANT_KEYS
+from devtools.bench.command import VARIANT_KEYS
+from devtools.devstack.paths import PROJECT_ROOT
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 
 def test_smoke_run_reports_every_variant(kafka: Any, triton: Any, tmp_path: Path) -> None:
@@ -21,7 +22,7 @@ def test_smoke_run_reports_every_variant(kafka: Any, triton: Any, tmp_path: Path
         [
             sys.executable,
             "-m",
-            "worker",
+            "devtools",
             "bench",
             "--smoke",
             "--bootstrap-servers",
@@ -33,7 +34,8 @@ def test_smoke_run_reports_every_variant(kafka: Any, triton: Any, tmp_path: Path
         ],
         capture_output=True,
         text=True,
-        timeout=90,
+        cwd=PROJECT_ROOT,
+        timeout=240,
         check=False,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

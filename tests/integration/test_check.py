@@ -7,11 +7,11 @@ from typing import Any
 
 import pytest
 
+from devtools.devstack.kafka import run_sync
+from devtools.devstack.process import free_port
 from tests.support import Topics, create, running_worker, settings_for, worker_env
 from worker import cli
-from worker.check import CheckResult, run_checks
-from worker.devstack.kafka import run_sync
-from worker.devstack.process import free_port
+from worker.checks.report import CheckResult, run_checks
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 

@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 
+from devtools import samples
+from devtools.devstack.process import free_port
 from tests.support import Topics, collect, create, running_worker, send, settings_for
 from tests.unit.test_deploy import base_metric_name, referenced_metric_names
-from worker import samples
-from worker.devstack.process import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 

@@ -1,4 +1,4 @@
-"""`python -m worker dev up|status|down` starts a stack that outlives it and stops it fully."""
+"""`python -m devtools dev up|status|down` starts a stack that outlives it and stops it fully."""
 
 from __future__ import annotations
 
@@ -10,20 +10,21 @@ from pathlib import Path
 
 import pytest
 
-from worker.devstack.paths import cache_dir
-from worker.devstack.process import pid_alive
+from devtools.devstack.paths import PROJECT_ROOT, cache_dir
+from devtools.devstack.process import pid_alive
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
 
 def _dev(home: Path, *args: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("WORKER_")}
-    env |= {"WORKER_DEVSTACK_DIR": str(home), "COLUMNS": "160"}
+    env |= {"DEVSTACK_DIR": str(home), "COLUMNS": "160"}
     return subprocess.run(
-        [sys.executable, "-m", "worker", "dev", *args],
+        [sys.executable, "-m", "devtools", "dev", *args],
         env=env,
         capture_output=True,
         text=True,
+        cwd=PROJECT_ROOT,
         timeout=180,
         check=False,
     )

@@ -9,7 +9,7 @@ import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.structs import TopicPartition
 
-from worker.devstack.kafka import KafkaCluster
+from devtools.devstack.kafka import KafkaCluster
 
 pytestmark = pytest.mark.integration
 

@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 from aiokafka.structs import TopicPartition
 
+from devtools import samples
+from devtools.samples import ENCODINGS, SampleRequest, encode_request, faulty_request
 from tests.support import (
     Topics,
     collect,
@@ -20,9 +22,7 @@ from tests.support import (
     send,
     settings_for,
 )
-from worker import samples
-from worker.samples import ENCODINGS, SampleRequest, encode_request, faulty_request
-from worker.window import Window
+from worker.flow.window import Window
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from worker.benchmarks.scaleout import measure_workers
+from devtools.bench.scaleout import measure_workers
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -17,7 +17,7 @@ async def test_three_workers_in_one_group_move_at_least_twice_the_records_of_one
 ) -> None:
     """Window-limited workers (1 in flight, 20 ms model sleep): three in a group give >= 2x one.
 
-    The benchmark (`python -m worker bench --variants scale_out`) reports the real
+    The benchmark (`python -m devtools bench --variants scale_out`) reports the real
     ratio against the issue's 2.5x; this test asserts 2.0x so that a noisy 2-core
     machine running Kafka, Triton and four Python processes does not make it flaky.
     """

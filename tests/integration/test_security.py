@@ -19,6 +19,11 @@ import numpy as np
 import pytest
 from aiokafka import AIOKafkaConsumer
 
+from devtools.devstack.certs import LocalPki, make_pki
+from devtools.devstack.kafka import KafkaCluster, KafkaSecurity, ensure_kafka_jars
+from devtools.devstack.paths import models_dir
+from devtools.devstack.triton import TritonServer, ensure_triton
+from devtools.samples import SampleRequest, Tensor, double_inputs, encode_request
 from tests.support import (
     Topics,
     collect,
@@ -30,14 +35,9 @@ from tests.support import (
     spawn_worker,
     worker_env,
 )
-from worker.config import load_settings
-from worker.devstack.certs import LocalPki, make_pki
-from worker.devstack.kafka import KafkaCluster, KafkaSecurity, ensure_kafka_jars
-from worker.devstack.paths import models_dir
-from worker.devstack.triton import TritonServer, ensure_triton
-from worker.samples import SampleRequest, Tensor, double_inputs, encode_request
-from worker.security import TritonAuth, triton_client_kwargs
-from worker.triton import TritonPool
+from worker.kafka.options import TritonAuth, triton_client_kwargs
+from worker.settings import load_settings
+from worker.triton.pool import TritonPool
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
@@ -275,7 +275,7 @@ async def test_rotated_token_file_is_used_without_restart(
     }
     settings = load_settings(env)
     pool = TritonPool(
-        settings.triton_url,
+        settings.triton.triton_url,
         1,
         client_kwargs=triton_client_kwargs(settings),
         auth=TritonAuth(settings),
@@ -372,7 +372,7 @@ async def test_one_audit_record_per_request_including_dead_letters(
         (None, "dead_letter", "DECODE_ERROR"),
     ]
     raw = json.dumps(audit)
-    assert "not json" not in raw and all(e["worker_id"] == settings.client_id for e in audit)
+    assert "not json" not in raw and all(e["worker_id"] == settings.kafka.client_id for e in audit)
 
 
 async def test_limits_dead_letter_forbidden_and_too_large_through_the_worker(

@@ -8,6 +8,8 @@ import numpy as np
 import pytest
 from tritonclient.grpc import service_pb2
 
+from devtools import samples
+from devtools.samples import ENCODINGS, SampleRequest, encode_request
 from tests.support import (
     Topics,
     collect,
@@ -17,9 +19,7 @@ from tests.support import (
     send,
     settings_for,
 )
-from worker import samples
-from worker.samples import ENCODINGS, SampleRequest, encode_request
-from worker.triton import TritonPool
+from worker.triton.pool import TritonPool
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 

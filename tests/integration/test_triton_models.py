@@ -16,16 +16,16 @@ import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from tests.support import mlp_reference
-from worker.devstack.paths import models_dir
-from worker.devstack.process import StartupError
-from worker.devstack.triton import (
+from devtools.devstack.paths import models_dir
+from devtools.devstack.process import StartupError
+from devtools.devstack.triton import (
     SITE_PACKAGES_ENV,
     TritonInstall,
     TritonServer,
     ensure_triton,
     triton_env,
 )
+from tests.support import mlp_reference
 
 pytestmark = pytest.mark.integration
 

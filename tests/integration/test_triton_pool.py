@@ -9,10 +9,10 @@ from typing import Any
 import numpy as np
 import pytest
 
+from devtools.samples import faulty_inputs
 from tests.support import decode_sample
 from worker import errors
-from worker.samples import faulty_inputs
-from worker.triton import TritonPool
+from worker.triton.pool import TritonPool
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 

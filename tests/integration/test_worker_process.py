@@ -18,9 +18,10 @@ import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.structs import TopicPartition
 
+from devtools import samples
+from devtools.devstack.paths import PROJECT_ROOT
+from devtools.devstack.process import free_port
 from tests.support import Topics, create, request_id_of, rss_bytes, spawn_worker, worker_env
-from worker import samples
-from worker.devstack.process import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
@@ -220,14 +221,14 @@ async def test_backlog_of_100k_keeps_memory_bounded(
 async def test_produce_command_sends_generated_and_bad_requests(
     kafka: Any, answers: tuple[Topics, Answers]
 ) -> None:
-    """`produce --generate N --bad` puts N good requests plus every bad kind on a topic."""
+    """`devtools produce --generate N --bad` puts N good requests plus every bad kind on a topic."""
     topics, _ = answers
     done = await asyncio.to_thread(
         subprocess.run,
         [
             sys.executable,
             "-m",
-            "worker",
+            "devtools",
             "produce",
             "--bootstrap-servers",
             kafka.bootstrap_servers,
@@ -239,6 +240,7 @@ async def test_produce_command_sends_generated_and_bad_requests(
         ],
         capture_output=True,
         text=True,
+        cwd=PROJECT_ROOT,
         timeout=120,
         check=False,
     )
@@ -254,9 +256,9 @@ async def test_produce_command_sends_generated_and_bad_requests(
 
 
 def test_demo_answers_every_request_and_exits_zero() -> None:
-    """`python -m worker demo` (what `make demo` runs) answers every request and stops all."""
+    """`python -m devtools demo` (what `make demo` runs) answers every request and stops all."""
     done = subprocess.run(
-        [sys.executable, "-m", "worker", "demo", "--requests", "90"],
+        [sys.executable, "-m", "devtools", "demo", "--requests", "90"],
         capture_output=True,
         text=True,
         timeout=200,
@@ -268,3 +270,38 @@ def test_demo_answers_every_request_and_exits_zero() -> None:
     assert "unanswered" in done.stdout
     row = next(line for line in done.stdout.splitlines() if "unanswered" in line)
     assert row.split("│")[2].strip() == "0"
+
+
+async def test_worker_produce_sends_ndjson_from_stdin(kafka: Any, unique: str) -> None:
+    """`kafka-triton-worker produce --file -` sends each NDJSON request keyed by its id."""
+    topic = f"produce-{unique}"
+    await kafka.create_topics([topic])
+    lines = "\n".join(
+        json.dumps({"id": f"r{i}", "model_name": "double", "inputs": []}) for i in range(3)
+    )
+    done = await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-m", "worker", "produce", "--bootstrap-servers",
+         kafka.bootstrap_servers, "--topic", topic, "--file", "-"],
+        input=lines,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    consumer = AIOKafkaConsumer(
+        topic, bootstrap_servers=kafka.bootstrap_servers, auto_offset_reset="earliest"
+    )
+    await consumer.start()
+    records: list[Any] = []
+    try:
+        async with asyncio.timeout(30):
+            while len(records) < 3:
+                got = await consumer.getmany(timeout_ms=1000)
+                records += [r for batch in got.values() for r in batch]
+    finally:
+        await consumer.stop()
+    assert sorted(r.key for r in records) == [b"r0", b"r1", b"r2"]
+    assert all(json.loads(r.value)["model_name"] == "double" for r in records)
+    assert all(("content-type", b"application/json") in r.headers for r in records)

@@ -15,8 +15,8 @@ from aiokafka.errors import KafkaTimeoutError
 from aiokafka.structs import ConsumerRecord
 
 from worker.audit import AUDIT_LOGGER, Audit, AuditWriteFailed, audit_record
-from worker.config import Settings, load_settings
-from worker.observability import configure_logging, reset_logging
+from worker.observability.metrics import configure_logging, reset_logging
+from worker.settings import Settings, load_settings
 
 pytestmark = pytest.mark.unit
 
@@ -202,7 +202,7 @@ async def test_audit_lines_reach_the_configured_log_even_at_level_error() -> Non
     configure_logging("json", "error", stream=stream)
     try:
         await _audit_one(Audit(_settings(audit="log", log_level="error"), _Sends()))
-        structlog.get_logger("worker.handler").info("not_shown_at_error")
+        structlog.get_logger("worker.record").info("not_shown_at_error")
     finally:
         reset_logging()
     [line] = [json.loads(text) for text in stream.getvalue().splitlines()]

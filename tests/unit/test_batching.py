@@ -15,12 +15,13 @@ import numpy as np
 import pytest
 from tritonclient.grpc import service_pb2
 
+from devtools.samples import Tensor
 from tests.support import decode_sample
-from worker import codec, errors
-from worker.batching import MicroBatcher, _merge, _split, batchable
-from worker.samples import Tensor
-from worker.tensors import deserialize_bytes_tensor, serialize_bytes_tensor
-from worker.validation import ModelSpec, TensorSpec
+from worker import errors
+from worker.triton.batching import MicroBatcher, _merge, _split, batchable
+from worker.wire import codec
+from worker.wire.tensors import deserialize_bytes_tensor, serialize_bytes_tensor
+from worker.wire.validation import ModelSpec, TensorSpec
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(10)]
 

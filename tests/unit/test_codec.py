@@ -13,8 +13,6 @@ import orjson
 import pytest
 from tritonclient.grpc import service_pb2
 
-from worker import codec, tensors
-from worker.codec import DecodedRequest, Headers, decode_request, encode_result
 from worker.errors import (
     DecodeError,
     InferenceError,
@@ -26,7 +24,9 @@ from worker.errors import (
     TritonUnavailable,
     WorkerError,
 )
-from worker.messages import DATATYPE_NAMES
+from worker.wire import codec, tensors
+from worker.wire.codec import DecodedRequest, Headers, decode_request, encode_result
+from worker.wire.messages import DATATYPE_NAMES
 
 pytestmark = pytest.mark.unit
 

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import yaml
 
-from worker.config import ENV_PREFIX, load_settings, settings_env_names
+from worker.settings import ENV_PREFIX, load_settings, settings_env_names
 
 pytestmark = pytest.mark.unit
 
@@ -42,8 +42,8 @@ def test_worker_env_names_exist_in_the_settings_model() -> None:
 def test_worker_env_is_a_valid_configuration() -> None:
     """The worker's environment, defaults filled in, loads as settings without error."""
     settings = load_settings(_resolved_worker_env())
-    assert settings.metrics_port == 9400
-    assert settings.bootstrap_servers == "kafka:9092"
+    assert settings.ops.metrics_port == 9400
+    assert settings.kafka.bootstrap_servers == "kafka:9092"
 
 
 def test_images_are_pinned() -> None:

@@ -6,13 +6,15 @@ import argparse
 import dataclasses
 import os
 
+import msgspec
 import pytest
 
-from worker.config import (
+from worker.settings import (
     SETTINGS_SPEC,
-    TOOLING_ENV_NAMES,
     ConfigError,
     Settings,
+    TopicSettings,
+    TritonSettings,
     add_run_arguments,
     load_settings,
     reference_table_markdown,
@@ -42,35 +44,35 @@ def _error(env: dict[str, str], argv: list[str] | None = None) -> ConfigError:
 def test_defaults() -> None:
     """With only the required settings, every other field takes its documented default."""
     settings = load_settings(REQUIRED)
-    assert settings.input_topics == ("requests",)
-    assert settings.output_topic == "results"
-    assert settings.dlq_topic == "dead-letters"
-    assert settings.bootstrap_servers == "localhost:9092"
-    assert settings.group_id == "kafka-triton-worker"
-    assert settings.triton_url == "localhost:8001"
-    assert settings.default_model is None
-    assert settings.max_in_flight == 256
-    assert settings.max_in_flight_per_partition == 64
-    assert settings.triton_streams == 2
-    assert settings.commit_interval_ms == 1000
-    assert settings.shutdown_timeout_s == 30.0
-    assert settings.metrics_port == 9400
-    assert settings.log_level == "info"
-    assert settings.request_timeout_ms == 30_000
-    assert settings.max_request_bytes == 8 * 1024 * 1024
-    assert settings.max_output_bytes == 1024 * 1024
-    assert settings.linger_ms == 5
-    assert settings.max_poll_records == 500
-    assert settings.auto_offset_reset == "earliest"
-    assert settings.client_id.startswith("kafka-triton-worker-")
-    assert settings.client_id.endswith(f"-{os.getpid()}")
+    assert settings.topics.input_topics == ("requests",)
+    assert settings.topics.output_topic == "results"
+    assert settings.topics.dlq_topic == "dead-letters"
+    assert settings.kafka.bootstrap_servers == "localhost:9092"
+    assert settings.kafka.group_id == "kafka-triton-worker"
+    assert settings.triton.triton_url == "localhost:8001"
+    assert settings.limits.default_model is None
+    assert settings.flow.max_in_flight == 256
+    assert settings.flow.max_in_flight_per_partition == 64
+    assert settings.triton.triton_streams == 2
+    assert settings.kafka.commit_interval_ms == 1000
+    assert settings.ops.shutdown_timeout_s == 30.0
+    assert settings.ops.metrics_port == 9400
+    assert settings.ops.log_level == "info"
+    assert settings.triton.request_timeout_ms == 30_000
+    assert settings.limits.max_request_bytes == 8 * 1024 * 1024
+    assert settings.limits.max_output_bytes == 1024 * 1024
+    assert settings.kafka.linger_ms == 5
+    assert settings.kafka.max_poll_records == 500
+    assert settings.kafka.auto_offset_reset == "earliest"
+    assert settings.kafka.client_id.startswith("kafka-triton-worker-")
+    assert settings.kafka.client_id.endswith(f"-{os.getpid()}")
 
 
 def test_log_format_default_follows_the_terminal() -> None:
     """The log format defaults to console on a terminal and JSON elsewhere."""
-    assert load_settings(REQUIRED, isatty=True).log_format == "console"
-    assert load_settings(REQUIRED, isatty=False).log_format == "json"
-    assert load_settings(_env(WORKER_LOG_FORMAT="json"), isatty=True).log_format == "json"
+    assert load_settings(REQUIRED, isatty=True).ops.log_format == "console"
+    assert load_settings(REQUIRED, isatty=False).ops.log_format == "json"
+    assert load_settings(_env(WORKER_LOG_FORMAT="json"), isatty=True).ops.log_format == "json"
 
 
 def test_env_parsing_of_every_type() -> None:
@@ -92,43 +94,47 @@ def test_env_parsing_of_every_type() -> None:
         WORKER_CLIENT_ID="w-1",
     )
     settings = load_settings(env)
-    assert settings.input_topics == ("a", "b.c", "d_e")
-    assert settings.bootstrap_servers == "k1:9092,[::1]:9093"
-    assert settings.triton_url == "triton.svc:8001"
-    assert settings.default_model == "resnet"
-    assert settings.max_in_flight == 7
-    assert settings.triton_streams == 64
-    assert settings.shutdown_timeout_s == 2.5
-    assert settings.max_request_bytes == 2 * 1024 * 1024
-    assert settings.max_output_bytes == 4096
-    assert settings.auto_offset_reset == "latest"
-    assert settings.log_level == "debug"
-    assert settings.metrics_port == 0
-    assert settings.linger_ms == 0
-    assert settings.client_id == "w-1"
+    assert settings.topics.input_topics == ("a", "b.c", "d_e")
+    assert settings.kafka.bootstrap_servers == "k1:9092,[::1]:9093"
+    assert settings.triton.triton_url == "triton.svc:8001"
+    assert settings.limits.default_model == "resnet"
+    assert settings.flow.max_in_flight == 7
+    assert settings.triton.triton_streams == 64
+    assert settings.ops.shutdown_timeout_s == 2.5
+    assert settings.limits.max_request_bytes == 2 * 1024 * 1024
+    assert settings.limits.max_output_bytes == 4096
+    assert settings.kafka.auto_offset_reset == "latest"
+    assert settings.ops.log_level == "debug"
+    assert settings.ops.metrics_port == 0
+    assert settings.kafka.linger_ms == 0
+    assert settings.kafka.client_id == "w-1"
 
 
 def test_empty_env_var_counts_as_unset() -> None:
     """An empty variable (as compose passes ``${VAR:-}``) leaves the default in place."""
     settings = load_settings(_env(WORKER_MAX_IN_FLIGHT="", WORKER_DEFAULT_MODEL=""))
-    assert settings.max_in_flight == 256
-    assert settings.default_model is None
+    assert settings.flow.max_in_flight == 256
+    assert settings.limits.default_model is None
 
 
 def test_flags_win_over_env() -> None:
     """A flag overrides the variable of the same setting; other variables still apply."""
     env = _env(WORKER_MAX_IN_FLIGHT="10", WORKER_GROUP_ID="from-env")
     settings = load_settings(env, ["--max-in-flight", "20", "--input-topics=x,y"])
-    assert settings.max_in_flight == 20
-    assert settings.input_topics == ("x", "y")
-    assert settings.group_id == "from-env"
+    assert settings.flow.max_in_flight == 20
+    assert settings.topics.input_topics == ("x", "y")
+    assert settings.kafka.group_id == "from-env"
 
 
 def test_flags_alone_satisfy_required_settings() -> None:
     """The required settings may come from flags with no environment at all."""
     argv = ["--input-topics", "in", "--output-topic", "out", "--dlq-topic", "dlq"]
     settings = load_settings({}, argv)
-    assert (settings.input_topics, settings.output_topic, settings.dlq_topic) == (
+    assert (
+        settings.topics.input_topics,
+        settings.topics.output_topic,
+        settings.topics.dlq_topic,
+    ) == (
         ("in",),
         "out",
         "dlq",
@@ -146,14 +152,15 @@ def test_unknown_env_var_is_named_with_a_suggestion() -> None:
 def test_unrelated_env_vars_are_ignored() -> None:
     """Variables without the WORKER_ prefix are none of the worker's business."""
     settings = load_settings(_env(PATH="/bin", HOME="/home/app", KAFKA_HEAP_OPTS="-Xmx1g"))
-    assert settings.output_topic == "results"
+    assert settings.topics.output_topic == "results"
 
 
-def test_tooling_env_vars_are_accepted() -> None:
-    """The dev and test tooling variables are allowed alongside the settings."""
-    assert TOOLING_ENV_NAMES == {"WORKER_TEST_DOCKER", "WORKER_DEVSTACK_DIR"}
-    settings = load_settings(_env(WORKER_TEST_DOCKER="1", WORKER_DEVSTACK_DIR="somewhere"))
-    assert settings.input_topics == ("requests",)
+def test_the_settings_know_no_tooling_variable() -> None:
+    """Dev and test tooling reads DEVSTACK_* variables; a WORKER_* one is always a setting."""
+    assert not any("DEVSTACK" in name or "DOCKER" in name for name in settings_env_names())
+    error = _error(_env(WORKER_DEVSTACK_DIR="somewhere"))
+    assert error.setting == "WORKER_DEVSTACK_DIR"
+    assert settings_from_args(_env(DEVSTACK_DIR="x"), argparse.Namespace()).topics.dlq_topic
 
 
 @pytest.mark.parametrize("name", sorted(REQUIRED))
@@ -243,17 +250,22 @@ def test_output_topics_must_not_be_inputs(name: str) -> None:
 def test_per_partition_limit_may_exceed_global_limit() -> None:
     """A per-partition limit above the global one is accepted: the global one still bounds."""
     env = _env(WORKER_MAX_IN_FLIGHT="4", WORKER_MAX_IN_FLIGHT_PER_PARTITION="64")
-    assert load_settings(env).max_in_flight_per_partition == 64
+    assert load_settings(env).flow.max_in_flight_per_partition == 64
 
 
 def test_settings_are_frozen_and_validated_when_built_in_code() -> None:
-    """Settings built directly are checked the same way, and cannot be changed later."""
-    settings = Settings(input_topics=("in",), output_topic="out", dlq_topic="dlq")
-    with pytest.raises(dataclasses.FrozenInstanceError):
-        settings.max_in_flight = 3  # type: ignore[misc]
+    """Sections built directly are checked the same way, and cannot be changed later."""
+    topics = TopicSettings(input_topics=("in",), output_topic="out", dlq_topic="dlq")
+    settings = Settings(topics=topics)
+    assert settings.flow.max_in_flight == 256
+    with pytest.raises(AttributeError):
+        settings.flow.max_in_flight = 3  # type: ignore[misc]
     with pytest.raises(ConfigError) as info:
-        Settings(input_topics=("in",), output_topic="out", dlq_topic="dlq", triton_streams=0)
+        Settings(topics=topics, triton=TritonSettings(triton_streams=0))
     assert info.value.setting == "WORKER_TRITON_STREAMS"
+    with pytest.raises(ConfigError) as cross:
+        TopicSettings(input_topics=("in",), output_topic="in", dlq_topic="dlq")
+    assert cross.value.setting == "WORKER_OUTPUT_TOPIC"
 
 
 def test_redacted_is_plain_data_and_hides_secrets(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -275,9 +287,12 @@ def test_redacted_is_plain_data_and_hides_secrets(monkeypatch: pytest.MonkeyPatc
     assert with_secret.redacted()["sasl_password"] == "***"
     assert "hunter2" not in repr(with_secret.redacted())
     marked = tuple(
-        dataclasses.replace(spec, secret=spec.field == "group_id") for spec in SETTINGS_SPEC
+        dataclasses.replace(spec, doc=dataclasses.replace(spec.doc, secret=True))
+        if spec.field == "group_id"
+        else spec
+        for spec in SETTINGS_SPEC
     )
-    monkeypatch.setattr("worker.config.SETTINGS_SPEC", marked)
+    monkeypatch.setattr("worker.settings.schema.SETTINGS_SPEC", marked)
     view = settings.redacted()
     assert view["group_id"] == "***"
     assert view["output_topic"] == "results"
@@ -285,12 +300,12 @@ def test_redacted_is_plain_data_and_hides_secrets(monkeypatch: pytest.MonkeyPatc
 
 def test_spec_matches_fields_and_naming_rule() -> None:
     """Each field has one declaration; env and flag names follow from the field name."""
-    assert [spec.field for spec in SETTINGS_SPEC] == [f.name for f in dataclasses.fields(Settings)]
+    fields = [f.name for cls in Settings.SECTIONS.values() for f in msgspec.structs.fields(cls)]
+    assert [spec.field for spec in SETTINGS_SPEC] == fields
     for spec in SETTINGS_SPEC:
         assert spec.env == "WORKER_" + spec.field.upper()
         assert spec.flag == "--" + spec.field.replace("_", "-")
     assert settings_env_names() == {spec.env for spec in SETTINGS_SPEC}
-    assert not settings_env_names() & TOOLING_ENV_NAMES
 
 
 def test_reference_table_lists_every_setting() -> None:
@@ -320,5 +335,5 @@ def test_settings_from_a_cli_namespace() -> None:
     add_run_arguments(parser)
     namespace = parser.parse_args(["--linger-ms", "9"])
     settings = settings_from_args(_env(WORKER_LINGER_MS="1"), namespace)
-    assert settings.linger_ms == 9
+    assert settings.kafka.linger_ms == 9
     assert not hasattr(namespace, "max_in_flight")

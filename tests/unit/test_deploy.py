@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 import yaml
 
-from worker.config import ENV_PREFIX, load_settings, settings_env_names
-from worker.observability import METRICS_SPEC
+from worker.observability.metrics import METRICS_SPEC
+from worker.settings import ENV_PREFIX, load_settings, settings_env_names
 
 pytestmark = pytest.mark.unit
 
@@ -104,8 +104,8 @@ def test_configuration_loads() -> None:
     """The ConfigMap plus a password file is a valid configuration (secured, SASL_SSL)."""
     env = {**_worker_env(), "WORKER_SASL_USERNAME": "user"}
     settings = load_settings(env)
-    assert settings.security_protocol == "SASL_SSL"
-    assert settings.sasl_password_file is not None
+    assert settings.kafka_auth.security_protocol == "SASL_SSL"
+    assert settings.kafka_auth.sasl_password_file is not None
 
 
 def test_password_comes_from_the_secret() -> None:

@@ -14,9 +14,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from worker import codec, errors
-from worker.samples import encode_request, mlp_inputs
-from worker.validation import ModelSpec, TensorSpec, check_request
+from devtools.samples import encode_request, mlp_inputs
+from worker import errors
+from worker.wire import codec
+from worker.wire.validation import ModelSpec, TensorSpec, check_request
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(600)]
 

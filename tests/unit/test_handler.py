@@ -17,15 +17,15 @@ import pytest
 from aiokafka.structs import ConsumerRecord
 from tritonclient.grpc import service_pb2
 
+from devtools.samples import Tensor, encode_request
 from worker import errors
 from worker.audit import Audit
-from worker.breaker import CircuitBreaker
-from worker.config import Settings, load_settings
-from worker.handler import RecordHandler
-from worker.model_gate import ModelGate
-from worker.observability import Metrics
-from worker.samples import Tensor, encode_request
-from worker.validation import ModelSpec, TensorSpec
+from worker.flow.breaker import CircuitBreaker
+from worker.flow.holds import ModelGate
+from worker.observability.metrics import Metrics
+from worker.record import RecordHandler
+from worker.settings import Settings, load_settings
+from worker.wire.validation import ModelSpec, TensorSpec
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(10)]
 

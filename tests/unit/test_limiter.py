@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from worker.limiter import AdaptiveLimiter
-from worker.window import Window
+from worker.flow.limiter import AdaptiveLimiter
+from worker.flow.window import Window
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(20)]
 

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from worker.model_gate import ModelGate
+from worker.flow.holds import ModelGate
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(10)]
 

@@ -13,7 +13,7 @@ import prometheus_client
 import pytest
 import structlog
 
-from worker.observability import (
+from worker.observability.metrics import (
     MAX_MODEL_LABELS,
     METRICS_SPEC,
     HealthServer,
@@ -45,7 +45,7 @@ def _lines(stream: io.StringIO) -> list[dict[str, object]]:
 def test_json_logs_are_one_object_per_line_with_context(log_stream: io.StringIO) -> None:
     """Each event is one JSON object carrying level, logger, UTC time and bound context."""
     configure_logging("json", "info", stream=log_stream)
-    log = structlog.get_logger("worker.intake")
+    log = structlog.get_logger("worker.kafka.intake")
     structlog.contextvars.bind_contextvars(topic="requests", partition=3, offset=42)
     log.info("record_failed", code="DECODE_ERROR")
     structlog.contextvars.clear_contextvars()
@@ -56,7 +56,7 @@ def test_json_logs_are_one_object_per_line_with_context(log_stream: io.StringIO)
     assert {k: first[k] for k in ("event", "level", "logger", "topic", "partition", "offset")} == {
         "event": "record_failed",
         "level": "info",
-        "logger": "worker.intake",
+        "logger": "worker.kafka.intake",
         "topic": "requests",
         "partition": 3,
         "offset": 42,

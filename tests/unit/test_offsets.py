@@ -18,7 +18,7 @@ from hypothesis.stateful import (
     rule,
 )
 
-from worker.offsets import OffsetTracker, PartitionOffsets
+from worker.delivery.offsets import OffsetTracker, PartitionOffsets
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]
 

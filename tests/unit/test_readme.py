@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from worker.config import reference_table_markdown
-from worker.observability import metrics_reference_markdown
+from worker.observability.metrics import metrics_reference_markdown
+from worker.settings import reference_table_markdown
 
 pytestmark = pytest.mark.unit
 

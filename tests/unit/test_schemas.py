@@ -13,15 +13,10 @@ import orjson
 import pytest
 from tritonclient.grpc import service_pb2
 
-from worker import codec, tensors
+from devtools.schemas import default_schema_dir, render_schema, write_schemas
 from worker.errors import DecodeError, InvalidRequest, WorkerError
-from worker.messages import (
-    DATATYPE_NAMES,
-    default_schema_dir,
-    generate_schemas,
-    render_schema,
-    write_schemas,
-)
+from worker.wire import codec, tensors
+from worker.wire.messages import DATATYPE_NAMES, generate_schemas
 
 pytestmark = pytest.mark.unit
 
@@ -81,7 +76,7 @@ BAD_REQUESTS: list[dict[str, Any]] = [
 
 
 def test_committed_schemas_equal_generated() -> None:
-    """schemas/*.json are exactly what `python -m worker.messages` writes."""
+    """schemas/*.json are exactly what `python -m devtools schemas` writes."""
     generated = generate_schemas()
     assert sorted(p.name for p in SCHEMA_DIR.glob("*.json")) == sorted(generated)
     for name, schema in generated.items():

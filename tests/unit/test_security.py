@@ -13,17 +13,18 @@ from typing import Any
 import pytest
 from tritonclient.grpc import service_pb2
 
-from worker import codec, errors
-from worker.config import ConfigError, Settings, load_settings
-from worker.devstack.certs import LocalPki, make_pki
-from worker.preflight import StartupCheckFailed, _raise_if_fatal, _scrub
-from worker.security import (
+from devtools.devstack.certs import LocalPki, make_pki
+from worker import errors
+from worker.checks.startup import StartupCheckFailed, _raise_if_fatal, _scrub
+from worker.kafka.options import (
     OAuthTokenProvider,
     TritonAuth,
     check_model_allowed,
     kafka_client_kwargs,
     triton_client_kwargs,
 )
+from worker.settings import ConfigError, KafkaAuthSettings, Settings, load_settings
+from worker.wire import codec
 
 pytestmark = pytest.mark.unit
 
@@ -183,12 +184,7 @@ def test_config_error_about_sasl_settings_never_echoes_the_password() -> None:
     assert PASSWORD not in str(both.value)
     blank = "   \t  "
     with pytest.raises(ConfigError) as invalid:
-        Settings(
-            input_topics=("requests",),
-            output_topic="results",
-            dlq_topic="dead",
-            sasl_password=blank,
-        )
+        KafkaAuthSettings(sasl_password=blank)
     assert "***" in str(invalid.value) and blank not in str(invalid.value)
 
 

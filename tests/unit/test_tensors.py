@@ -12,9 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tritonclient.grpc import service_pb2
 
-from worker import tensors
 from worker.errors import DecodeError, InvalidRequest
-from worker.messages import DATATYPE_NAMES
+from worker.wire import tensors
+from worker.wire.messages import DATATYPE_NAMES
 
 pytestmark = pytest.mark.unit
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from worker.devstack.triton import (
+from devtools.devstack.triton import (
     MODEL_PYTHON_VERSIONS,
     SITE_PACKAGES_ENV,
     TritonInstall,

@@ -7,9 +7,9 @@ from typing import Any
 import pytest
 from tritonclient.grpc import model_config_pb2, service_pb2
 
-from worker.codec import DecodedRequest
 from worker.errors import InvalidRequest
-from worker.validation import ModelSpec, TensorSpec, check_request
+from worker.wire.codec import DecodedRequest
+from worker.wire.validation import ModelSpec, TensorSpec, check_request
 
 pytestmark = pytest.mark.unit
 

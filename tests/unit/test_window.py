@@ -8,7 +8,7 @@ from collections.abc import Hashable
 
 import pytest
 
-from worker.window import DiscardedError, Window
+from worker.flow.window import DiscardedError, Window
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(10)]
 

@@ -1,0 +1,1 @@
+"""The parts of ``python -m devtools bench``: comparison loops, measurement, report."""

@@ -1,0 +1,273 @@
+"""``bench``: the worker side by side with what a user would otherwise run, and the ceilings.
+
+Every variant gets fresh topics, the same payloads (JSON requests for one
+model) and runs as its own process, measured in turn:
+
+1. the variant starts and is warmed up (a few requests answered end to end);
+2. the records are produced as fast as the producer goes, while the variant
+   consumes them; throughput is counted between the first and last result;
+3. its CPU and peak memory are read from ``/proc`` (the benchmark's own
+   producer and collector are not counted), as are Triton's and Kafka's.
+
+The tuned worker is then fed at fixed rates to draw latency against offered
+load, and Triton alone is driven at half that peak for the latency target.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from devtools.bench.report import LoadPoint, VariantResult
+    from devtools.bench.runner import Servers
+
+#: The variants, in the order they run (names in worker.benchmarks.report.VARIANTS).
+VARIANT_KEYS = ("sync", "naive", "worker", "worker_tuned", "triton", "kafka")
+#: Measurements beyond the table (worker.benchmarks.extras, worker.benchmarks.scaleout).
+EXTRA_KEYS = ("batching", "windows", "shm", "scale_out")
+MODELS = ("double", "mlp", "echo_bytes")
+
+#: Settings of the tuned worker, beyond the defaults.
+TUNED_SETTINGS = {
+    "BATCH_MAX_SIZE": "32",
+    "BATCH_DELAY_MS": "2",
+    "TRITON_STREAMS": "4",
+    "MAX_IN_FLIGHT": "512",
+    "MAX_IN_FLIGHT_PER_PARTITION": "256",
+    "MAX_POLL_RECORDS": "1000",
+    "LINGER_MS": "5",
+}
+
+
+def add_bench_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Register ``bench`` and its options."""
+    bench = commands.add_parser(
+        "bench", help="benchmark the worker against baselines and ceilings (local stack)"
+    )
+    bench.add_argument("--records", type=int, default=20_000, help="records per variant")
+    bench.add_argument(
+        "--sync-records", type=int, default=2_000, help="records for the slow sync baseline"
+    )
+    bench.add_argument("--model", default="mlp", choices=MODELS)
+    bench.add_argument("--partitions", type=int, default=4, help="input topic partitions")
+    bench.add_argument("--out", type=Path, default=Path(".devstack/bench"), help="output folder")
+    bench.add_argument("--sweep-s", type=float, default=4.0, help="seconds per offered load")
+    bench.add_argument(
+        "--variants",
+        default=",".join(VARIANT_KEYS + EXTRA_KEYS),
+        help="comma-separated subset of: " + ", ".join(VARIANT_KEYS + EXTRA_KEYS),
+    )
+    bench.add_argument(
+        "--backlog",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also produce N records and sample the worker's RSS while it drains them",
+    )
+    bench.add_argument(
+        "--backlog-drain",
+        type=int,
+        default=300_000,
+        metavar="N",
+        help="stop sampling after this many results of the backlog",
+    )
+    bench.add_argument(
+        "--tuned",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="a setting of the tuned worker, e.g. --tuned BATCH_MAX_SIZE=64 (repeatable)",
+    )
+    bench.add_argument("--bootstrap-servers", help="use this Kafka instead of a local stack")
+    bench.add_argument("--triton-url", help="use this Triton instead of a local stack")
+    bench.add_argument(
+        "--smoke", action="store_true", help="a tiny run (a few hundred records) for CI"
+    )
+    bench.set_defaults(handler=run_bench)
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    """Start (or use) the servers, measure every variant, write the outputs."""
+    from rich.console import Console
+
+    from devtools.bench.runner import Servers
+    from worker.app import run_async
+
+    console = Console()
+    if args.smoke:
+        args.records, args.sync_records, args.sweep_s = 300, 100, 1.0
+        args.variants = ",".join(VARIANT_KEYS)
+    args.out.mkdir(parents=True, exist_ok=True)
+    stack = None
+    if args.bootstrap_servers and args.triton_url:
+        servers = Servers(args.bootstrap_servers, args.triton_url)
+    else:
+        from devtools.devstack.paths import run_dir
+        from devtools.devstack.stack import LocalStack
+
+        workdir = run_dir() / "bench"
+        # A fresh stack each run: old data would carry another cluster id.
+        shutil.rmtree(workdir, ignore_errors=True)
+        with console.status("starting a local Kafka broker and Triton server..."):
+            # double: the shared-memory measurement; faulty: the scale-out one.
+            models = sorted({args.model, "double", "faulty"})
+            stack = LocalStack.create(workdir, models=models, log=console.print)
+            stack.start()
+        kafka_pids = tuple(n["pid"] for n in stack.kafka.to_state()["nodes"] if n["pid"])
+        servers = Servers(
+            stack.kafka.bootstrap_servers, stack.triton.grpc_address, stack.triton.pid, kafka_pids
+        )
+    try:
+        return run_async(_bench(args, servers, console))
+    finally:
+        if stack is not None:
+            stack.stop()
+
+
+async def _bench(args: argparse.Namespace, servers: Servers, console: Console) -> int:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from devtools.bench import report
+    from devtools.bench.runner import Runner
+
+    wanted = [v for v in args.variants.split(",") if v]
+    unknown = set(wanted) - set(report.VARIANTS) - set(EXTRA_KEYS)
+    if unknown:
+        console.print(f"[red]unknown variants: {', '.join(sorted(unknown))}[/red]")
+        return 2
+    tuned = dict(TUNED_SETTINGS)
+    for item in args.tuned:
+        name, _, value = item.partition("=")
+        tuned[name.removeprefix("WORKER_")] = value
+    results: dict[str, VariantResult] = {}
+    sweep: list[LoadPoint] = []
+    triton_half: LoadPoint | None = None
+    runner = Runner(args, servers, args.out)
+    progress = Progress(
+        TextColumn("{task.description:<30}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+    )
+    with progress:
+        for key in report.VARIANTS:
+            if key not in wanted:
+                continue
+            name = report.VARIANTS[key]
+            if key == "triton":
+                results[key] = await runner.triton(name, progress)
+                continue
+            count = args.sync_records if key == "sync" else args.records
+            command, env, settings = runner.command(key, tuned)
+            sweep_into = sweep if key == "worker_tuned" else None
+            results[key] = await runner.kafka_variant(
+                key, name, command, env, count, progress, settings, sweep_into
+            )
+        if sweep and "triton" in wanted:
+            half_rate = results["worker_tuned"].records_per_s / 2
+            triton_half = await runner.triton_at(half_rate, progress)
+    extras = await _extras(args, servers, wanted, tuned, console)
+    targets = report.ratios(results, sweep, triton_half) + report.extra_ratios(extras)
+    meta = {
+        "model": args.model,
+        "records": args.records,
+        "sync_records": args.sync_records,
+        "partitions": args.partitions,
+        "machine": report.machine(),
+        "command": "python -m devtools bench " + " ".join(sys.argv[2:]),
+        "tuned_settings": {f"WORKER_{k}": v for k, v in tuned.items()},
+    }
+    report.print_tables(console, results, targets)
+    table = report.markdown(results, sweep, targets, meta) + report.extras_markdown(extras)
+    (args.out / "bench.md").write_text(table)
+    report.write_json(
+        args.out / "bench.json",
+        {
+            "meta": meta,
+            "variants": results,
+            "worker_tuned_latency_vs_load": sweep,
+            "triton_at_half_worker_peak": triton_half,
+            "targets": targets,
+            "extras": extras,
+        },
+    )
+    plotted = report.plot(args.out / "bench.png", results, sweep, extras.get("backlog"))
+    console.print(
+        f"written: {args.out / 'bench.json'}, {args.out / 'bench.md'}"
+        + (f", {args.out / 'bench.png'}" if plotted else " (no matplotlib: no plot)")
+    )
+    return 0
+
+
+async def _extras(
+    args: argparse.Namespace,
+    servers: Servers,
+    wanted: list[str],
+    tuned: dict[str, str],
+    console: Console,
+) -> dict[str, object]:
+    """Scale-out, adaptive window, shared memory and backlog memory, as asked for."""
+    from devtools.bench import extras, scaleout
+
+    out: dict[str, object] = {}
+    if "batching" in wanted:
+        with console.status("batching: the tuned worker with and without micro-batching..."):
+            out["batching"] = [
+                await extras.drain(
+                    servers.bootstrap,
+                    servers.triton,
+                    args.out,
+                    label=label,
+                    model=args.model,
+                    backlog=args.records,
+                    settings={**tuned, "BATCH_MAX_SIZE": size},
+                    sample_s=0.5,
+                )
+                for label, size in (("unbatched", "1"), ("batched", tuned["BATCH_MAX_SIZE"]))
+            ]
+    if "windows" in wanted:
+        with console.status("window sweep: fixed windows and the adaptive one..."):
+            out["windows"] = await extras.window_sweep(
+                servers.bootstrap,
+                servers.triton,
+                args.out,
+                model=args.model,
+                records=args.records,
+                base={k: v for k, v in tuned.items() if not k.startswith("MAX_IN_FLIGHT")},
+            )
+    if "shm" in wanted:
+        with console.status("shared memory: 4 MiB tensors with and without..."):
+            out["shm"] = await extras.shm_gain(
+                servers.triton, tensor_bytes=4 << 20, requests=max(20, min(400, args.records // 50))
+            )
+    if "scale_out" in wanted:
+        with console.status("scale-out: one worker, then three in one group..."):
+            points = [
+                await scaleout.measure_workers(
+                    servers.bootstrap, servers.triton, args.out, workers=n, records=600
+                )
+                for n in (1, 3)
+            ]
+        out["scale_out"] = points
+    if args.backlog:
+        with console.status(f"backlog: producing {args.backlog:,} records, then draining..."):
+            out["backlog"] = await extras.drain(
+                servers.bootstrap,
+                servers.triton,
+                args.out,
+                label="backlog",
+                model=args.model,
+                backlog=args.backlog,
+                settings={},
+                until_results=min(args.backlog, args.backlog_drain),
+                sample_s=2.0,
+                timeout_s=900,
+            )
+    return out

@@ -1,0 +1,285 @@
+"""Measurements beyond the side-by-side table: backlog memory, adaptive window, shared memory.
+
+- ``drain``: a backlog produced up front (large producer batches, acks awaited
+  per batch), one worker process draining it; its results counter and RSS are
+  sampled from ``/metrics`` and ``/proc`` every ``sample_s``. Throughput is the
+  slope of the results counter after the first samples (start-up left out);
+  the inference p99 comes from the worker's own histogram.
+- ``window_sweep``: ``drain`` for a few fixed windows and the adaptive one.
+- ``shm_gain``: large ``double`` tensors sent straight to Triton with and
+  without system shared memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import urllib.request
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from aiokafka import AIOKafkaProducer
+from tritonclient.grpc import service_pb2
+
+from devtools import samples
+from devtools.bench.measure import create_topics, peak_rss_bytes
+from devtools.bench.runner import _spawn, _stop
+from devtools.devstack.process import free_port
+from worker.triton.pool import TritonPool
+
+__all__ = ["Drain", "drain", "shm_gain", "window_sweep"]
+
+
+@dataclass(frozen=True, slots=True)
+class Drain:
+    """One worker draining a backlog: throughput, inference p99, and the RSS curve."""
+
+    label: str
+    settings: dict[str, str]
+    backlog: int
+    records_per_s: float
+    inference_p99_ms: float
+    #: (seconds since start, results so far, RSS MiB), every sample_s.
+    samples: list[tuple[float, int, float]] = field(default_factory=list)
+    peak_rss_mib: float = 0.0
+
+
+async def produce_backlog(
+    bootstrap: str, topic: str, request: samples.SampleRequest, count: int, partitions: int
+) -> None:
+    """``count`` copies of ``request``, written in large batches round-robin over partitions."""
+    producer = AIOKafkaProducer(
+        bootstrap_servers=bootstrap, acks=1, max_request_size=4 << 20, max_batch_size=1 << 20
+    )
+    await producer.start()
+    try:
+        sent, partition, pending = 0, 0, []
+        while sent < count:
+            batch = producer.create_batch()
+            while sent < count:
+                headers = list(request.headers)
+                if batch.append(key=None, value=request.value, timestamp=None, headers=headers):
+                    sent += 1
+                else:
+                    break
+            batch.close()
+            pending.append(await producer.send_batch(batch, topic, partition=partition))
+            partition = (partition + 1) % partitions
+            if len(pending) >= 4 * partitions:
+                await asyncio.gather(*pending)
+                pending.clear()
+        await asyncio.gather(*pending)
+    finally:
+        await producer.stop()
+
+
+def _scrape(port: int) -> dict[str, float]:
+    """Sums per metric name (labels folded), plus histogram buckets by their ``le``."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name_labels, _, value = line.rpartition(" ")
+        name = name_labels.split("{", 1)[0]
+        if name == "worker_inference_latency_seconds_bucket":
+            le = name_labels.split('le="', 1)[1].split('"', 1)[0]
+            name = f"{name}:{le}"
+        out[name] = out.get(name, 0.0) + float(value)
+    return out
+
+
+def _p99_ms(metrics: Mapping[str, float]) -> float:
+    prefix = "worker_inference_latency_seconds_bucket:"
+    buckets = sorted(
+        (float(k.removeprefix(prefix)), v) for k, v in metrics.items() if k.startswith(prefix)
+    )
+    if not buckets or buckets[-1][1] == 0:
+        return 0.0
+    # Linear interpolation inside the bucket, as Prometheus' histogram_quantile does.
+    rank = 0.99 * buckets[-1][1]
+    lower_s, below = 0.0, 0.0
+    for upper_s, count in buckets:
+        if count >= rank:
+            if upper_s == float("inf"):
+                return lower_s * 1000
+            share = (rank - below) / (count - below) if count > below else 1.0
+            return (lower_s + (upper_s - lower_s) * share) * 1000
+        lower_s, below = upper_s, count
+    return float("inf")
+
+
+async def drain(
+    bootstrap: str,
+    triton_url: str,
+    out_dir: Path,
+    *,
+    label: str,
+    model: str,
+    backlog: int,
+    settings: Mapping[str, str],
+    partitions: int = 4,
+    until_results: int | None = None,
+    sample_s: float = 1.0,
+    timeout_s: float = 600.0,
+) -> Drain:
+    """Produce ``backlog`` records, start one worker, sample it until ``until_results``."""
+    run = f"drain-{uuid.uuid4().hex[:8]}"
+    topic_in, topic_out, topic_dlq = f"{run}-in", f"{run}-out", f"{run}-dlq"
+    await create_topics(bootstrap, [topic_in, topic_out, topic_dlq], partitions)
+    request = samples.good_requests(1, seed=5, models=(model,))[0]
+    await produce_backlog(bootstrap, topic_in, request, backlog, partitions)
+    port = free_port()
+    env = {
+        "WORKER_BOOTSTRAP_SERVERS": bootstrap,
+        "WORKER_TRITON_URL": triton_url,
+        "WORKER_INPUT_TOPICS": topic_in,
+        "WORKER_OUTPUT_TOPIC": topic_out,
+        "WORKER_DLQ_TOPIC": topic_dlq,
+        "WORKER_GROUP_ID": f"{run}-group",
+        "WORKER_METRICS_PORT": str(port),
+        "WORKER_LOG_FORMAT": "json",
+        "WORKER_LOG_LEVEL": "warning",
+        **{f"WORKER_{k}": v for k, v in settings.items()},
+    }
+    child = _spawn([_python(), "-m", "worker", "run"], env, out_dir / f"{label}.log")
+    target = until_results or backlog
+    points: list[tuple[float, int, float]] = []
+    started = time.monotonic()
+    metrics: dict[str, float] = {}
+    try:
+        while time.monotonic() - started < timeout_s:
+            await asyncio.sleep(sample_s)  # a fixed sampling period, not synchronisation
+            if child.poll() is not None:
+                raise RuntimeError(f"the worker exited with {child.returncode} ({label}.log)")
+            try:
+                metrics = await asyncio.to_thread(_scrape, port)
+            except OSError:
+                continue  # not listening yet
+            done = int(metrics.get("worker_results_published_total", 0))
+            points.append((time.monotonic() - started, done, _rss_mib(child.pid)))
+            if done >= target:
+                break
+        peak = peak_rss_bytes(child.pid) / (1 << 20)
+    finally:
+        await _stop(child)
+    return Drain(
+        label, dict(settings), backlog, _slope(points), _p99_ms(metrics), points, peak_rss_mib=peak
+    )
+
+
+def _slope(points: Sequence[tuple[float, int, float]]) -> float:
+    """Results per second between the first sample with results and the last one."""
+    working = [p for p in points if p[1] > 0]
+    if len(working) < 2:
+        return 0.0
+    (t0, n0, _), (t1, n1, _) = working[0], working[-1]
+    return (n1 - n0) / max(t1 - t0, 1e-3)
+
+
+def _rss_mib(pid: int) -> float:
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            for line in status:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+
+
+async def window_sweep(
+    bootstrap: str,
+    triton_url: str,
+    out_dir: Path,
+    *,
+    model: str,
+    records: int,
+    base: Mapping[str, str],
+    fixed: Sequence[int] = (8, 32, 128, 512, 2048),
+) -> list[Drain]:
+    """The same backlog drained with each fixed window and with the adaptive one."""
+    runs: list[tuple[str, dict[str, str]]] = [
+        (f"fixed-{w}", {"MAX_IN_FLIGHT": str(w), "MAX_IN_FLIGHT_PER_PARTITION": str(w)})
+        for w in fixed
+    ]
+    runs.append(
+        (
+            "adaptive",
+            {
+                "WINDOW_MODE": "adaptive",
+                "MAX_IN_FLIGHT": str(max(fixed)),
+                "MAX_IN_FLIGHT_PER_PARTITION": str(max(fixed)),
+            },
+        )
+    )
+    out = []
+    for label, extra in runs:
+        out.append(
+            await drain(
+                bootstrap,
+                triton_url,
+                out_dir,
+                label=label,
+                model=model,
+                backlog=records,
+                settings={**base, **extra},
+                sample_s=0.5,
+            )
+        )
+    return out
+
+
+async def shm_gain(
+    triton_url: str, *, tensor_bytes: int, requests: int, concurrency: int = 4
+) -> dict[str, float]:
+    """MB/s of ``double`` requests of ``tensor_bytes`` each, over gRPC and via shared memory."""
+    values = np.random.default_rng(9).standard_normal(tensor_bytes // 4).astype(np.float32)
+    raw = values.tobytes()
+    out: dict[str, float] = {}
+    for label, shm in (("grpc", False), ("system_shm", True)):
+        pool = TritonPool(
+            triton_url,
+            concurrency,
+            shm_min_bytes=1 if shm else None,
+            shm_pool_bytes=4 * concurrency * max(tensor_bytes, 1 << 20),
+        )
+        await pool.start()
+        try:
+            await _send_many(pool, raw, values.size, 2 * concurrency, concurrency)  # warm-up
+            started = time.perf_counter()
+            await _send_many(pool, raw, values.size, requests, concurrency)
+            elapsed_s = time.perf_counter() - started
+        finally:
+            await pool.close()
+        out[f"{label}_requests_per_s"] = requests / elapsed_s
+        out[f"{label}_mb_per_s"] = requests * tensor_bytes / elapsed_s / 1e6
+    out["tensor_bytes"] = float(tensor_bytes)
+    out["gain"] = out["system_shm_requests_per_s"] / out["grpc_requests_per_s"]
+    return out
+
+
+async def _send_many(
+    pool: TritonPool, raw: bytes, elements: int, count: int, concurrency: int
+) -> None:
+    semaphore = asyncio.Semaphore(concurrency)
+
+    async def one() -> Any:
+        async with semaphore:
+            request = service_pb2.ModelInferRequest(model_name="double")
+            request.inputs.add(name="INPUT0", datatype="FP32", shape=[1, elements])
+            request.raw_input_contents.append(raw)
+            return await pool.infer(request, 60)
+
+    await asyncio.gather(*(one() for _ in range(count)))
+
+
+def _python() -> str:
+    import sys
+
+    return sys.executable

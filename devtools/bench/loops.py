@@ -1,0 +1,236 @@
+"""The loops the worker is compared with, each run as its own process by the benchmark.
+
+``python -m devtools.bench.loops VARIANT ...``:
+
+- ``sync``: consume one record, unary infer, produce and wait, commit, repeat;
+- ``naive``: a semaphore of concurrent unary infers, auto-commit, no waiting
+  for produce acks (what a quick script does);
+- ``kafka``: consume and produce the same records, decoding and encoding the
+  JSON, no inference (the Kafka ceiling);
+- ``triton``: unary infers of the same payloads driven at saturation (or at a
+  fixed rate), no Kafka (the Triton ceiling); prints its measurement as JSON.
+
+Each is written as its users would write it (JSON with orjson, inputs through
+``InferInput``), and runs on the same event loop as the worker (uvloop).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import resource
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import orjson
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from tritonclient.grpc.aio import InferenceServerClient, InferInput
+from tritonclient.utils import triton_to_np_dtype
+
+from devtools import samples
+
+
+def _inputs(doc: dict[str, Any]) -> list[InferInput]:
+    """OIP JSON inputs → tritonclient inputs (a numpy array per tensor)."""
+    inputs = []
+    for spec in doc["inputs"]:
+        dtype = object if spec["datatype"] == "BYTES" else triton_to_np_dtype(spec["datatype"])
+        data = spec["data"]
+        if spec["datatype"] == "BYTES":
+            data = [str(item).encode() for item in data]
+        array = np.asarray(data, dtype=dtype).reshape(spec["shape"])
+        tensor = InferInput(spec["name"], list(array.shape), spec["datatype"])
+        tensor.set_data_from_numpy(array)
+        inputs.append(tensor)
+    return inputs
+
+
+def _result(doc: dict[str, Any], response: Any) -> bytes:
+    """An OIP JSON result from a tritonclient response."""
+    outputs = []
+    for out in response.get_response().outputs:
+        array = response.as_numpy(out.name)
+        data = [v.decode() for v in array.reshape(-1)] if out.datatype == "BYTES" else array
+        outputs.append(
+            {
+                "name": out.name,
+                "datatype": out.datatype,
+                "shape": list(array.shape),
+                "data": data.reshape(-1).tolist() if isinstance(data, np.ndarray) else data,
+            }
+        )
+    return orjson.dumps(
+        {"id": doc.get("id", ""), "model_name": doc["model_name"], "outputs": outputs}
+    )
+
+
+async def _infer(client: InferenceServerClient, doc: dict[str, Any]) -> Any:
+    return await client.infer(doc["model_name"], _inputs(doc))
+
+
+async def run_sync(args: argparse.Namespace) -> None:
+    """One record at a time, every step awaited, offsets committed per record."""
+    consumer = AIOKafkaConsumer(
+        args.input,
+        bootstrap_servers=args.bootstrap,
+        group_id=args.group,
+        enable_auto_commit=False,
+        auto_offset_reset="earliest",
+    )
+    producer = AIOKafkaProducer(bootstrap_servers=args.bootstrap, acks="all")
+    client = InferenceServerClient(args.triton)
+    await consumer.start()
+    await producer.start()
+    while True:
+        record = await consumer.getone()
+        doc = orjson.loads(record.value)
+        response = await _infer(client, doc)
+        await producer.send_and_wait(args.output, _result(doc, response), key=record.key)
+        await consumer.commit()
+
+
+async def run_naive(args: argparse.Namespace) -> None:
+    """Concurrent infers under a semaphore; auto-commit; produce acks not awaited."""
+    consumer = AIOKafkaConsumer(
+        args.input,
+        bootstrap_servers=args.bootstrap,
+        group_id=args.group,
+        enable_auto_commit=True,
+        auto_offset_reset="earliest",
+    )
+    producer = AIOKafkaProducer(bootstrap_servers=args.bootstrap, linger_ms=5)
+    client = InferenceServerClient(args.triton)
+    await consumer.start()
+    await producer.start()
+    semaphore = asyncio.Semaphore(args.concurrency)
+    tasks: set[asyncio.Task[None]] = set()
+
+    async def handle(key: bytes | None, value: bytes) -> None:
+        try:
+            doc = orjson.loads(value)
+            response = await _infer(client, doc)
+            await producer.send(args.output, _result(doc, response), key=key)
+        finally:
+            semaphore.release()
+
+    async for record in consumer:
+        await semaphore.acquire()
+        task = asyncio.create_task(handle(record.key, record.value))
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+
+
+async def run_kafka(args: argparse.Namespace) -> None:
+    """Consume, decode, encode and produce every record: Kafka's own ceiling here."""
+    consumer = AIOKafkaConsumer(
+        args.input,
+        bootstrap_servers=args.bootstrap,
+        group_id=args.group,
+        enable_auto_commit=True,
+        auto_offset_reset="earliest",
+        max_poll_records=1000,
+    )
+    producer = AIOKafkaProducer(bootstrap_servers=args.bootstrap, linger_ms=5, acks="all")
+    await consumer.start()
+    await producer.start()
+    while True:
+        batches = await consumer.getmany(timeout_ms=1000)
+        acks = []
+        for records in batches.values():
+            for record in records:
+                doc = orjson.loads(record.value)
+                value = orjson.dumps({"id": doc.get("id", ""), "outputs": doc["inputs"]})
+                acks.append(await producer.send(args.output, value, key=record.key))
+        await asyncio.gather(*acks)
+
+
+async def run_triton(args: argparse.Namespace) -> None:
+    """Unary infers of the benchmark payloads, no Kafka; prints a JSON measurement."""
+    requests = samples_for(args.model, args.records, args.seed)
+    docs = [orjson.loads(r.value) for r in requests]
+    prepared = [_inputs(doc) for doc in docs]
+    client = InferenceServerClient(args.triton)
+    await client.infer(args.model, prepared[0])  # warm-up: channel and model
+    latencies_s: list[float] = []
+    semaphore = asyncio.Semaphore(args.concurrency)
+
+    async def one(inputs: list[InferInput]) -> None:
+        try:
+            started = time.perf_counter()
+            await client.infer(args.model, inputs)
+            latencies_s.append(time.perf_counter() - started)
+        finally:
+            semaphore.release()
+
+    cpu_before = _cpu_s()
+    started = time.perf_counter()
+    tasks = []
+    for index, inputs in enumerate(prepared):
+        if args.rate:
+            # Open loop at a fixed rate: request i leaves at i / rate.
+            delay_s = started + index / args.rate - time.perf_counter()
+            if delay_s > 0:
+                await asyncio.sleep(delay_s)
+        await semaphore.acquire()
+        tasks.append(asyncio.create_task(one(inputs)))
+    await asyncio.gather(*tasks)
+    elapsed_s = time.perf_counter() - started
+    cpu_s = _cpu_s() - cpu_before
+    await client.close()
+    report = {
+        "records": len(prepared),
+        "seconds": elapsed_s,
+        "latencies_ms": [s * 1000 for s in latencies_s],
+        "cpu_s": cpu_s,
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    }
+    sys.stdout.write(orjson.dumps(report).decode() + "\n")
+
+
+def samples_for(model: str, count: int, seed: int) -> list[samples.SampleRequest]:
+    """The benchmark's payloads: ``count`` JSON requests for ``model``, ids bench-<seed>-<i>."""
+    rng = np.random.default_rng(seed)
+    make = samples.MODEL_INPUTS[model]
+    out = []
+    for i in range(count):
+        request_id = f"bench-{seed}-{i}"
+        value, headers = samples.encode_request(model, make(rng), "json", request_id)
+        out.append(samples.SampleRequest(value, headers, model, "json", request_id))
+    return out
+
+
+def _cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``python -m devtools.bench.loops``."""
+    parser = argparse.ArgumentParser(prog="python -m devtools.bench.loops")
+    parser.add_argument("variant", choices=["sync", "naive", "kafka", "triton"])
+    parser.add_argument("--bootstrap", default="localhost:9092")
+    parser.add_argument("--triton", default="localhost:8001")
+    parser.add_argument("--input", default="")
+    parser.add_argument("--output", default="")
+    parser.add_argument("--group", default="bench")
+    parser.add_argument("--model", default="mlp")
+    parser.add_argument("--records", type=int, default=1000)
+    parser.add_argument("--seed", type=int, default=11)
+    parser.add_argument("--concurrency", type=int, default=128)
+    parser.add_argument("--rate", type=float, default=0.0, help="requests/s (0: saturate)")
+    args = parser.parse_args(argv)
+    loops = {"sync": run_sync, "naive": run_naive, "kafka": run_kafka, "triton": run_triton}
+    from worker.app import run_async
+
+    async def run() -> int:
+        await loops[args.variant](args)
+        return 0
+
+    return run_async(run())
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

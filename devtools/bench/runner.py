@@ -1,0 +1,258 @@
+"""Running one benchmark variant at a time: its process, its topics, its measurement."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import subprocess
+import sys
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import orjson
+from rich.progress import Progress
+
+from devtools.bench import loops
+from devtools.bench.measure import (
+    Collector,
+    Producer,
+    cpu_s,
+    create_topics,
+    peak_rss_bytes,
+    percentiles_ms,
+)
+from devtools.bench.report import LoadPoint, VariantResult
+
+
+@dataclass
+class Servers:
+    bootstrap: str
+    triton: str
+    triton_pid: int | None = None
+    kafka_pids: tuple[int, ...] = ()
+
+    def server_cpu_s(self) -> tuple[float, float]:
+        return cpu_s(self.triton_pid), sum(cpu_s(pid) for pid in self.kafka_pids)
+
+
+class Runner:
+    """Runs one variant at a time against the servers."""
+
+    def __init__(self, args: argparse.Namespace, servers: Servers, out: Path) -> None:
+        self.args = args
+        self.servers = servers
+        self.out = out
+        self.run_id = uuid.uuid4().hex[:8]
+        self.payloads = loops.samples_for(args.model, args.records, seed=11)
+
+    def command(
+        self, key: str, tuned: Mapping[str, str]
+    ) -> tuple[list[str], dict[str, str], dict[str, str]]:
+        """The child process of a Kafka variant: argv, extra env, settings to report."""
+        if key in ("worker", "worker_tuned"):
+            settings = dict(tuned) if key == "worker_tuned" else {}
+            return [sys.executable, "-m", "worker", "run"], settings, settings
+        argv = [sys.executable, "-m", "devtools.bench.loops", key]
+        argv += ["--bootstrap", self.servers.bootstrap, "--triton", self.servers.triton]
+        return argv, {}, {"concurrency": "128"} if key == "naive" else {}
+
+    def topics(self, key: str) -> tuple[str, str, str, str]:
+        base = f"bench-{self.run_id}-{key}"
+        return f"{base}-in", f"{base}-out", f"{base}-dlq", f"{base}-group"
+
+    async def kafka_variant(
+        self,
+        key: str,
+        name: str,
+        command: list[str],
+        settings: dict[str, str],
+        count: int,
+        progress: Progress,
+        reported: dict[str, str],
+        sweep_into: list[LoadPoint] | None,
+    ) -> VariantResult:
+        """Start the variant's process, warm it up, send the burst, measure, stop it."""
+        bootstrap = self.servers.bootstrap
+        topic_in, topic_out, topic_dlq, group = self.topics(key)
+        await create_topics(bootstrap, [topic_in], self.args.partitions)
+        await create_topics(bootstrap, [topic_out, topic_dlq], self.args.partitions)
+        env = {
+            "WORKER_BOOTSTRAP_SERVERS": bootstrap,
+            "WORKER_TRITON_URL": self.servers.triton,
+            "WORKER_INPUT_TOPICS": topic_in,
+            "WORKER_OUTPUT_TOPIC": topic_out,
+            "WORKER_DLQ_TOPIC": topic_dlq,
+            "WORKER_GROUP_ID": group,
+            "WORKER_METRICS_PORT": "0",
+            "WORKER_LOG_FORMAT": "json",
+            "WORKER_LOG_LEVEL": "warning",
+            **{f"WORKER_{k}": v for k, v in settings.items()},
+        }
+        if not command[-1] == "run":
+            command = [*command, "--input", topic_in, "--output", topic_out, "--group", group]
+        burst = self.payloads[:count]
+        # The backlog is written before the variant starts, so that producing it
+        # takes no CPU from the variant while it is measured.
+        producer = Producer(bootstrap)
+        await producer.start()
+        try:
+            sending = progress.add_task(f"producing for {key}", total=count)
+            await producer.send(topic_in, burst, advance=lambda n: progress.advance(sending, n))
+        finally:
+            await producer.stop()
+        progress.remove_task(sending)
+        collector = Collector(bootstrap, topic_out)
+        await collector.start()
+        child = _spawn(command, env, self.out / f"{key}.log")
+        try:
+            task = progress.add_task(name, total=count)
+            marks: dict[str, tuple[float, float, float]] = {}
+
+            def first() -> None:
+                marks["first"] = (cpu_s(child.pid), *self.servers.server_cpu_s())
+
+            # Counted from the first result: the variant's start-up is left out.
+            collected = await collector.gather(
+                [r.request_id.encode() for r in burst],
+                timeout_s=90 + count / 100,
+                advance=lambda n: progress.advance(task, n),
+                on_first=first,
+            )
+            end = (cpu_s(child.pid), *self.servers.server_cpu_s())
+            if not collected.result_ms:
+                raise RuntimeError(f"{name} answered nothing (see {key}.log)")
+            start = marks.get("first", end)
+            done = max(1, len(collected.result_ms) - 1)
+            peak = collected.records_per_s()
+            # Latency at half this variant's own peak: queueing behind a backlog
+            # would say nothing about the variant.
+            fractions = (0.25, 0.5, 0.75, 1.0) if sweep_into is not None else (0.5,)
+            points = [
+                await self._load_point(topic_in, collector, peak * f, progress, f)
+                for f in fractions
+            ]
+            if sweep_into is not None:
+                sweep_into.extend(points)
+            result = VariantResult(
+                variant=key,
+                records=len(collected.result_ms),
+                records_per_s=peak,
+                latency_ms=next(
+                    p for p, f in zip(points, fractions, strict=True) if f == 0.5
+                ).latency_ms,
+                cpu_s_per_1k=(end[0] - start[0]) / done * 1000,
+                peak_rss_mib=peak_rss_bytes(child.pid) / (1 << 20),
+                cpu_of="variant process",
+                triton_cpu_s_per_1k=self._per_1k(end[1] - start[1], done, self.servers.triton_pid),
+                kafka_cpu_s_per_1k=self._per_1k(end[2] - start[2], done, self.servers.kafka_pids),
+                settings={k: v for k, v in reported.items()},
+                latency_at_per_s=peak / 2,
+            )
+            return result
+        finally:
+            await collector.stop()
+            await _stop(child)
+
+    @staticmethod
+    def _per_1k(seconds: float, records: int, pid: object) -> float | None:
+        return seconds / records * 1000 if pid else None
+
+    async def _load_point(
+        self, topic: str, collector: Collector, rate: float, progress: Progress, fraction: float
+    ) -> LoadPoint:
+        """Feed ``rate`` records/s for ``sweep_s`` seconds; latency of their results."""
+        count = max(20, int(rate * self.args.sweep_s))
+        requests = loops.samples_for(self.args.model, count, seed=100 + int(fraction * 100))
+        task = progress.add_task(f"  load {rate:,.0f}/s", total=count)
+        producer = Producer(self.servers.bootstrap)
+        await producer.start()
+        sending = asyncio.create_task(producer.send(topic, requests, rate=rate))
+        try:
+            collected = await collector.gather(
+                [r.request_id.encode() for r in requests],
+                timeout_s=self.args.sweep_s + 60,
+                advance=lambda n: progress.advance(task, n),
+            )
+            await sending
+        finally:
+            sending.cancel()
+            await producer.stop()
+        progress.remove_task(task)
+        return LoadPoint(
+            rate,
+            collected.records_per_s(),
+            percentiles_ms(collected.latencies_ms(producer.sent_ms)),
+        )
+
+    async def triton(self, name: str, progress: Progress) -> VariantResult:
+        """Ceiling 1: the same payloads straight to Triton at saturation, then at half of it."""
+        task = progress.add_task(name, total=self.args.records)
+        before = self.servers.server_cpu_s()
+        measured = await self._triton_child(self.args.records, concurrency=64, rate=0.0)
+        after = self.servers.server_cpu_s()
+        progress.update(task, completed=self.args.records)
+        records = int(measured["records"])
+        peak = records / float(measured["seconds"])
+        half = await self.triton_at(peak / 2, progress)
+        return VariantResult(
+            variant="triton",
+            records=records,
+            records_per_s=peak,
+            latency_ms=half.latency_ms,
+            cpu_s_per_1k=float(measured["cpu_s"]) / records * 1000,
+            peak_rss_mib=int(measured["peak_rss_bytes"]) / (1 << 20),
+            cpu_of="client process",
+            triton_cpu_s_per_1k=self._per_1k(
+                after[0] - before[0], records, self.servers.triton_pid
+            ),
+            settings={"concurrency": "64", "call": "unary infer"},
+            latency_at_per_s=peak / 2,
+        )
+
+    async def triton_at(self, rate: float, progress: Progress) -> LoadPoint:
+        """Triton alone at a fixed rate: the reference for the latency target."""
+        count = max(20, int(rate * self.args.sweep_s))
+        task = progress.add_task(f"  Triton alone {rate:,.0f}/s", total=count)
+        measured = await self._triton_child(count, concurrency=4096, rate=rate)
+        progress.remove_task(task)
+        return LoadPoint(
+            rate,
+            int(measured["records"]) / float(measured["seconds"]),
+            percentiles_ms(measured["latencies_ms"]),
+        )
+
+    async def _triton_child(self, records: int, concurrency: int, rate: float) -> dict[str, Any]:
+        argv = [
+            sys.executable, "-m", "devtools.bench.loops", "triton",
+            "--triton", self.servers.triton, "--model", self.args.model,
+            "--records", str(records), "--concurrency", str(concurrency), "--rate", str(rate),
+        ]  # fmt: skip
+        process = await asyncio.create_subprocess_exec(
+            *argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+        )
+        stdout, stderr = await process.communicate()
+        if process.returncode != 0:
+            raise RuntimeError(f"the Triton-alone run failed:\n{stderr.decode()[-2000:]}")
+        measured: dict[str, Any] = orjson.loads(stdout.splitlines()[-1])
+        return measured
+
+
+def _spawn(command: list[str], env: Mapping[str, str], log_path: Path) -> subprocess.Popen[bytes]:
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("WORKER_")}
+    full_env.update(env)
+    with log_path.open("wb") as log:
+        return subprocess.Popen(command, env=full_env, stdout=log, stderr=subprocess.STDOUT)
+
+
+async def _stop(child: subprocess.Popen[bytes], timeout_s: float = 20.0) -> None:
+    """SIGTERM (the worker drains and commits), then SIGKILL after the timeout."""
+    child.terminate()
+    try:
+        await asyncio.to_thread(child.wait, timeout_s)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        await asyncio.to_thread(child.wait)

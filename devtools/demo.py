@@ -1,0 +1,222 @@
+"""``demo`` (the whole pipeline on a local stack) and ``produce`` (send sample requests)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import shutil
+import statistics
+import time
+from collections import Counter
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from aiokafka import AIOKafkaConsumer
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+from devtools import samples
+from worker.produce import Outgoing, progress_bar, send_all
+from worker.wire.codec import header_value
+
+#: Small enough that the "oversized" sample still fits a default broker message.
+DEMO_MAX_REQUEST_BYTES = samples.BAD_SAMPLES_MAX_REQUEST_BYTES
+
+
+def add_demo_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    demo = commands.add_parser("demo", help="run the pipeline end to end on a local stack")
+    demo.add_argument("--requests", type=int, default=3000, help="good requests (default 3000)")
+    demo.add_argument("--keep", action="store_true", help="leave the stack and worker running")
+    demo.set_defaults(handler=run_demo)
+
+    produce = commands.add_parser(
+        "produce", help="send generated sample requests (every encoding) to a topic"
+    )
+    produce.add_argument("--bootstrap-servers", default="localhost:9092")
+    produce.add_argument("--topic", required=True)
+    produce.add_argument("--generate", type=int, metavar="N", required=True)
+    produce.add_argument(
+        "--models", default="double,mlp,echo_bytes", help="models for generated requests"
+    )
+    produce.add_argument(
+        "--bad",
+        action="store_true",
+        help="add one request per bad kind (the oversized one assumes "
+        "WORKER_MAX_REQUEST_BYTES=256KiB)",
+    )
+    produce.set_defaults(handler=run_produce)
+
+
+def outgoing(requests: Sequence[samples.SampleRequest]) -> list[Outgoing]:
+    """Sample requests as records keyed by request id."""
+    return [Outgoing(r.value, r.request_id.encode(), r.headers) for r in requests]
+
+
+def run_produce(args: argparse.Namespace) -> int:
+    console = Console()
+    requests = samples.good_requests(args.generate, models=args.models.split(","))
+    if args.bad:
+        requests += samples.bad_requests()
+    with progress_bar(console) as progress:
+        asyncio.run(send_all(args.bootstrap_servers, args.topic, outgoing(requests), progress))
+    console.print(f"sent {len(requests)} requests to [bold]{args.topic}[/bold]")
+    return 0
+
+
+# -- demo ------------------------------------------------------------------------------
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    from devtools.devstack.paths import run_dir
+    from devtools.devstack.stack import LocalStack
+
+    console = Console()
+    workdir = run_dir() / "demo"
+    shutil.rmtree(workdir, ignore_errors=True)
+    with console.status("starting a local Kafka broker and Triton server..."):
+        stack = LocalStack.create(workdir, log=console.print)
+        stack.start()
+    console.print(
+        f"stack ready in {stack.timings_s['total']:.1f}s: "
+        f"kafka {stack.kafka.bootstrap_servers}, triton {stack.triton.grpc_address}"
+    )
+    try:
+        code = asyncio.run(_demo(stack, args, console, workdir))
+    except BaseException:
+        stack.stop()
+        raise
+    if args.keep:
+        stack.save()
+        for name, address in stack.describe().items():
+            console.print(f"{name}: {address}")
+        console.print(
+            "the stack is left running (topics and data kept); run a worker against it "
+            "with [bold]python -m worker run[/bold], stop it with "
+            "[bold]python -m devtools dev down[/bold]"
+        )
+    else:
+        stack.stop()
+    return code
+
+
+async def _demo(stack: Any, args: argparse.Namespace, console: Console, workdir: Path) -> int:
+    from worker.app import Worker
+    from worker.observability.metrics import configure_logging
+    from worker.settings import load_settings
+
+    topics = {
+        "input": "inference-requests",
+        "output": "inference-results",
+        "dlq": "inference-dead-letters",
+    }
+    await stack.kafka.create_topics([topics["input"]], partitions=4)
+    await stack.kafka.create_topics([topics["output"], topics["dlq"]], partitions=4)
+    settings = load_settings(
+        {
+            "WORKER_BOOTSTRAP_SERVERS": stack.kafka.bootstrap_servers,
+            "WORKER_INPUT_TOPICS": topics["input"],
+            "WORKER_OUTPUT_TOPIC": topics["output"],
+            "WORKER_DLQ_TOPIC": topics["dlq"],
+            "WORKER_GROUP_ID": "demo-worker",
+            "WORKER_TRITON_URL": stack.triton.grpc_address,
+            "WORKER_METRICS_PORT": "0",
+            "WORKER_MAX_REQUEST_BYTES": str(DEMO_MAX_REQUEST_BYTES),
+            "WORKER_LOG_FORMAT": "json",
+        }
+    )
+    log_path = workdir / "worker.log"
+    log_file = log_path.open("w")
+    configure_logging("json", "info", stream=log_file)
+    worker = Worker(settings)
+    running = asyncio.create_task(worker.run())
+    await worker.started.wait()
+
+    requests = samples.good_requests(args.requests) + samples.bad_requests(DEMO_MAX_REQUEST_BYTES)
+    with progress_bar(console) as progress:
+        times = await send_all(
+            stack.kafka.bootstrap_servers, topics["input"], outgoing(requests), progress
+        )
+        sent_at = {r.request_id: t for r, t in zip(requests, times, strict=True)}
+        answers = await collect(
+            stack.kafka.bootstrap_servers,
+            [topics["output"], topics["dlq"]],
+            {r.request_id for r in requests},
+            progress,
+        )
+    worker.request_stop()
+    await running
+    log_file.close()
+    _summary(console, requests, answers, sent_at, topics)
+    console.print(f"worker log: {log_path}")
+    expected = {r.request_id: r.expected_code for r in requests}
+    wrong = [rid for rid, (topic, code, _) in answers.items() if code != expected[rid]]
+    return 1 if wrong or len(answers) != len(requests) else 0
+
+
+async def collect(
+    bootstrap: str,
+    topics: Sequence[str],
+    want: set[str],
+    progress: Progress,
+    timeout_s: float = 120.0,
+) -> dict[str, tuple[str, str | None, Any]]:
+    """Read results and dead letters until every wanted request id has an answer."""
+    task = progress.add_task("results + dead letters", total=len(want))
+    consumer = AIOKafkaConsumer(
+        *topics, bootstrap_servers=bootstrap, auto_offset_reset="earliest", enable_auto_commit=False
+    )
+    await consumer.start()
+    answers: dict[str, tuple[str, str | None, Any]] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(answers) < len(want) and time.monotonic() < deadline:
+            batch = await consumer.getmany(timeout_ms=500)
+            for records in batch.values():
+                for r in records:
+                    code = header_value(r.headers, "x-error-code")
+                    rid = (header_value(r.headers, "x-request-id") or b"").decode()
+                    if not rid and r.key:
+                        rid = r.key.decode()
+                    if rid in want and rid not in answers:
+                        answers[rid] = (
+                            r.topic,
+                            code.decode() if code else None,
+                            (r.timestamp / 1000, r.value, r.headers),
+                        )
+                        progress.advance(task)
+    finally:
+        await consumer.stop()
+    return answers
+
+
+def _summary(
+    console: Console,
+    requests: Sequence[samples.SampleRequest],
+    answers: dict[str, tuple[str, str | None, Any]],
+    sent_at: dict[str, float],
+    topics: dict[str, str],
+) -> None:
+    latencies = sorted(answers[r][2][0] - sent_at[r] for r in answers)
+    codes = Counter(code for _, code, _ in answers.values() if code)
+    results = sum(1 for _, code, _ in answers.values() if code is None)
+    span = max(a[2][0] for a in answers.values()) - min(sent_at.values()) if answers else 0
+    table = Table(title="demo summary", show_header=False)
+    table.add_row("requests sent", str(len(requests)))
+    table.add_row(f"results ({topics['output']})", str(results))
+    for code, n in sorted(codes.items()):
+        table.add_row(f"dead letters {code}", str(n))
+    table.add_row("unanswered", str(len(requests) - len(answers)))
+    if latencies:
+        table.add_row("throughput", f"{len(answers) / max(span, 1e-3):,.0f} records/s")
+        table.add_row("latency p50", f"{statistics.median(latencies) * 1000:.1f} ms")
+        table.add_row("latency p99", f"{latencies[int(0.99 * (len(latencies) - 1))] * 1000:.1f} ms")
+    console.print(table)
+    shown: set[str] = set()
+    for request in requests:
+        answer = answers.get(request.request_id)
+        if answer is None or answer[1] or request.encoding != "json" or request.model in shown:
+            continue
+        shown.add(request.model)
+        console.print(f"[bold]{request.model}[/bold] result: {answer[2][1][:200].decode()}")

@@ -1,0 +1,63 @@
+"""``dev up|down|status|fetch``: the local Kafka + Triton stack from the command line."""
+
+from __future__ import annotations
+
+import argparse
+
+from rich.console import Console
+from rich.table import Table
+
+from devtools.devstack import stack
+
+
+def add_dev_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    dev = commands.add_parser("dev", help="run a local Kafka + Triton stack (no Docker needed)")
+    actions = dev.add_subparsers(dest="dev_command", required=True)
+    start = actions.add_parser("up", help="start Kafka and Triton; they keep running")
+    start.add_argument("--kafka-nodes", type=int, default=1, help="Kafka nodes (default 1)")
+    start.add_argument(
+        "--models", default=None, help="comma-separated models to load (default: all)"
+    )
+    actions.add_parser("down", help="stop the stack and delete its data")
+    actions.add_parser("status", help="show what runs")
+    actions.add_parser("fetch", help="download the Kafka jars and the Triton wheel (cached)")
+    dev.set_defaults(handler=run_dev)
+
+
+def run_dev(args: argparse.Namespace) -> int:
+    console = Console(stderr=False)
+    log = console.print
+    if args.dev_command == "fetch":
+        stack.fetch(log=log)
+        log("[green]Kafka jars and Triton are in the cache[/green]")
+        return 0
+    if args.dev_command == "up":
+        models = [m for m in args.models.split(",") if m] if args.models else None
+        with console.status("starting Kafka and Triton..."):
+            running = stack.up(kafka_nodes=args.kafka_nodes, models=models, log=log)
+        table = Table(title="local stack is up", show_header=False)
+        for name, address in running.describe().items():
+            table.add_row(name, address)
+        for part, seconds in running.timings_s.items():
+            table.add_row(f"ready in ({part})", f"{seconds:.1f} s")
+        console.print(table)
+        log("stop it with: [bold]python -m devtools dev down[/bold]")
+        return 0
+    if args.dev_command == "status":
+        current = stack.LocalStack.load()
+        if current is None:
+            log("no local stack recorded (start one with `python -m devtools dev up`)")
+            return 1
+        table = Table(title="local stack")
+        table.add_column("process")
+        table.add_column("pid")
+        table.add_column("state")
+        for name, pid, alive in current.processes():
+            table.add_row(name, str(pid), "[green]running[/green]" if alive else "[red]down[/red]")
+        console.print(table)
+        for name, address in current.describe().items():
+            log(f"{name}: {address}")
+        return 0 if all(alive for _, _, alive in current.processes()) else 1
+    stopped = stack.down()
+    log("local stack stopped" if stopped else "no local stack was running")
+    return 0

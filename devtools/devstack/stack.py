@@ -1,0 +1,154 @@
+"""The local stack: Kafka and Triton started together, for the demo, the tests and ``dev``.
+
+``dev up`` leaves the servers running after the command exits; their pids and
+addresses live in ``run_dir()/state.json`` so that ``dev status`` and
+``dev down`` can find them from another process.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from devtools.devstack.kafka import KafkaCluster, ensure_kafka_jars
+from devtools.devstack.paths import models_dir, run_dir
+from devtools.devstack.process import pid_alive
+from devtools.devstack.triton import TritonServer, ensure_triton
+
+
+def fetch(log: Callable[[str], None] = print) -> None:
+    """Download what the stack needs (Kafka jars, the Triton wheel), once; cached after."""
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        jars = pool.submit(ensure_kafka_jars, log)
+        triton = pool.submit(ensure_triton, log)
+        jars.result()
+        triton.result()
+
+
+@dataclass
+class LocalStack:
+    """A Kafka cluster and a Triton server on free local ports, data under ``workdir``."""
+
+    workdir: Path
+    kafka: KafkaCluster
+    triton: TritonServer
+    timings_s: dict[str, float] = field(default_factory=dict)
+
+    @classmethod
+    def create(
+        cls,
+        workdir: Path,
+        *,
+        kafka_nodes: int = 1,
+        models: Sequence[str] | None = None,
+        log: Callable[[str], None] = print,
+    ) -> LocalStack:
+        """Prepare (fetching once) but do not start."""
+        workdir.mkdir(parents=True, exist_ok=True)
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            jars_job = pool.submit(ensure_kafka_jars, log)
+            triton_job = pool.submit(ensure_triton, log)
+            jars, install = jars_job.result(), triton_job.result()
+        kafka = KafkaCluster(jars, workdir / "kafka", nodes=kafka_nodes)
+        triton = TritonServer(install, models_dir(), workdir / "triton", models=models)
+        return cls(workdir, kafka, triton)
+
+    def start(self) -> float:
+        """Start Kafka and Triton side by side; return the seconds until both are ready."""
+        started = time.monotonic()
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            kafka_job = pool.submit(self.kafka.start)
+            triton_job = pool.submit(self.triton.start)
+            try:
+                self.timings_s["kafka"] = kafka_job.result()
+                self.timings_s["triton"] = triton_job.result()
+            except BaseException:
+                # One failed: leave nothing of the other behind.
+                for job in (kafka_job, triton_job):
+                    job.exception()
+                self.stop()
+                raise
+        self.timings_s["total"] = time.monotonic() - started
+        return self.timings_s["total"]
+
+    def stop(self) -> None:
+        """Stop both servers. Idempotent."""
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            for job in [pool.submit(self.kafka.stop), pool.submit(self.triton.stop)]:
+                job.result()
+
+    def describe(self) -> dict[str, str]:
+        """The addresses a user needs to connect."""
+        return {
+            "kafka bootstrap": self.kafka.bootstrap_servers,
+            "triton grpc": self.triton.grpc_address,
+            "triton http": self.triton.http_address,
+            "triton metrics": f"http://{self.triton.metrics_address}/metrics",
+        }
+
+    # -- persisted state, for `dev up` / `dev status` / `dev down` ---------
+
+    def save(self) -> Path:
+        path = run_dir() / "state.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        state = {
+            "workdir": str(self.workdir),
+            "kafka": self.kafka.to_state(),
+            "triton": self.triton.to_state(),
+        }
+        path.write_text(json.dumps(state, indent=2))
+        return path
+
+    @classmethod
+    def load(cls) -> LocalStack | None:
+        path = run_dir() / "state.json"
+        if not path.exists():
+            return None
+        state: dict[str, Any] = json.loads(path.read_text())
+        return cls(
+            Path(state["workdir"]),
+            KafkaCluster.from_state(state["kafka"]),
+            TritonServer.from_state(state["triton"]),
+        )
+
+    def processes(self) -> list[tuple[str, int | None, bool]]:
+        """(name, pid, alive) of every server process of the stack."""
+        rows: list[tuple[str, int | None, bool]] = []
+        for node in self.kafka.to_state()["nodes"]:
+            pid = node["pid"]
+            rows.append((f"kafka node {node['node_id']}", pid, pid is not None and pid_alive(pid)))
+        pid = self.triton.to_state().get("pid")
+        rows.append(("triton", pid, pid is not None and pid_alive(pid)))
+        return rows
+
+
+def up(
+    *, kafka_nodes: int = 1, models: Sequence[str] | None = None, log: Callable[[str], None] = print
+) -> LocalStack:
+    """Start a stack that outlives this process (``dev up``)."""
+    existing = LocalStack.load()
+    if existing is not None and any(alive for _, _, alive in existing.processes()):
+        raise RuntimeError("a local stack is already running: `python -m devtools dev down` first")
+    workdir = run_dir() / "stack"
+    shutil.rmtree(workdir, ignore_errors=True)
+    stack = LocalStack.create(workdir, kafka_nodes=kafka_nodes, models=models, log=log)
+    stack.start()
+    stack.save()
+    return stack
+
+
+def down() -> LocalStack | None:
+    """Stop a stack started by ``dev up`` and remove its data; None if none was recorded."""
+    stack = LocalStack.load()
+    if stack is None:
+        return None
+    stack.stop()
+    shutil.rmtree(stack.workdir, ignore_errors=True)
+    (run_dir() / "state.json").unlink(missing_ok=True)
+    return stack

@@ -1,1 +1,0 @@
-"""The parts of ``python -m worker bench``: comparison loops, measurement, report."""

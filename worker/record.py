@@ -1,0 +1,391 @@
+"""One record, start to end: decode, validate, infer (with retries), publish the outcome.
+
+Every record ends in exactly one of: a result, or a dead letter. ``evaluate``
+computes it; ``deliver`` publishes it through the sink and returns once the
+broker has acknowledged it (or the transaction holding it has committed). The
+caller marks the record done only then.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any, Protocol, TypeVar
+
+import structlog
+from aiokafka.structs import ConsumerRecord
+
+from worker import errors
+from worker.audit import Audit
+from worker.flow.breaker import CircuitBreaker
+from worker.flow.holds import ModelGate
+from worker.flow.limiter import AdaptiveLimiter
+from worker.kafka.options import check_model_allowed
+from worker.kafka.publisher import Headers
+from worker.observability.metrics import Metrics
+from worker.settings import Settings
+from worker.triton.batching import MicroBatcher
+from worker.triton.pool import TritonPool
+from worker.wire import codec
+from worker.wire.validation import ModelSpec, check_request
+
+log = structlog.get_logger(__name__)
+
+_T = TypeVar("_T")
+
+
+@dataclass(slots=True)
+class _Budget:
+    """One monotonic deadline per record, shared by all its retries."""
+
+    deadline: float
+    failures: int = 0
+
+    def remaining_s(self) -> float:
+        return self.deadline - time.monotonic()
+
+
+@dataclass(slots=True)
+class Outcome:
+    """How a record ends: a result value with its headers, or an error for a dead letter."""
+
+    record: ConsumerRecord[bytes, bytes]
+    started: float
+    request: codec.DecodedRequest | None = None
+    value: bytes | None = None
+    headers: list[tuple[str, bytes | None]] = field(default_factory=list)
+    error: errors.WorkerError | None = None
+    served_version: str | None = None
+
+
+class Sink(Protocol):
+    """Where outcomes go: straight to the broker, or into a Kafka transaction."""
+
+    async def publish_result(
+        self, record: ConsumerRecord[bytes, bytes], value: bytes, headers: Headers
+    ) -> None: ...
+
+    async def publish_dead_letter(
+        self, record: ConsumerRecord[bytes, bytes], headers: Headers
+    ) -> None: ...
+
+
+#: Exceptions that are not a record's failure: they end the record's task as they are.
+_CONTROL_FLOW = (errors.Fatal, errors.PartitionRevoked)
+
+
+class _InternalErrorGuard:
+    """Counts records in a row that met a bug; past the limit the worker must stop."""
+
+    def __init__(self, limit: int) -> None:
+        self._limit = limit
+        self._run = 0
+
+    def observe(self, internal: bool) -> None:
+        """One more outcome; raises TooManyInternalErrors at the limit (before its dead letter)."""
+        if not internal:
+            self._run = 0
+            return
+        self._run += 1
+        if self._run >= self._limit:
+            raise errors.TooManyInternalErrors(
+                f"{self._run} records in a row met a bug (INTERNAL_ERROR); stopping rather "
+                f"than dead-letter the whole topic (WORKER_MAX_CONSECUTIVE_INTERNAL_ERRORS="
+                f"{self._limit}); the log has the tracebacks"
+            )
+
+
+class RecordHandler:
+    """Turns a consumed record into a published result or dead letter."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        pool: TritonPool,
+        sink: Sink,
+        metrics: Metrics,
+        audit: Audit,
+        breaker: CircuitBreaker,
+        batcher: MicroBatcher,
+        limiter: AdaptiveLimiter | None = None,
+        models: ModelGate | None = None,
+    ) -> None:
+        self._settings = settings
+        self._pool = pool
+        self._sink = sink
+        self._metrics = metrics
+        self._audit = audit
+        self._breaker = breaker
+        self._batcher = batcher
+        self._limiter = limiter
+        self._models = models
+        self._guard = _InternalErrorGuard(settings.retry.max_consecutive_internal_errors)
+        # Per-model metric children: labels() is a locked dict lookup, too dear per record.
+        self._model_metrics: dict[str, tuple[Any, Any]] = {}
+
+    async def evaluate(self, record: ConsumerRecord[bytes, bytes]) -> Outcome:
+        """Decode, validate and infer: the record's result, or why it must be dead-lettered.
+
+        Never raises for the record's sake: a bug met on the way (any unexpected
+        exception) makes the record an INTERNAL_ERROR dead letter.
+        """
+        outcome = Outcome(record, time.monotonic())
+        budget = _Budget(outcome.started + self._settings.retry.record_deadline_ms / 1000)
+        try:
+            await self._evaluate(outcome, budget)
+        except errors.WorkerError as error:
+            # Retries exhausted: every try failed. Otherwise the last try was the fatal one.
+            exhausted = isinstance(error, errors.RetriesExhausted)
+            self._fail(outcome, error, budget.failures + (0 if exhausted else 1))
+        except _CONTROL_FLOW:
+            raise
+        except Exception as exc:
+            self._internal(outcome, exc, budget.failures + 1)
+        return outcome
+
+    async def _evaluate(self, outcome: Outcome, budget: _Budget) -> None:
+        record = outcome.record
+        if record.value is None and record.key is None:
+            raise errors.DecodeError(
+                "record has neither key nor value (both null); expected an inference request"
+            )
+        request = codec.decode_request(
+            record.value,
+            record.headers,
+            topic=record.topic,
+            partition=record.partition,
+            offset=record.offset,
+            default_model=self._settings.limits.default_model,
+            max_request_bytes=self._settings.limits.max_request_bytes,
+            max_tensor_elements=self._settings.limits.max_tensor_elements,
+            max_tensor_bytes=self._settings.limits.max_tensor_bytes,
+        )
+        outcome.request = request
+        structlog.contextvars.bind_contextvars(request_id=request.request_id)
+        check_model_allowed(self._settings, record.topic, request.model_name)
+        spec = await self._retrying(
+            request,
+            budget,
+            lambda _: self._pool.model_spec(request.model_name, request.model_version),
+        )
+        check_request(spec, request)
+        response = await self._infer(request, spec, budget)
+        outcome.served_version = response.model_version
+        outcome.value, encoding_headers = codec.encode_result(
+            request, response, max_result_bytes=self._settings.limits.max_output_bytes
+        )
+        outcome.headers = codec.result_headers(
+            record.headers,
+            request,
+            encoding_headers,
+            topic=record.topic,
+            partition=record.partition,
+            offset=record.offset,
+            served_model_version=response.model_version,
+        )
+
+    def _internal(self, outcome: Outcome, exc: BaseException, attempts: int) -> None:
+        """A bug met while handling this record: log it once, dead-letter the record."""
+        log.error("internal_error", error=f"{type(exc).__name__}: {exc}", exc_info=exc)
+        self._metrics.internal_errors_total.inc()
+        self._fail(outcome, errors.InternalError.wrapping(exc), attempts)
+
+    def internal_failure(self, exc: BaseException) -> None:
+        """A bug met outside ``evaluate`` and ``deliver`` (bookkeeping): log and count it.
+
+        The record is not marked done, so its offset is not committed and it is
+        processed again by the partition's next owner. Raises TooManyInternalErrors
+        at the limit.
+        """
+        log.error("internal_error", error=f"{type(exc).__name__}: {exc}", exc_info=exc)
+        self._metrics.internal_errors_total.inc()
+        self._guard.observe(True)
+
+    def _fail(self, outcome: Outcome, error: errors.WorkerError, attempts: int) -> None:
+        record = outcome.record
+        outcome.error, outcome.value = error, None
+        outcome.headers = codec.dead_letter_headers(
+            record.headers,
+            error,
+            attempts=attempts,
+            topic=record.topic,
+            partition=record.partition,
+            offset=record.offset,
+            timestamp_ms=record.timestamp,
+            group_id=self._settings.kafka.group_id,
+            failed_at=datetime.now(UTC),
+        )
+        log.warning("dead_letter", code=error.code, error=error.message, attempts=attempts)
+
+    async def deliver(self, outcome: Outcome) -> None:
+        """Publish the outcome through the sink; return once the broker has it.
+
+        A result the sink cannot take becomes a dead letter (OUTPUT_TOO_LARGE, or
+        INTERNAL_ERROR for an unexpected exception). Raises TooManyInternalErrors
+        when too many records in a row met a bug, and WriteFailed when the dead
+        letter can never be written.
+        """
+        if outcome.value is not None:
+            try:
+                await self._sink.publish_result(outcome.record, outcome.value, outcome.headers)
+            except errors.OutputTooLarge as error:
+                self._fail(outcome, error, 1)
+            except _CONTROL_FLOW:
+                raise
+            except Exception as exc:
+                self._internal(outcome, exc, 1)
+        self._guard.observe(isinstance(outcome.error, errors.InternalError))
+        if outcome.error is not None:
+            await self._publish_dead_letter(outcome)
+            self._metrics.dead_letters_total.labels(code=outcome.error.code).inc()
+        else:
+            assert outcome.request is not None
+            self._metrics_for(outcome.request.model_name)[0].inc()
+        await self._audit.record(
+            outcome.record,
+            request_id=outcome.request.request_id if outcome.request else None,
+            model_name=outcome.request.model_name if outcome.request else None,
+            model_version=outcome.served_version
+            or (outcome.request.model_version if outcome.request else None),
+            outcome="dead_letter" if outcome.error else "result",
+            error_code=outcome.error.code if outcome.error else None,
+            latency_s=time.monotonic() - outcome.started,
+        )
+        self._metrics.end_to_end_latency_seconds.observe(
+            max(0.0, time.time() - outcome.record.timestamp / 1000)
+        )
+
+    async def _publish_dead_letter(self, outcome: Outcome) -> None:
+        """The dead letter as built; if that meets a bug, a plain one with our headers only."""
+        record = outcome.record
+        try:
+            await self._sink.publish_dead_letter(record, outcome.headers)
+            return
+        except _CONTROL_FLOW:
+            raise
+        except Exception as exc:
+            log.error("dead_letter_failed", error=f"{type(exc).__name__}: {exc}", exc_info=exc)
+            self._metrics.internal_errors_total.inc()
+            # The record's own headers may be what broke it: leave them out.
+            error = errors.InternalError.wrapping(exc)
+            outcome.error = error
+            outcome.headers = codec.dead_letter_headers(
+                (),
+                error,
+                attempts=1,
+                topic=record.topic,
+                partition=record.partition,
+                offset=record.offset,
+                timestamp_ms=record.timestamp,
+                group_id=self._settings.kafka.group_id,
+                failed_at=datetime.now(UTC),
+            )
+        try:
+            await self._sink.publish_dead_letter(record, outcome.headers)
+        except _CONTROL_FLOW:
+            raise
+        except Exception as exc:
+            raise errors.WriteFailed(
+                f"dead letter of {record.topic}-{record.partition}@{record.offset} cannot be "
+                f"written: {type(exc).__name__}: {exc}"
+            ) from exc
+
+    def _metrics_for(self, model_name: str) -> tuple[Any, Any]:
+        """(results published counter, inference latency histogram) of ``model_name``."""
+        children = self._model_metrics.get(model_name)
+        if children is None:
+            model = self._metrics.model_label(model_name)
+            children = (
+                self._metrics.results_published_total.labels(model=model),
+                self._metrics.inference_latency_seconds.labels(model=model),
+            )
+            self._model_metrics[model_name] = children
+        return children
+
+    async def _infer(self, request: codec.DecodedRequest, spec: ModelSpec, budget: _Budget) -> Any:
+        latency = self._metrics_for(request.model_name)[1]
+        try_timeout_s = self._settings.triton.request_timeout_ms / 1000
+
+        async def once(timeout_s: float) -> Any:
+            started = time.monotonic()
+            try:
+                response = await self._batcher.infer(request, spec, min(timeout_s, try_timeout_s))
+            except (errors.TritonOverloaded, errors.TritonTimeout):
+                if self._limiter is not None:
+                    self._limiter.on_overload()
+                raise
+            latency_s = time.monotonic() - started
+            latency.observe(latency_s)
+            if self._limiter is not None:
+                self._limiter.on_success(latency_s)
+            return response
+
+        return await self._retrying(request, budget, once)
+
+    async def _held(self, request: codec.DecodedRequest, error: errors.WorkerError) -> bool:
+        """True when ``error`` means the model is being (re)loaded: the record should wait."""
+        if self._models is None or not isinstance(
+            error, (errors.ModelNotReady, errors.ModelNotFound)
+        ):
+            return False
+        return await self._models.should_hold(request.model_name, request.model_version)
+
+    async def _retrying(
+        self,
+        request: codec.DecodedRequest,
+        budget: _Budget,
+        call: Callable[[float], Awaitable[_T]],
+    ) -> _T:
+        """Call with the remaining time; retry retryable failures with full-jitter backoff.
+
+        An outage (Triton unreachable) is not the record's fault: it feeds the
+        circuit breaker, never counts as a try, and while the breaker is open
+        the record waits for it to close with its deadline paused. A model
+        being (re)loaded is an outage of that model: the record waits for it
+        the same way (see ModelGate).
+        """
+        models = self._models
+        while True:
+            model = (request.model_name, request.model_version)
+            if models is not None and models.is_held(*model):
+                budget.deadline += await models.wait_ready(*model)
+            try:
+                result = await call(max(0.001, budget.remaining_s()))
+            except errors.WorkerError as error:
+                if await self._held(request, error):
+                    continue
+                if not error.retryable:
+                    raise
+                if isinstance(error, errors.TritonUnavailable):
+                    self._breaker.record_failure()
+                    if self._breaker.is_open:
+                        budget.deadline += await self._breaker.wait_closed()
+                        continue
+                    if budget.remaining_s() <= 0:
+                        raise errors.RetriesExhausted.after(error, budget.failures + 1) from error
+                    self._metrics.retries_total.labels(reason=error.code).inc()
+                    await asyncio.sleep(
+                        random.uniform(0, self._settings.retry.retry_backoff_ms / 1000)
+                    )
+                    continue
+                budget.failures += 1
+                settings = self._settings
+                cap_s = min(
+                    settings.retry.retry_backoff_max_ms,
+                    settings.retry.retry_backoff_ms * 2**budget.failures,
+                )
+                backoff_s = random.uniform(0, cap_s / 1000)
+                if (
+                    budget.failures >= settings.retry.max_attempts
+                    or backoff_s >= budget.remaining_s()
+                ):
+                    raise errors.RetriesExhausted.after(error, budget.failures) from error
+                self._metrics.retries_total.labels(reason=error.code).inc()
+                await asyncio.sleep(backoff_s)
+            else:
+                self._breaker.record_success()
+                return result

@@ -1,0 +1,449 @@
+"""A pool of Triton ``ModelStreamInfer`` streams, with id correlation and deadlines.
+
+Each stream is the bidirectional gRPC call that
+``tritonclient.grpc.aio.InferenceServerClient.stream_infer`` opens. The worker
+feeds it ready-made ``ModelInferRequest`` messages (the codec builds them
+straight from the Kafka value) instead of dicts of ``InferInput``, which would
+force a numpy copy of every tensor.
+
+A stream stays open until every response it owes has arrived, then is
+cancelled, never half-closed: tritonserver 2.51 can crash when a client
+half-closes a stream, even an idle one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import grpc  # type: ignore[import-untyped, unused-ignore]
+import structlog
+from tritonclient.grpc import InferenceServerException, KeepAliveOptions, service_pb2
+from tritonclient.grpc._client import MAX_GRPC_MESSAGE_SIZE
+from tritonclient.grpc.aio import InferenceServerClient
+
+from worker import errors
+from worker.kafka.options import TritonAuth
+from worker.triton.shm import ShmPool
+from worker.wire.validation import ModelSpec
+
+log = structlog.get_logger(__name__)
+
+#: How long a negative model lookup (unknown model) is remembered.
+_NEGATIVE_CACHE_S = 5.0
+#: A stream whose oldest request waits longer than this is avoided for new requests.
+_STUCK_AFTER_S = 0.25
+#: How long one read of the repository index answers for (a burst of failures asks once).
+_INDEX_CACHE_S = 1.0
+#: Repository states of a model that Triton is expected to serve (again) soon.
+_SERVABLE_STATES = frozenset({"READY", "LOADING", "UNLOADING", "UNAVAILABLE"})
+
+
+class _Stream:
+    """One ModelStreamInfer call: a queue of requests in, responses matched by id out."""
+
+    def __init__(self, stub: object, index: int, headers: Mapping[str, str]) -> None:
+        self.index = index
+        self._stub = stub
+        self._metadata = tuple(headers.items())
+        self._call: Any = None
+        self._abandoned = False
+        self._outbox: asyncio.Queue[service_pb2.ModelInferRequest | None] = asyncio.Queue()
+        # Insertion-ordered: the first entry is the oldest request still owed.
+        self.pending: dict[str, asyncio.Future[service_pb2.ModelInferResponse]] = {}
+        self._sent_at: dict[str, float] = {}
+        self.broken: errors.WorkerError | None = None
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    def __aiter__(self) -> _Stream:
+        return self
+
+    async def __anext__(self) -> service_pb2.ModelInferRequest:
+        # A plain async iterator rather than an async generator: gRPC may still be
+        # awaiting it when the call breaks, and a generator cannot be closed then.
+        request = await self._outbox.get()
+        if request is None:
+            raise StopAsyncIteration
+        return request
+
+    async def run(self) -> None:
+        """Read responses until the stream ends; then fail whatever is still owed."""
+        call = self._stub.ModelStreamInfer(  # type: ignore[attr-defined]
+            self, metadata=self._metadata or None
+        )
+        self._call = call
+        try:
+            async for response in call:
+                self._deliver(response)
+            self.broken = errors.TritonUnavailable("the inference stream was closed by Triton")
+        except grpc.aio.AioRpcError as exc:
+            self.broken = errors.from_grpc(exc.code(), exc.details() or "")
+            if not self.broken.retryable:
+                self.broken = errors.TritonUnavailable(
+                    f"the inference stream broke: {exc.details()}"
+                )
+        except asyncio.CancelledError:
+            call.cancel()
+            self.broken = errors.TritonUnavailable("the inference stream was cancelled")
+            task = asyncio.current_task()
+            if self._abandoned and task is not None and not task.cancelling():
+                return  # close() abandoned the drained call; this task was not cancelled
+            raise
+        finally:
+            self._fail_pending(self.broken or errors.TritonUnavailable("stream ended"))
+            # End the request iterator so gRPC's task feeding it finishes too.
+            self._outbox.put_nowait(None)
+
+    def oldest_age_s(self, now: float) -> float:
+        """How long the oldest owed response has been waiting (0 when none)."""
+        for correlation in self.pending:
+            return now - self._sent_at[correlation]
+        return 0.0
+
+    def _deliver(self, response: service_pb2.ModelStreamInferResponse) -> None:
+        correlation = response.infer_response.id
+        self._sent_at.pop(correlation, None)
+        future = self.pending.pop(correlation, None)
+        if future is None:
+            # A response for a request already timed out (or unknown): never used twice.
+            log.debug("late_response_dropped", correlation=correlation, stream=self.index)
+        elif not future.done():
+            if response.error_message:
+                future.set_exception(errors.from_stream_error(response.error_message))
+            else:
+                future.set_result(response.infer_response)
+        if not self.pending:
+            self._idle.set()
+
+    def _fail_pending(self, error: errors.WorkerError) -> None:
+        pending, self.pending = self.pending, {}
+        self._sent_at.clear()
+        for future in pending.values():
+            if not future.done():
+                future.set_exception(error)
+        self._idle.set()
+
+    def submit(
+        self, request: service_pb2.ModelInferRequest
+    ) -> asyncio.Future[service_pb2.ModelInferResponse]:
+        future: asyncio.Future[service_pb2.ModelInferResponse] = (
+            asyncio.get_running_loop().create_future()
+        )
+        self.pending[request.id] = future
+        self._sent_at[request.id] = time.monotonic()
+        self._idle.clear()
+        self._outbox.put_nowait(request)
+        return future
+
+    def forget(self, correlation: str) -> None:
+        self.pending.pop(correlation, None)
+        self._sent_at.pop(correlation, None)
+        if not self.pending:
+            self._idle.set()
+
+    async def close(self, drain_timeout_s: float) -> None:
+        """Wait (bounded) for every owed response, then abandon the call.
+
+        Cancelling rather than half-closing: tritonserver 2.51 was seen to crash
+        when a client half-closed a stream, even an idle one, while cancelling
+        never crashed it.
+        """
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._idle.wait(), drain_timeout_s)
+        self._abandoned = True
+        if self._call is not None:
+            self._call.cancel()
+        self._outbox.put_nowait(None)
+
+
+@dataclass(frozen=True, slots=True)
+class _CachedSpec:
+    spec: ModelSpec | None
+    error: errors.WorkerError | None
+    expires_at: float
+
+
+class TritonPool:
+    """``streams`` concurrent inference streams to one Triton server, re-opened when they break."""
+
+    def __init__(
+        self,
+        url: str,
+        streams: int,
+        *,
+        client_kwargs: Mapping[str, Any] | None = None,
+        auth: TritonAuth | None = None,
+        shm_min_bytes: int | None = None,
+        shm_pool_bytes: int = 0,
+    ) -> None:
+        """``shm_min_bytes`` set: inputs that large go through system shared memory."""
+        self.url = url
+        self._client_kwargs = dict(client_kwargs or {})
+        self._auth = auth
+        self._size = streams
+        self._client: InferenceServerClient | None = None
+        self._streams: list[_Stream] = []
+        self._tasks: list[asyncio.Task[None]] = []
+        self._ids = itertools.count(1)
+        self._specs: dict[tuple[str, str], _CachedSpec] = {}
+        self._spec_locks: dict[tuple[str, str], asyncio.Lock] = {}
+        self._closing = False
+        self._reopen_backoff_s = 0.1
+        self._wake = asyncio.Event()
+        self._shm_min_bytes = shm_min_bytes
+        self._shm_pool_bytes = shm_pool_bytes
+        self.shm: ShmPool | None = None
+        self._index: tuple[float, set[tuple[str, str]]] | None = None
+        self._index_lock = asyncio.Lock()
+
+    async def start(self) -> None:
+        """Create the channel and open the streams (no server round trip needed)."""
+        self._client = InferenceServerClient(
+            self.url, channel_args=channel_args(), **self._client_kwargs
+        )
+        if self._shm_min_bytes is not None:
+            self.shm = ShmPool(
+                self._client,
+                min_bytes=self._shm_min_bytes,
+                pool_bytes=self._shm_pool_bytes,
+                headers=self._headers,
+            )
+        for index in range(self._size):
+            self._open(index)
+
+    def _open(self, index: int) -> None:
+        assert self._client is not None
+        stream = _Stream(self._client._client_stub, index, self._headers())
+        task = asyncio.get_running_loop().create_task(
+            self._supervise(stream), name=f"triton-stream-{index}"
+        )
+        if index < len(self._streams):
+            self._streams[index], self._tasks[index] = stream, task
+        else:
+            self._streams.append(stream)
+            self._tasks.append(task)
+
+    async def _supervise(self, stream: _Stream) -> None:
+        await stream.run()
+        if self._closing:
+            return
+        log.warning("triton_stream_broken", stream=stream.index, error=str(stream.broken))
+        if self.shm is not None:
+            self.shm.invalidate()  # a restarted Triton has forgotten the regions
+        # Back off before re-opening, so a down server is not hammered; the other
+        # streams keep serving meanwhile.
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._wake.wait(), self._reopen_backoff_s)
+        self._reopen_backoff_s = min(self._reopen_backoff_s * 2, 5.0)
+        if not self._closing:
+            self._open(stream.index)
+
+    def wake(self) -> None:
+        """Re-open broken streams now (Triton is back), not after their backoff."""
+        self._reopen_backoff_s = 0.1
+        self._wake.set()
+        self._wake = asyncio.Event()
+
+    def _headers(self) -> dict[str, str]:
+        """Per-call gRPC metadata (authentication), read afresh for each call or stream."""
+        return dict(self._auth.headers()) if self._auth is not None else {}
+
+    def _pick(self) -> _Stream:
+        """The least-loaded live stream, avoiding streams stuck behind a slow request.
+
+        Triton answers a stream in request order, so a request queued behind a
+        slow one waits for it; streams whose oldest request is older than
+        ``_STUCK_AFTER_S`` are used only when every stream is.
+        """
+        live = [s for s in self._streams if s.broken is None] or self._streams
+        now = time.monotonic()
+        return min(live, key=lambda s: (s.oldest_age_s(now) > _STUCK_AFTER_S, len(s.pending)))
+
+    async def infer(
+        self, request: service_pb2.ModelInferRequest, timeout_s: float
+    ) -> service_pb2.ModelInferResponse:
+        """Send one request on the least-loaded stream; its response, or a WorkerError.
+
+        The request's ``id`` is replaced by a correlation id unique to this pool.
+        """
+        if self._closing:
+            raise errors.TritonUnavailable("the worker is shutting down")
+        stream = self._pick()
+        if stream.broken is not None:
+            raise stream.broken
+        correlation = str(next(self._ids))
+        request.id = correlation
+        lease = None
+        if self.shm is not None:
+            request, lease = await self.shm.place(request)
+        future = stream.submit(request)
+        answered = False
+        try:
+            response = await asyncio.wait_for(future, timeout_s)
+            answered = True
+        except TimeoutError:
+            stream.forget(correlation)
+            raise errors.TritonTimeout(
+                f"no response from Triton within {timeout_s * 1000:.0f} ms"
+            ) from None
+        except asyncio.CancelledError:
+            stream.forget(correlation)
+            raise
+        except errors.WorkerError:
+            answered = stream.broken is None  # an error response: Triton is done with it
+            raise
+        finally:
+            if lease is not None:
+                assert self.shm is not None
+                self.shm.release(lease, reusable=answered)
+        self._reopen_backoff_s = 0.1
+        return response
+
+    async def model_spec(self, name: str, version: str) -> ModelSpec:
+        """The model's inputs, outputs and batching, fetched once and cached."""
+        key = (name, version)
+        cached = self._specs.get(key)
+        if cached is not None and cached.spec is not None:
+            return cached.spec
+        lock = self._spec_locks.setdefault(key, asyncio.Lock())
+        async with lock:
+            cached = self._specs.get(key)
+            now = time.monotonic()
+            if cached is not None and (cached.spec is not None or cached.expires_at > now):
+                if cached.spec is not None:
+                    return cached.spec
+                assert cached.error is not None
+                raise cached.error
+            try:
+                spec = await self._fetch_spec(name, version)
+            except errors.WorkerError as exc:
+                if not exc.retryable:
+                    self._specs[key] = _CachedSpec(None, exc, now + _NEGATIVE_CACHE_S)
+                raise
+            self._specs[key] = _CachedSpec(spec, None, float("inf"))
+            return spec
+
+    def has_spec(self, name: str, version: str) -> bool:
+        """True when ``name`` at ``version`` was ready earlier in this process (spec cached)."""
+        cached = self._specs.get((name, version))
+        return cached is not None and cached.spec is not None
+
+    def forget_model(self, name: str) -> None:
+        """Drop what is cached about ``name``: after a reload its configuration may differ."""
+        for key in [key for key in self._specs if key[0] == name]:
+            del self._specs[key]
+
+    async def model_ready(self, name: str, version: str = "") -> bool:
+        """True when Triton says ``name`` (``version``) is ready to serve."""
+        if self._client is None:
+            return False
+        try:
+            ready = self._client.is_model_ready(name, version, headers=self._headers())
+            return bool(await asyncio.wait_for(ready, 2.0))
+        except (TimeoutError, InferenceServerException, grpc.aio.AioRpcError):
+            return False
+
+    async def repository_lists(self, name: str, version: str) -> bool:
+        """True when Triton's repository index lists ``name`` in a state it can serve from.
+
+        READY, LOADING, UNLOADING or UNAVAILABLE (unloaded, or failed to load):
+        the model exists and a rollout may bring it back. A model never loaded
+        (no state) or absent from the repository is not listed; ``version`` ""
+        means any version. The index is read at most once a second; an
+        unreadable index lists nothing.
+        """
+        async with self._index_lock:
+            now = time.monotonic()
+            if self._index is None or now - self._index[0] > _INDEX_CACHE_S:
+                self._index = (now, await self._read_index())
+            listed = self._index[1]
+        return (name, version) in listed or (not version and any(n == name for n, _ in listed))
+
+    async def _read_index(self) -> set[tuple[str, str]]:
+        """(name, version) of every model version the index lists in a servable state."""
+        if self._client is None:
+            return set()
+        try:
+            index = await asyncio.wait_for(
+                self._client.get_model_repository_index(headers=self._headers()), 2.0
+            )
+        except (TimeoutError, InferenceServerException, grpc.aio.AioRpcError):
+            return set()
+        return {(m.name, m.version) for m in index.models if m.state in _SERVABLE_STATES}
+
+    async def _fetch_spec(self, name: str, version: str) -> ModelSpec:
+        assert self._client is not None
+        try:
+            headers = self._headers()
+            metadata = await self._client.get_model_metadata(name, version, headers=headers)
+            config = await self._client.get_model_config(name, version, headers=headers)
+        except InferenceServerException as exc:
+            raise _from_client_error(exc, f"model {name!r}") from None
+        return ModelSpec.from_triton(metadata, config)
+
+    async def server_ready(self, timeout_s: float = 2.0) -> bool:
+        """True when Triton answers ``ServerReady`` within the timeout."""
+        if self._client is None:
+            return False
+        try:
+            ready = self._client.is_server_ready(headers=self._headers())
+            return bool(await asyncio.wait_for(ready, timeout_s))
+        except (TimeoutError, InferenceServerException, grpc.aio.AioRpcError):
+            return False
+
+    def in_flight(self) -> int:
+        return sum(len(s.pending) for s in self._streams)
+
+    async def close(self, drain_timeout_s: float = 10.0) -> None:
+        """Drain every stream (bounded), end them, close the channel. Idempotent."""
+        if self._closing:
+            return
+        self._closing = True
+        await asyncio.gather(*(s.close(drain_timeout_s) for s in self._streams))
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(
+                asyncio.gather(*self._tasks, return_exceptions=True), drain_timeout_s
+            )
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.shm is not None:
+            await self.shm.close()
+        if self._client is not None:
+            await self._client.close()
+
+
+def channel_args() -> list[tuple[str, Any]]:
+    """tritonclient's own channel options, plus a short reconnect backoff.
+
+    gRPC's default reconnect backoff grows to two minutes: after a long Triton
+    outage the channel would wait that long before trying again, keeping the
+    worker (and its health probe) down well after Triton is ready. One second
+    at most keeps resumption within seconds.
+    """
+    keepalive = KeepAliveOptions()
+    return [
+        ("grpc.max_send_message_length", MAX_GRPC_MESSAGE_SIZE),
+        ("grpc.max_receive_message_length", MAX_GRPC_MESSAGE_SIZE),
+        ("grpc.keepalive_time_ms", keepalive.keepalive_time_ms),
+        ("grpc.keepalive_timeout_ms", keepalive.keepalive_timeout_ms),
+        ("grpc.keepalive_permit_without_calls", keepalive.keepalive_permit_without_calls),
+        ("grpc.http2.max_pings_without_data", keepalive.http2_max_pings_without_data),
+        ("grpc.initial_reconnect_backoff_ms", 100),
+        ("grpc.min_reconnect_backoff_ms", 100),
+        ("grpc.max_reconnect_backoff_ms", 1000),
+    ]
+
+
+def _from_client_error(exc: InferenceServerException, what: str) -> errors.WorkerError:
+    """Map a tritonclient exception (status text like ``StatusCode.NOT_FOUND``)."""
+    status = exc.status() or ""
+    code = getattr(grpc.StatusCode, status.removeprefix("StatusCode."), None)
+    error = errors.from_grpc(code, f"{what}: {exc.message()}")
+    return error
