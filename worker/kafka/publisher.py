@@ -10,7 +10,7 @@ from typing import Any, TypeVar
 
 import structlog
 from aiokafka import AIOKafkaProducer
-from aiokafka.errors import KafkaError, MessageSizeTooLargeError
+from aiokafka.errors import KafkaError, MessageSizeTooLargeError, OutOfOrderSequenceNumber
 from aiokafka.partitioner import DefaultPartitioner
 from aiokafka.structs import ConsumerRecord
 
@@ -103,7 +103,7 @@ class Publisher:
         self.dlq_topic = dlq_topic
         self._write_attempts = write_attempts
         self._on_value_omitted = on_value_omitted
-        self._producer = AIOKafkaProducer(
+        self._producer_kwargs: dict[str, Any] = dict(
             bootstrap_servers=bootstrap_servers,
             client_id=client_id,
             acks="all",
@@ -114,6 +114,10 @@ class Publisher:
             compression_type=kafka_compression(compression_type),
             **client_kwargs,
         )
+        self._producer = AIOKafkaProducer(**self._producer_kwargs)
+        # Bumped each time the producer is replaced (see _renew_producer).
+        self._generation = 0
+        self._renewing = asyncio.Lock()
 
     async def start(self) -> None:
         await self._producer.start()
@@ -121,6 +125,42 @@ class Publisher:
     async def stop(self) -> None:
         """Flush what is pending and close. Idempotent."""
         await self._producer.stop()
+
+    async def _renew_producer(self, generation: int, reason: BaseException) -> None:
+        """Replace the producer of ``generation`` by a fresh one (new producer id), once.
+
+        aiokafka gives a batch its partition's next sequence numbers when it sends
+        it, and does not take them back when the broker refuses the batch for its
+        size: every later batch to that partition is then refused with
+        OutOfOrderSequenceNumber, forever. A fresh idempotent producer starts its
+        sequences at 0. The old one is flushed and closed: its pending batches
+        land, or fail and are retried by their writers on the new one.
+        """
+        async with self._renewing:
+            if generation != self._generation:
+                return  # another writer already replaced it
+            old = self._producer
+            fresh = AIOKafkaProducer(**self._producer_kwargs)
+            try:
+                await fresh.start()
+            except BaseException:
+                await fresh.stop()
+                raise
+            self._producer, self._generation = fresh, generation + 1
+        log.warning("producer_renewed", reason=f"{type(reason).__name__}: {reason}")
+        await old.stop()
+
+    async def _acked(self, generation: int, sent: Awaitable[_T]) -> _T:
+        """The broker's ack of a record sent by the producer of ``generation``.
+
+        A size refusal or a sequence gap leaves that producer unable to write to
+        the partition again: it is renewed before the error propagates.
+        """
+        try:
+            return await sent
+        except (MessageSizeTooLargeError, OutOfOrderSequenceNumber) as exc:
+            await self._renew_producer(generation, exc)
+            raise
 
     async def write_result(self, value: bytes, key: bytes | None, headers: Headers) -> Any:
         """Write a result and wait for the broker's ack.
@@ -155,14 +195,15 @@ class Publisher:
         """Send one record in a batch of its own; MessageSizeTooLargeError if refused for size."""
 
         async def send_once() -> Any:
-            batch = self._producer.create_batch()
+            generation, producer = self._generation, self._producer
+            batch = producer.create_batch()
             if batch.append(key=key, value=value, timestamp=None, headers=list(headers)) is None:
                 raise MessageSizeTooLargeError("larger than the producer's request limit")
             batch.close()
-            partitions = sorted(await self._producer.partitions_for(topic))
+            partitions = sorted(await producer.partitions_for(topic))
             partition = DefaultPartitioner()(key, partitions, partitions)
-            sent = await self._producer.send_batch(batch, topic, partition=partition)
-            return await sent
+            sent = await producer.send_batch(batch, topic, partition=partition)
+            return await self._acked(generation, sent)
 
         return await write_with_retries(
             send_once, what=f"write to {topic!r}", attempts=self._write_attempts, failure=failure
@@ -234,8 +275,10 @@ class Publisher:
         """Send and wait for the ack, with `write_with_retries`; ``failure`` if it never lands."""
 
         async def send_once() -> Any:
-            sent = await self._producer.send(topic, value=value, key=key, headers=list(headers))
-            return await sent
+            generation, producer = self._generation, self._producer
+            # A record over the producer's own limit is refused here, before it is sent.
+            sent = await producer.send(topic, value=value, key=key, headers=list(headers))
+            return await self._acked(generation, sent)
 
         return await write_with_retries(
             send_once, what=f"write to {topic!r}", attempts=self._write_attempts, failure=failure

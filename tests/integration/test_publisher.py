@@ -1,0 +1,88 @@
+"""The publisher on a real broker: a record refused for its size never blocks later writes."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+from aiokafka import AIOKafkaConsumer
+from aiokafka.structs import ConsumerRecord, TopicPartition
+
+from tests.support import Topics
+from worker import errors
+from worker.codec import header_value
+from worker.publisher import Publisher
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
+
+#: The topics' max.message.bytes, and a value the broker refuses under it.
+LIMIT = 64 * 1024
+TOO_BIG = b"x" * (LIMIT + 36 * 1024)
+
+
+async def read_all(bootstrap: str, topic: str) -> list[ConsumerRecord[bytes, bytes]]:
+    """Every record of partition 0 of ``topic``, up to its end offset."""
+    tp = TopicPartition(topic, 0)
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
+    consumer.assign([tp])
+    await consumer.start()
+    try:
+        await consumer.seek_to_beginning(tp)
+        end = (await consumer.end_offsets([tp]))[tp]
+        records: list[ConsumerRecord[bytes, bytes]] = []
+        while await consumer.position(tp) < end:
+            for batch in (await consumer.getmany(tp, timeout_ms=1000)).values():
+                records.extend(batch)
+        return records
+    finally:
+        await consumer.stop()
+
+
+async def test_writes_to_a_partition_go_on_after_the_broker_refuses_one_for_its_size(
+    kafka: Any, unique: str
+) -> None:
+    """A result and a dead letter over max.message.bytes: refused alone, every later write lands."""
+    topics = Topics.fresh(unique)
+    await kafka.create_topics(
+        [topics.output, topics.dlq], partitions=1, configs={"max.message.bytes": str(LIMIT)}
+    )
+    publisher = Publisher(
+        kafka.bootstrap_servers,
+        output_topic=topics.output,
+        dlq_topic=topics.dlq,
+        client_id=f"publisher-{unique}",
+        linger_ms=5,
+        max_request_bytes=8 * 1024 * 1024,
+        client_kwargs={},
+    )
+    await publisher.start()
+    try:
+        # 1. One at a time: the refused record follows an accepted one on the same
+        # partition, so the producer has sequence state there.
+        await publisher.write_result(b"r-before", b"k", [])
+        with pytest.raises(errors.OutputTooLarge):
+            await publisher.write_result(TOO_BIG, b"k", [])
+        await publisher.write_result(b"r-after", b"k", [])
+        # 2. Side by side: the refused record shares batches with innocent ones.
+        concurrent = await asyncio.gather(
+            publisher.write_result(TOO_BIG, b"k", []),
+            *(publisher.write_result(f"r-{i}".encode(), b"k", []) for i in range(5)),
+            return_exceptions=True,
+        )
+        assert isinstance(concurrent[0], errors.OutputTooLarge), concurrent[0]
+        assert not [c for c in concurrent[1:] if isinstance(c, BaseException)], concurrent
+        # 3. Dead letters: one kept whole, one written without its value, one after it.
+        await publisher.write_dead_letter(b"d-before", b"k", [("x-error-code", b"X")])
+        await publisher.write_dead_letter(TOO_BIG, b"k", [("x-error-code", b"X")])
+        await publisher.write_dead_letter(b"d-after", b"k", [("x-error-code", b"X")])
+    finally:
+        await publisher.stop()
+
+    results = [r.value for r in await read_all(kafka.bootstrap_servers, topics.output)]
+    assert results[:2] == [b"r-before", b"r-after"]
+    assert sorted(results[2:]) == [f"r-{i}".encode() for i in range(5)]
+    letters = await read_all(kafka.bootstrap_servers, topics.dlq)
+    assert [r.value for r in letters] == [b"d-before", b"", b"d-after"]
+    assert header_value(letters[1].headers, "x-value-omitted") == b"true"
+    assert header_value(letters[1].headers, "x-original-value-bytes") == str(len(TOO_BIG)).encode()
