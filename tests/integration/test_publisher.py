@@ -11,8 +11,8 @@ from aiokafka.structs import ConsumerRecord, TopicPartition
 
 from tests.support import Topics
 from worker import errors
-from worker.codec import header_value
-from worker.publisher import Publisher
+from worker.kafka.publisher import Publisher
+from worker.wire.codec import header_value
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
