@@ -19,7 +19,7 @@ from rich.table import Table
 
 from devtools import samples
 from worker.produce import Outgoing, progress_bar, send_all
-from worker.wire.codec import header_value
+from worker.wire import header_value
 
 #: Small enough that the "oversized" sample still fits a default broker message.
 DEMO_MAX_REQUEST_BYTES = samples.BAD_SAMPLES_MAX_REQUEST_BYTES
@@ -103,7 +103,7 @@ def run_demo(args: argparse.Namespace) -> int:
 
 async def _demo(stack: Any, args: argparse.Namespace, console: Console, workdir: Path) -> int:
     from worker.app import Worker
-    from worker.observability.metrics import configure_logging
+    from worker.observability import configure_logging
     from worker.settings import load_settings
 
     topics = {

@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from worker.observability.metrics import metrics_reference_markdown
+from worker.observability import metrics_reference_markdown
 from worker.settings import reference_table_markdown
 from worker.wire.messages import generate_schemas
 

@@ -21,10 +21,10 @@ from aiokafka.structs import ConsumerRecord
 
 from devtools.devstack.kafka import KafkaCluster, ensure_kafka_jars
 from devtools.samples import Encoding, SampleRequest, Tensor, encode_request
+from worker import wire
 from worker.app import Worker
 from worker.settings import Settings, load_settings
-from worker.wire import codec
-from worker.wire.codec import header_value
+from worker.wire import header_value
 
 
 @contextlib.contextmanager
@@ -42,17 +42,15 @@ def local_kafka(nodes: int) -> Iterator[KafkaCluster]:
 
 def decode_sample(
     model: str, tensors: Sequence[Tensor], request_id: str, encoding: Encoding = "protobuf"
-) -> codec.DecodedRequest:
+) -> wire.DecodedRequest:
     """Encode tensors as a request for ``model`` and decode it as the worker would."""
     value, headers = encode_request(model, tensors, encoding, request_id)
-    return codec.decode_request(
+    return wire.decode_request(
         value,
         headers,
-        topic="t",
-        partition=0,
-        offset=0,
+        source=wire.Source("t", 0, 0),
         default_model=None,
-        max_request_bytes=1 << 20,
+        limits=wire.DecodeLimits(1 << 20),
     )
 
 

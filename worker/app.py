@@ -30,9 +30,10 @@ from worker.flow.window import Window
 from worker.kafka import options as security
 from worker.kafka.intake import Intake
 from worker.kafka.publisher import PRODUCER_HEADROOM_BYTES, Publisher
-from worker.observability.metrics import HealthServer, Metrics
-from worker.record import RecordHandler, Sink
+from worker.observability import HealthServer, Metrics
+from worker.record import RecordHandler, RecordRules, Sink
 from worker.settings import Settings
+from worker.triton import auth as triton_auth
 from worker.triton.batching import MicroBatcher
 from worker.triton.pool import TritonPool
 
@@ -50,8 +51,8 @@ class Worker:
         self.pool = TritonPool(
             settings.triton.triton_url,
             settings.triton.triton_streams,
-            client_kwargs=security.triton_client_kwargs(settings),
-            auth=security.TritonAuth(settings),
+            client_kwargs=triton_auth.triton_client_kwargs(settings.triton),
+            auth=triton_auth.TritonAuth(settings.triton),
             shm_min_bytes=settings.triton.shm_min_bytes
             if settings.triton.triton_shm == "system"
             else None,
@@ -69,7 +70,7 @@ class Worker:
             client_id=settings.kafka.client_id,
             linger_ms=settings.kafka.linger_ms,
             max_request_bytes=largest_record,
-            client_kwargs=security.kafka_client_kwargs(settings),
+            client_kwargs=security.kafka_client_kwargs(settings.kafka_auth),
             compression_type=settings.kafka.compression_type,
             on_value_omitted=self.metrics.dead_letter_values_omitted_total.inc,
         )
@@ -80,7 +81,7 @@ class Worker:
                 settings,
                 self.offsets,
                 self.metrics,
-                security.kafka_client_kwargs(settings),
+                security.kafka_client_kwargs(settings.kafka_auth),
                 max_request_bytes=largest_record,
             )
         self.audit = Audit(settings, self.publisher.send_audit)
@@ -104,15 +105,15 @@ class Worker:
             interval_s=settings.retry.breaker_probe_interval_ms / 1000,
         )
         self.handler = RecordHandler(
-            settings,
-            self.pool,
-            sink,
-            self.metrics,
-            self.audit,
-            self.breaker,
-            self.batcher,
-            self.limiter,
-            self.models,
+            RecordRules.from_settings(settings),
+            pool=self.pool,
+            batcher=self.batcher,
+            sink=sink,
+            metrics=self.metrics,
+            audit=self.audit,
+            breaker=self.breaker,
+            limiter=self.limiter,
+            models=self.models,
         )
         self.intake = Intake(
             settings,

@@ -54,7 +54,7 @@ def run_worker(args: argparse.Namespace) -> int:
     from worker.app import run_async, serve
     from worker.checks.startup import StartupCheckFailed
     from worker.errors import Fatal, WriteFailed
-    from worker.observability.metrics import configure_logging
+    from worker.observability import configure_logging
 
     configure_logging(settings.ops.log_format, settings.ops.log_level)
     try:

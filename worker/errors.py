@@ -3,7 +3,7 @@
 This module is the only place that decides whether a failure is retryable and
 which dead-letter code it carries. Callers raise or receive a `WorkerError`
 subclass and look at `retryable`; they never inspect gRPC codes or Triton
-error texts themselves.
+error texts themselves (``worker.triton.errors`` maps those to these classes).
 
 Non-retryable errors end in a dead letter with their own `code`. Retryable
 errors are retried within the record's deadline; when the budget is spent the
@@ -12,11 +12,8 @@ record is dead-lettered as `RetriesExhausted`, which names the last error.
 
 from __future__ import annotations
 
-import asyncio
 import enum
 from typing import ClassVar, Final
-
-import grpc  # type: ignore[import-untyped, unused-ignore]
 
 __all__ = [
     "ERROR_CODES",
@@ -39,9 +36,6 @@ __all__ = [
     "TritonUnavailable",
     "WorkerError",
     "WriteFailed",
-    "from_exception",
-    "from_grpc",
-    "from_stream_error",
 ]
 
 
@@ -158,164 +152,11 @@ class ModelNotReady(WorkerError):
     retryable = True
 
 
-ERROR_CODES: Final[tuple[str, ...]] = (
-    DecodeError.code,
-    InvalidRequest.code,
-    ModelNotFound.code,
-    TooLarge.code,
-    InferenceError.code,
-    RetriesExhausted.code,
-    OutputTooLarge.code,
-    Forbidden.code,
-    InternalError.code,
+ERROR_CODES: Final[tuple[str, ...]] = tuple(
+    cls.code for cls in WorkerError.__subclasses__() if not cls.retryable
 )
-"""The codes a dead letter can carry (retryable errors end as RETRIES_EXHAUSTED)."""
-
-
-# Texts produced by tritonserver (core 2.4x-2.5x). Triton reports errors on a
-# ModelStreamInfer stream as plain text without a status code, so the text is
-# all there is to go by. Matching is on lower-cased substrings; anything not
-# recognised is treated as a permanent inference error.
-#
-# A backend's report of an exception raised by the model itself; checked first
-# so that words inside the model's own message cannot make it look transient.
-_MODEL_RAISED_TEXTS: Final = ("failed to process the request(s) for model",)
-_OVERLOADED_TEXTS: Final = ("exceeds maximum queue size",)
-_TIMEOUT_TEXTS: Final = ("request timeout expired",)
-_NOT_READY_TEXTS: Final = (
-    "is not at ready state",
-    "has no available versions",
-    "is not ready",
-)
-_NOT_FOUND_TEXTS: Final = ("request for unknown model",)
-_UNAVAILABLE_TEXTS: Final = (
-    "server is stopping",
-    "server is not ready",
-    "server not ready",
-    "stream removed",
-    "connection reset",
-    "socket closed",
-)
-_INVALID_TEXTS: Final = (
-    "unexpected shape for input",
-    "unexpected inference input",
-    "unexpected inference output",
-    "but missing required input",
-    "inputs but got",
-    "data-type is",
-    "input byte size mismatch",
-    "batch-size must be <=",
-    "unexpected number of string elements",
-    "unexpected explicit tensor data",
-)
-_SENT_TOO_LARGE_TEXTS: Final = ("sent message larger than max",)
-_RECEIVED_TOO_LARGE_TEXTS: Final = ("received message larger than max",)
-
-
-def _contains(text: str, needles: tuple[str, ...]) -> bool:
-    return any(needle in text for needle in needles)
-
-
-def from_stream_error(message: str) -> WorkerError:
-    """Map the `error_message` of a ModelStreamInferResponse to a WorkerError."""
-    text = message.lower()
-    detail = f"Triton: {message}"
-    if _contains(text, _MODEL_RAISED_TEXTS):
-        return InferenceError(detail)
-    if _contains(text, _OVERLOADED_TEXTS):
-        return TritonOverloaded(detail)
-    if _contains(text, _TIMEOUT_TEXTS):
-        return TritonTimeout(detail)
-    # "Request for unknown model: 'm' version 2 is not at ready state" is a
-    # model that exists but is (un)loading: retry. Other unknown-model texts
-    # ("... is not found", "... version 3 is not found") are permanent.
-    if _contains(text, _UNAVAILABLE_TEXTS):
-        return TritonUnavailable(detail)
-    if _contains(text, _NOT_READY_TEXTS):
-        return ModelNotReady(detail)
-    if _contains(text, _NOT_FOUND_TEXTS):
-        return ModelNotFound(detail)
-    if _contains(text, _SENT_TOO_LARGE_TEXTS):
-        return TooLarge(detail)
-    if _contains(text, _RECEIVED_TOO_LARGE_TEXTS):
-        return OutputTooLarge(detail)
-    if _contains(text, _INVALID_TEXTS):
-        return InvalidRequest(detail)
-    return InferenceError(detail)
-
-
-def from_grpc(status_code: grpc.StatusCode | None, message: str) -> WorkerError:
-    """Map a gRPC status (None: the call or stream failed without one)."""
-    detail = f"Triton gRPC {status_code.name if status_code else 'error'}: {message}"
-    text = message.lower()
-    if status_code is None:
-        return TritonUnavailable(detail)
-    if status_code == grpc.StatusCode.UNAVAILABLE:
-        # Triton uses UNAVAILABLE for full queues, queue timeouts and models
-        # not ready as well as for a server that cannot be reached.
-        if _contains(text, _OVERLOADED_TEXTS):
-            return TritonOverloaded(detail)
-        if _contains(text, _TIMEOUT_TEXTS):
-            return TritonTimeout(detail)
-        if _contains(text, _NOT_READY_TEXTS):
-            return ModelNotReady(detail)
-        if _contains(text, _NOT_FOUND_TEXTS):
-            return ModelNotFound(detail)
-        return TritonUnavailable(detail)
-    if status_code == grpc.StatusCode.DEADLINE_EXCEEDED:
-        return TritonTimeout(detail)
-    if status_code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        # gRPC also uses RESOURCE_EXHAUSTED for messages over the size limit,
-        # which no retry can fix.
-        if _contains(text, _SENT_TOO_LARGE_TEXTS):
-            return TooLarge(detail)
-        if _contains(text, _RECEIVED_TOO_LARGE_TEXTS):
-            return OutputTooLarge(detail)
-        return TritonOverloaded(detail)
-    if status_code in (grpc.StatusCode.CANCELLED, grpc.StatusCode.ABORTED):
-        return TritonUnavailable(detail)
-    if status_code == grpc.StatusCode.UNKNOWN and _contains(text, _UNAVAILABLE_TEXTS):
-        return TritonUnavailable(detail)
-    if status_code == grpc.StatusCode.NOT_FOUND:
-        if _contains(text, _NOT_READY_TEXTS):
-            return ModelNotReady(detail)
-        return ModelNotFound(detail)
-    if status_code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE):
-        return InvalidRequest(detail)
-    if status_code in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED):
-        return Forbidden(detail)
-    return InferenceError(detail)
-
-
-def _status_code_named(name: str | None) -> grpc.StatusCode | None:
-    # tritonclient reports statuses as text such as "StatusCode.UNAVAILABLE".
-    if not name:
-        return None
-    member = name.rsplit(".", 1)[-1]
-    code: grpc.StatusCode | None = getattr(grpc.StatusCode, member, None)
-    return code
-
-
-def from_exception(exc: BaseException) -> WorkerError:
-    """Map an exception raised by the gRPC or tritonclient stack to a WorkerError."""
-    if isinstance(exc, WorkerError):
-        return exc
-    if isinstance(exc, grpc.RpcError):
-        code_fn = getattr(exc, "code", None)
-        details_fn = getattr(exc, "details", None)
-        status_code = code_fn() if callable(code_fn) else None
-        details = details_fn() if callable(details_fn) else None
-        return from_grpc(status_code, str(details or exc))
-    status_fn = getattr(exc, "status", None)
-    message_fn = getattr(exc, "message", None)
-    if callable(status_fn) and callable(message_fn):
-        # tritonclient.utils.InferenceServerException
-        return from_grpc(_status_code_named(status_fn()), str(message_fn() or exc))
-    if isinstance(exc, (TimeoutError, asyncio.TimeoutError)):
-        return TritonTimeout(f"timed out: {exc}" if str(exc) else "timed out")
-    if isinstance(exc, (ConnectionError, OSError, EOFError)):
-        return TritonUnavailable(f"{type(exc).__name__}: {exc}")
-    return InferenceError(f"{type(exc).__name__}: {exc}")
+"""The codes a dead letter can carry, in the order the classes are declared (retryable
+errors end as RETRIES_EXHAUSTED)."""
 
 
 class ExitCode(enum.IntEnum):

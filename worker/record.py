@@ -9,7 +9,6 @@ caller marks the record done only then.
 from __future__ import annotations
 
 import asyncio
-import random
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -19,18 +18,17 @@ from typing import Any, Protocol, TypeVar
 import structlog
 from aiokafka.structs import ConsumerRecord
 
-from worker import errors
+from worker import errors, wire
 from worker.audit import Audit
 from worker.flow.breaker import CircuitBreaker
 from worker.flow.holds import ModelGate
 from worker.flow.limiter import AdaptiveLimiter
-from worker.kafka.options import check_model_allowed
-from worker.kafka.publisher import Headers
-from worker.observability.metrics import Metrics
+from worker.flow.retry import Backoff, Budget, RetryPolicy
+from worker.observability import Metrics
 from worker.settings import Settings
 from worker.triton.batching import MicroBatcher
 from worker.triton.pool import TritonPool
-from worker.wire import codec
+from worker.wire import Headers, Source
 from worker.wire.validation import ModelSpec, check_request
 
 log = structlog.get_logger(__name__)
@@ -38,15 +36,46 @@ log = structlog.get_logger(__name__)
 _T = TypeVar("_T")
 
 
-@dataclass(slots=True)
-class _Budget:
-    """One monotonic deadline per record, shared by all its retries."""
+Allowlist = tuple[tuple[str, tuple[str, ...]], ...]
 
-    deadline: float
-    failures: int = 0
 
-    def remaining_s(self) -> float:
-        return self.deadline - time.monotonic()
+@dataclass(frozen=True, slots=True)
+class RecordRules:
+    """What the settings say about handling one record."""
+
+    limits: wire.DecodeLimits
+    default_model: str | None
+    max_output_bytes: int
+    allowlist: Allowlist  # (topic, models) rules; "*" allows every model
+    group_id: str
+    retry: RetryPolicy
+    max_consecutive_internal_errors: int
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> RecordRules:
+        limits, retry = settings.limits, settings.retry
+        return cls(
+            limits=wire.DecodeLimits(
+                limits.max_request_bytes, limits.max_tensor_elements, limits.max_tensor_bytes
+            ),
+            default_model=limits.default_model,
+            max_output_bytes=limits.max_output_bytes,
+            allowlist=limits.model_allowlist,
+            group_id=settings.kafka.group_id,
+            retry=RetryPolicy(
+                max_attempts=retry.max_attempts,
+                backoff=Backoff(retry.retry_backoff_ms / 1000, retry.retry_backoff_max_ms / 1000),
+                record_deadline_s=retry.record_deadline_ms / 1000,
+                try_timeout_s=settings.triton.request_timeout_ms / 1000,
+            ),
+            max_consecutive_internal_errors=retry.max_consecutive_internal_errors,
+        )
+
+    def check_model_allowed(self, topic: str, model: str) -> None:
+        """Raise Forbidden when the input topic may not use ``model``."""
+        for rule_topic, models in self.allowlist:
+            if rule_topic == topic and "*" not in models and model not in models:
+                raise errors.Forbidden(f"model {model!r} is not allowed for topic {topic!r}")
 
 
 @dataclass(slots=True)
@@ -54,8 +83,9 @@ class Outcome:
     """How a record ends: a result value with its headers, or an error for a dead letter."""
 
     record: ConsumerRecord[bytes, bytes]
+    source: Source
     started: float
-    request: codec.DecodedRequest | None = None
+    request: wire.DecodedRequest | None = None
     value: bytes | None = None
     headers: list[tuple[str, bytes | None]] = field(default_factory=list)
     error: errors.WorkerError | None = None
@@ -104,17 +134,18 @@ class RecordHandler:
 
     def __init__(
         self,
-        settings: Settings,
+        rules: RecordRules,
+        *,
         pool: TritonPool,
+        batcher: MicroBatcher,
         sink: Sink,
         metrics: Metrics,
         audit: Audit,
         breaker: CircuitBreaker,
-        batcher: MicroBatcher,
         limiter: AdaptiveLimiter | None = None,
         models: ModelGate | None = None,
     ) -> None:
-        self._settings = settings
+        self._rules = rules
         self._pool = pool
         self._sink = sink
         self._metrics = metrics
@@ -123,7 +154,7 @@ class RecordHandler:
         self._batcher = batcher
         self._limiter = limiter
         self._models = models
-        self._guard = _InternalErrorGuard(settings.retry.max_consecutive_internal_errors)
+        self._guard = _InternalErrorGuard(rules.max_consecutive_internal_errors)
         # Per-model metric children: labels() is a locked dict lookup, too dear per record.
         self._model_metrics: dict[str, tuple[Any, Any]] = {}
 
@@ -133,8 +164,8 @@ class RecordHandler:
         Never raises for the record's sake: a bug met on the way (any unexpected
         exception) makes the record an INTERNAL_ERROR dead letter.
         """
-        outcome = Outcome(record, time.monotonic())
-        budget = _Budget(outcome.started + self._settings.retry.record_deadline_ms / 1000)
+        outcome = Outcome(record, Source.of(record), time.monotonic())
+        budget = Budget(outcome.started + self._rules.retry.record_deadline_s)
         try:
             await self._evaluate(outcome, budget)
         except errors.WorkerError as error:
@@ -147,26 +178,19 @@ class RecordHandler:
             self._internal(outcome, exc, budget.failures + 1)
         return outcome
 
-    async def _evaluate(self, outcome: Outcome, budget: _Budget) -> None:
+    async def _evaluate(self, outcome: Outcome, budget: Budget) -> None:
         record = outcome.record
         if record.value is None and record.key is None:
             raise errors.DecodeError(
                 "record has neither key nor value (both null); expected an inference request"
             )
-        request = codec.decode_request(
-            record.value,
-            record.headers,
-            topic=record.topic,
-            partition=record.partition,
-            offset=record.offset,
-            default_model=self._settings.limits.default_model,
-            max_request_bytes=self._settings.limits.max_request_bytes,
-            max_tensor_elements=self._settings.limits.max_tensor_elements,
-            max_tensor_bytes=self._settings.limits.max_tensor_bytes,
+        rules = self._rules
+        request = wire.decode_request(
+            record.value, record.headers, outcome.source, rules.limits, rules.default_model
         )
         outcome.request = request
         structlog.contextvars.bind_contextvars(request_id=request.request_id)
-        check_model_allowed(self._settings, record.topic, request.model_name)
+        rules.check_model_allowed(record.topic, request.model_name)
         spec = await self._retrying(
             request,
             budget,
@@ -175,16 +199,14 @@ class RecordHandler:
         check_request(spec, request)
         response = await self._infer(request, spec, budget)
         outcome.served_version = response.model_version
-        outcome.value, encoding_headers = codec.encode_result(
-            request, response, max_result_bytes=self._settings.limits.max_output_bytes
+        outcome.value, encoding_headers = wire.encode_result(
+            request, response, max_result_bytes=rules.max_output_bytes
         )
-        outcome.headers = codec.result_headers(
+        outcome.headers = wire.result_headers(
             record.headers,
             request,
             encoding_headers,
-            topic=record.topic,
-            partition=record.partition,
-            offset=record.offset,
+            outcome.source,
             served_model_version=response.model_version,
         )
 
@@ -208,15 +230,12 @@ class RecordHandler:
     def _fail(self, outcome: Outcome, error: errors.WorkerError, attempts: int) -> None:
         record = outcome.record
         outcome.error, outcome.value = error, None
-        outcome.headers = codec.dead_letter_headers(
+        outcome.headers = wire.dead_letter_headers(
             record.headers,
             error,
+            outcome.source,
             attempts=attempts,
-            topic=record.topic,
-            partition=record.partition,
-            offset=record.offset,
-            timestamp_ms=record.timestamp,
-            group_id=self._settings.kafka.group_id,
+            group_id=self._rules.group_id,
             failed_at=datetime.now(UTC),
         )
         log.warning("dead_letter", code=error.code, error=error.message, attempts=attempts)
@@ -273,15 +292,12 @@ class RecordHandler:
             # The record's own headers may be what broke it: leave them out.
             error = errors.InternalError.wrapping(exc)
             outcome.error = error
-            outcome.headers = codec.dead_letter_headers(
+            outcome.headers = wire.dead_letter_headers(
                 (),
                 error,
+                outcome.source,
                 attempts=1,
-                topic=record.topic,
-                partition=record.partition,
-                offset=record.offset,
-                timestamp_ms=record.timestamp,
-                group_id=self._settings.kafka.group_id,
+                group_id=self._rules.group_id,
                 failed_at=datetime.now(UTC),
             )
         try:
@@ -290,8 +306,7 @@ class RecordHandler:
             raise
         except Exception as exc:
             raise errors.WriteFailed(
-                f"dead letter of {record.topic}-{record.partition}@{record.offset} cannot be "
-                f"written: {type(exc).__name__}: {exc}"
+                f"dead letter of {outcome.source} cannot be written: {type(exc).__name__}: {exc}"
             ) from exc
 
     def _metrics_for(self, model_name: str) -> tuple[Any, Any]:
@@ -306,9 +321,9 @@ class RecordHandler:
             self._model_metrics[model_name] = children
         return children
 
-    async def _infer(self, request: codec.DecodedRequest, spec: ModelSpec, budget: _Budget) -> Any:
+    async def _infer(self, request: wire.DecodedRequest, spec: ModelSpec, budget: Budget) -> Any:
         latency = self._metrics_for(request.model_name)[1]
-        try_timeout_s = self._settings.triton.request_timeout_ms / 1000
+        try_timeout_s = self._rules.retry.try_timeout_s
 
         async def once(timeout_s: float) -> Any:
             started = time.monotonic()
@@ -326,7 +341,7 @@ class RecordHandler:
 
         return await self._retrying(request, budget, once)
 
-    async def _held(self, request: codec.DecodedRequest, error: errors.WorkerError) -> bool:
+    async def _held(self, request: wire.DecodedRequest, error: errors.WorkerError) -> bool:
         """True when ``error`` means the model is being (re)loaded: the record should wait."""
         if self._models is None or not isinstance(
             error, (errors.ModelNotReady, errors.ModelNotFound)
@@ -336,8 +351,8 @@ class RecordHandler:
 
     async def _retrying(
         self,
-        request: codec.DecodedRequest,
-        budget: _Budget,
+        request: wire.DecodedRequest,
+        budget: Budget,
         call: Callable[[float], Awaitable[_T]],
     ) -> _T:
         """Call with the remaining time; retry retryable failures with full-jitter backoff.
@@ -348,11 +363,11 @@ class RecordHandler:
         being (re)loaded is an outage of that model: the record waits for it
         the same way (see ModelGate).
         """
-        models = self._models
+        models, policy = self._models, self._rules.retry
         while True:
             model = (request.model_name, request.model_version)
             if models is not None and models.is_held(*model):
-                budget.deadline += await models.wait_ready(*model)
+                budget.pause(await models.wait_ready(*model))
             try:
                 result = await call(max(0.001, budget.remaining_s()))
             except errors.WorkerError as error:
@@ -363,26 +378,17 @@ class RecordHandler:
                 if isinstance(error, errors.TritonUnavailable):
                     self._breaker.record_failure()
                     if self._breaker.is_open:
-                        budget.deadline += await self._breaker.wait_closed()
+                        budget.pause(await self._breaker.wait_closed())
                         continue
                     if budget.remaining_s() <= 0:
                         raise errors.RetriesExhausted.after(error, budget.failures + 1) from error
+                    # An outage is not a try: wait as after a first failure.
                     self._metrics.retries_total.labels(reason=error.code).inc()
-                    await asyncio.sleep(
-                        random.uniform(0, self._settings.retry.retry_backoff_ms / 1000)
-                    )
+                    await asyncio.sleep(policy.backoff.delay_s(1))
                     continue
                 budget.failures += 1
-                settings = self._settings
-                cap_s = min(
-                    settings.retry.retry_backoff_max_ms,
-                    settings.retry.retry_backoff_ms * 2**budget.failures,
-                )
-                backoff_s = random.uniform(0, cap_s / 1000)
-                if (
-                    budget.failures >= settings.retry.max_attempts
-                    or backoff_s >= budget.remaining_s()
-                ):
+                backoff_s = policy.backoff.delay_s(budget.failures)
+                if budget.failures >= policy.max_attempts or backoff_s >= budget.remaining_s():
                     raise errors.RetriesExhausted.after(error, budget.failures) from error
                 self._metrics.retries_total.labels(reason=error.code).inc()
                 await asyncio.sleep(backoff_s)

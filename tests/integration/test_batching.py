@@ -10,16 +10,15 @@ import pytest
 
 from devtools.samples import Tensor
 from tests.support import decode_sample, mlp_reference
-from worker import errors
+from worker import errors, wire
 from worker.triton.batching import MicroBatcher
 from worker.triton.pool import TritonPool
-from worker.wire import codec
 from worker.wire.tensors import deserialize_bytes_tensor, raw_to_numpy, serialize_bytes_tensor
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
 
-def floats(model: str, rows: np.ndarray[Any, Any], rid: str) -> codec.DecodedRequest:
+def floats(model: str, rows: np.ndarray[Any, Any], rid: str) -> wire.DecodedRequest:
     return decode_sample(model, [Tensor("INPUT0", "FP32", rows.shape, rows)], rid)
 
 

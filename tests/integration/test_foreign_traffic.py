@@ -30,7 +30,7 @@ from confluent_kafka import Consumer, KafkaError, Message, Producer
 from devtools.samples import ENCODINGS, Tensor, double_inputs, encode_request, mlp_inputs
 from tests.support import Topics, mlp_reference, result_outputs, running_worker, settings_for
 from worker.app import Worker
-from worker.wire.codec import header_value
+from worker.wire import header_value
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 

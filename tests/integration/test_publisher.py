@@ -12,7 +12,7 @@ from aiokafka.structs import ConsumerRecord, TopicPartition
 from tests.support import Topics
 from worker import errors
 from worker.kafka.publisher import Publisher
-from worker.wire.codec import header_value
+from worker.wire import header_value
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 

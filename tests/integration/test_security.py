@@ -35,8 +35,8 @@ from tests.support import (
     spawn_worker,
     worker_env,
 )
-from worker.kafka.options import TritonAuth, triton_client_kwargs
 from worker.settings import load_settings
+from worker.triton.auth import TritonAuth, triton_client_kwargs
 from worker.triton.pool import TritonPool
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
@@ -277,8 +277,8 @@ async def test_rotated_token_file_is_used_without_restart(
     pool = TritonPool(
         settings.triton.triton_url,
         1,
-        client_kwargs=triton_client_kwargs(settings),
-        auth=TritonAuth(settings),
+        client_kwargs=triton_client_kwargs(settings.triton),
+        auth=TritonAuth(settings.triton),
     )
     await pool.start()
     try:

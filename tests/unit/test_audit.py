@@ -15,7 +15,7 @@ from aiokafka.errors import KafkaTimeoutError
 from aiokafka.structs import ConsumerRecord
 
 from worker.audit import AUDIT_LOGGER, Audit, AuditWriteFailed, audit_record
-from worker.observability.metrics import configure_logging, reset_logging
+from worker.observability import configure_logging, reset_logging
 from worker.settings import Settings, load_settings
 
 pytestmark = pytest.mark.unit

@@ -17,9 +17,8 @@ from tritonclient.grpc import service_pb2
 
 from devtools.samples import Tensor
 from tests.support import decode_sample
-from worker import errors
+from worker import errors, wire
 from worker.triton.batching import MicroBatcher, _merge, _split, batchable
-from worker.wire import codec
 from worker.wire.tensors import deserialize_bytes_tensor, serialize_bytes_tensor
 from worker.wire.validation import ModelSpec, TensorSpec
 
@@ -41,16 +40,16 @@ TEXT_SPEC = ModelSpec(
 )
 
 
-def decoded(tensors: list[Tensor], model: str = "m", rid: str = "r") -> codec.DecodedRequest:
+def decoded(tensors: list[Tensor], model: str = "m", rid: str = "r") -> wire.DecodedRequest:
     return decode_sample(model, tensors, rid)
 
 
-def floats(rows: int, width: int = 4, start: float = 0.0) -> codec.DecodedRequest:
+def floats(rows: int, width: int = 4, start: float = 0.0) -> wire.DecodedRequest:
     values = (np.arange(rows * width, dtype=np.float32) + start).reshape(rows, width)
     return decoded([Tensor("INPUT0", "FP32", (rows, width), values)], rid=f"f{start}")
 
 
-def texts(words: list[str]) -> codec.DecodedRequest:
+def texts(words: list[str]) -> wire.DecodedRequest:
     return decoded([Tensor("TEXT", "BYTES", (len(words), 1), words)], model="t")
 
 

@@ -13,6 +13,7 @@ import orjson
 import pytest
 from tritonclient.grpc import service_pb2
 
+from worker import wire
 from worker.errors import (
     DecodeError,
     InferenceError,
@@ -24,8 +25,7 @@ from worker.errors import (
     TritonUnavailable,
     WorkerError,
 )
-from worker.wire import codec, tensors
-from worker.wire.codec import DecodedRequest, Headers, decode_request, encode_result
+from worker.wire import DecodedRequest, Headers, decode_request, encode_result, tensors
 from worker.wire.messages import DATATYPE_NAMES
 
 pytestmark = pytest.mark.unit
@@ -59,15 +59,9 @@ def raw_of(datatype: str, values: list[Any]) -> bytes:
 
 def decode(value: bytes | None, headers: Headers = (), **overrides: Any) -> DecodedRequest:
     """decode_request with test defaults for the record coordinates and limits."""
-    options: dict[str, Any] = {
-        "topic": "requests",
-        "partition": 3,
-        "offset": 42,
-        "default_model": "default-model",
-        "max_request_bytes": 1 << 20,
-    }
-    options.update(overrides)
-    return decode_request(value, headers, **options)
+    limits = wire.DecodeLimits(overrides.pop("max_request_bytes", 1 << 20))
+    options: dict[str, Any] = {"default_model": "default-model", **overrides}
+    return decode_request(value, headers, wire.Source("requests", 3, 42), limits, **options)
 
 
 def json_request(**fields: Any) -> bytes:
@@ -593,13 +587,11 @@ def test_result_headers_pass_through_and_replace() -> None:
         ("x-model-name", b"old"),
     ]
     request = decode(value, original)
-    built = codec.result_headers(
+    built = wire.result_headers(
         original,
         request,
         [("content-type", b"application/json")],
-        topic="requests",
-        partition=3,
-        offset=42,
+        source=wire.Source("requests", 3, 42),
         served_model_version="7",
     )
     assert built == [
@@ -620,14 +612,11 @@ def test_dead_letter_headers_complete_and_after_originals() -> None:
     """Original headers come first; every dead-letter header follows with its value."""
     original = [("trace", b"1"), ("x-error-code", b"STALE"), ("content-type", b"application/json")]
     failed_at = datetime(2024, 5, 1, 12, 0, 0, 123456, tzinfo=timezone(timedelta(hours=2)))
-    built = codec.dead_letter_headers(
+    built = wire.dead_letter_headers(
         original,
         RetriesExhausted.after(TritonUnavailable("stream broke"), 4),
         attempts=4,
-        topic="requests",
-        partition=3,
-        offset=42,
-        timestamp_ms=1714557600000,
+        source=wire.Source("requests", 3, 42, 1714557600000),
         group_id="workers",
         failed_at=failed_at,
     )
@@ -648,14 +637,11 @@ def test_dead_letter_headers_complete_and_after_originals() -> None:
 
 def test_dead_letter_message_truncated_on_utf8_boundary() -> None:
     """A long multi-byte message is cut to at most 1 KiB of valid UTF-8 ending in '...'."""
-    built = codec.dead_letter_headers(
+    built = wire.dead_letter_headers(
         [],
         InvalidRequest("é" * 1000),
         attempts=0,
-        topic="t",
-        partition=0,
-        offset=0,
-        timestamp_ms=0,
+        source=wire.Source("t", 0, 0, 0),
         group_id="g",
         failed_at=datetime(2024, 1, 1, tzinfo=UTC),
     )
@@ -670,14 +656,11 @@ def test_dead_letter_message_truncated_on_utf8_boundary() -> None:
 
 def test_retryable_error_in_a_dead_letter_becomes_retries_exhausted() -> None:
     """x-error-code is always a dead-letter code, even if a retryable error arrives."""
-    built = codec.dead_letter_headers(
+    built = wire.dead_letter_headers(
         [],
         TritonUnavailable("connection refused"),
         attempts=2,
-        topic="t",
-        partition=0,
-        offset=0,
-        timestamp_ms=0,
+        source=wire.Source("t", 0, 0, 0),
         group_id="g",
         failed_at=datetime(2024, 1, 1, tzinfo=UTC),
     )

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import yaml
 
-from worker.observability.metrics import METRICS_SPEC
+from worker.observability import METRICS_SPEC
 from worker.settings import ENV_PREFIX, load_settings, settings_env_names
 
 pytestmark = pytest.mark.unit

@@ -7,6 +7,7 @@ import pytest
 from tritonclient.utils import InferenceServerException
 
 from worker import errors
+from worker.triton import errors as triton_errors
 
 pytestmark = pytest.mark.unit
 
@@ -132,7 +133,7 @@ def test_from_grpc(
     code: grpc.StatusCode | None, message: str, expected: type[errors.WorkerError]
 ) -> None:
     """gRPC statuses map to the error class that decides retrying."""
-    error = errors.from_grpc(code, message)
+    error = triton_errors.from_grpc(code, message)
     assert type(error) is expected
     assert message in error.message
 
@@ -180,23 +181,18 @@ def test_from_grpc(
 )
 def test_from_stream_error(text: str, expected: type[errors.WorkerError]) -> None:
     """Texts Triton puts in a stream response's error_message map conservatively."""
-    error = errors.from_stream_error(text)
+    error = triton_errors.from_stream_error(text)
     assert type(error) is expected
     assert error.message == f"Triton: {text}"
 
 
-def test_from_exception_covers_the_client_stack() -> None:
-    """gRPC, tritonclient, timeout and connection exceptions map to the taxonomy."""
-    rpc = grpc.aio.AioRpcError(
-        grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), "socket closed"
+def test_client_errors_map_by_their_status_text() -> None:
+    """tritonclient reports statuses as text ("StatusCode.NOT_FOUND"); they map like gRPC's."""
+    missing = InferenceServerException("unknown model", status="StatusCode.NOT_FOUND")
+    assert type(triton_errors.from_client_error(missing, "model 'm'")) is errors.ModelNotFound
+    down = InferenceServerException("failed to connect", status="StatusCode.UNAVAILABLE")
+    error = triton_errors.from_client_error(down, "model 'm'")
+    assert type(error) is errors.TritonUnavailable and "model 'm'" in error.message
+    assert type(triton_errors.from_client_error(InferenceServerException("?"), "x")) is (
+        errors.TritonUnavailable
     )
-    assert type(errors.from_exception(rpc)) is errors.TritonUnavailable
-    client = InferenceServerException(
-        "Request for unknown model: 'x' is not found", "StatusCode.NOT_FOUND"
-    )
-    assert type(errors.from_exception(client)) is errors.ModelNotFound
-    assert type(errors.from_exception(TimeoutError())) is errors.TritonTimeout
-    assert type(errors.from_exception(ConnectionResetError("reset"))) is errors.TritonUnavailable
-    assert type(errors.from_exception(ValueError("odd"))) is errors.InferenceError
-    own = errors.TooLarge("big")
-    assert errors.from_exception(own) is own

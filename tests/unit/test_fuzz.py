@@ -15,8 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from devtools.samples import encode_request, mlp_inputs
-from worker import errors
-from worker.wire import codec
+from worker import errors, wire
 from worker.wire.validation import ModelSpec, TensorSpec, check_request
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(600)]
@@ -49,16 +48,12 @@ SPEC = ModelSpec(
 def _decode(value: bytes | None, headers: list[tuple[str, bytes]]) -> None:
     """The property: a DecodedRequest, or a WorkerError with a code and a message."""
     try:
-        request = codec.decode_request(
+        request = wire.decode_request(
             value,
             headers,
-            topic="t",
-            partition=0,
-            offset=7,
+            source=wire.Source("t", 0, 7),
             default_model="double",
-            max_request_bytes=1 << 16,
-            max_tensor_elements=1 << 14,
-            max_tensor_bytes=1 << 16,
+            limits=wire.DecodeLimits(1 << 16, 1 << 14, 1 << 16),
         )
     except errors.WorkerError as error:
         assert error.code in errors.ERROR_CODES

@@ -22,8 +22,8 @@ from worker import errors
 from worker.audit import Audit
 from worker.flow.breaker import CircuitBreaker
 from worker.flow.holds import ModelGate
-from worker.observability.metrics import Metrics
-from worker.record import RecordHandler
+from worker.observability import Metrics
+from worker.record import RecordHandler, RecordRules
 from worker.settings import Settings, load_settings
 from worker.wire.validation import ModelSpec, TensorSpec
 
@@ -130,15 +130,14 @@ def handler(
     s = s or settings()
     metrics = Metrics(version="test")
     built = RecordHandler(
-        s,
-        triton,  # type: ignore[arg-type]
-        sink,
-        metrics,
-        Audit(s, send=None),  # type: ignore[arg-type]
-        CircuitBreaker(5),
-        triton,  # type: ignore[arg-type]
-        None,
-        gate,
+        RecordRules.from_settings(s),
+        pool=triton,  # type: ignore[arg-type]
+        batcher=triton,  # type: ignore[arg-type]
+        sink=sink,
+        metrics=metrics,
+        audit=Audit(s, send=None),  # type: ignore[arg-type]
+        breaker=CircuitBreaker(5),
+        models=gate,
     )
     return built, metrics
 

@@ -13,7 +13,7 @@ import prometheus_client
 import pytest
 import structlog
 
-from worker.observability.metrics import (
+from worker.observability import (
     MAX_MODEL_LABELS,
     METRICS_SPEC,
     HealthServer,

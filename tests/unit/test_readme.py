@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from worker.observability.metrics import metrics_reference_markdown
+from worker.observability import metrics_reference_markdown
 from worker.settings import reference_table_markdown
 
 pytestmark = pytest.mark.unit

@@ -14,8 +14,9 @@ import pytest
 from tritonclient.grpc import service_pb2
 
 from devtools.schemas import default_schema_dir, render_schema, write_schemas
+from worker import wire
 from worker.errors import DecodeError, InvalidRequest, WorkerError
-from worker.wire import codec, tensors
+from worker.wire import tensors
 from worker.wire.messages import DATATYPE_NAMES, generate_schemas
 
 pytestmark = pytest.mark.unit
@@ -30,16 +31,14 @@ def validator(name: str) -> jsonschema.Draft202012Validator:
     return jsonschema.Draft202012Validator(schema)
 
 
-def decode(value: bytes, headers: codec.Headers = ()) -> codec.DecodedRequest:
+def decode(value: bytes, headers: wire.Headers = ()) -> wire.DecodedRequest:
     """Decode with a default model and a generous limit."""
-    return codec.decode_request(
+    return wire.decode_request(
         value,
         headers,
-        topic="t",
-        partition=0,
-        offset=1,
+        source=wire.Source("t", 0, 1),
         default_model="m",
-        max_request_bytes=1 << 20,
+        limits=wire.DecodeLimits(1 << 20),
     )
 
 
@@ -138,7 +137,7 @@ def test_json_results_match_result_schema(datatype: str) -> None:
         assert dtype is not None
         raw = np.ones(2, dtype=dtype).tobytes()
     request = decode(b'{"inputs": [{"name": "X", "shape": [1], "datatype": "FP32", "data": [1]}]}')
-    value, _ = codec.encode_result(request, response_for(datatype, raw, 2))
+    value, _ = wire.encode_result(request, response_for(datatype, raw, 2))
     validator("result.schema.json").validate(orjson.loads(value))
 
 
@@ -152,7 +151,7 @@ def test_binary_result_header_matches_result_schema() -> None:
         ("inference-header-content-length", str(len(head)).encode()),
     ]
     request = decode(head + b"\x00\x00\x80?", headers)
-    value, result_headers = codec.encode_result(request, response_for("FP32", b"\x00\x00\x80?", 1))
+    value, result_headers = wire.encode_result(request, response_for("FP32", b"\x00\x00\x80?", 1))
     length = int(dict(result_headers)["inference-header-content-length"])
     validator("result.schema.json").validate(orjson.loads(value[:length]))
 
@@ -160,14 +159,11 @@ def test_binary_result_header_matches_result_schema() -> None:
 @pytest.mark.parametrize("error", [InvalidRequest("x" * 5000), DecodeError("bad")])
 def test_dead_letter_headers_match_schema(error: WorkerError) -> None:
     """Dead-letter headers, read as UTF-8 strings, validate against dead-letter.schema.json."""
-    built = codec.dead_letter_headers(
+    built = wire.dead_letter_headers(
         [("trace", b"1")],
         error,
         attempts=0,
-        topic="t",
-        partition=2,
-        offset=9,
-        timestamp_ms=1714557600000,
+        source=wire.Source("t", 2, 9, 1714557600000),
         group_id="g",
         failed_at=datetime(2024, 5, 1, tzinfo=UTC),
     )

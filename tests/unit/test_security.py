@@ -14,17 +14,12 @@ import pytest
 from tritonclient.grpc import service_pb2
 
 from devtools.devstack.certs import LocalPki, make_pki
-from worker import errors
+from worker import errors, wire
 from worker.checks.startup import StartupCheckFailed, _raise_if_fatal, _scrub
-from worker.kafka.options import (
-    OAuthTokenProvider,
-    TritonAuth,
-    check_model_allowed,
-    kafka_client_kwargs,
-    triton_client_kwargs,
-)
+from worker.kafka.options import OAuthTokenProvider, kafka_client_kwargs
+from worker.record import RecordRules
 from worker.settings import ConfigError, KafkaAuthSettings, Settings, load_settings
-from worker.wire import codec
+from worker.triton.auth import TritonAuth, triton_client_kwargs
 
 pytestmark = pytest.mark.unit
 
@@ -51,7 +46,7 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> LocalPki:
 
 def test_plaintext_gives_only_the_protocol() -> None:
     """The default configuration adds nothing but security_protocol=PLAINTEXT."""
-    assert kafka_client_kwargs(settings()) == {"security_protocol": "PLAINTEXT"}
+    assert kafka_client_kwargs(settings().kafka_auth) == {"security_protocol": "PLAINTEXT"}
 
 
 def test_sasl_ssl_scram_reads_the_password_file_and_builds_a_tls_context(
@@ -69,7 +64,7 @@ def test_sasl_ssl_scram_reads_the_password_file_and_builds_a_tls_context(
             ssl_cafile=str(pki.ca_cert),
             ssl_certfile=str(pki.client.cert),
             ssl_keyfile=str(pki.client.key),
-        )
+        ).kafka_auth
     )
     assert kwargs["sasl_mechanism"] == "SCRAM-SHA-256"
     assert (kwargs["sasl_plain_username"], kwargs["sasl_plain_password"]) == ("alice", PASSWORD)
@@ -97,7 +92,9 @@ def test_missing_credentials_name_the_setting_and_never_the_password(
 ) -> None:
     """A missing user, password, password file or CA file: ConfigError naming it, no secret."""
     with pytest.raises(ConfigError) as caught:
-        kafka_client_kwargs(settings(security_protocol="SASL_SSL", sasl_mechanism="PLAIN", **extra))
+        kafka_client_kwargs(
+            settings(security_protocol="SASL_SSL", sasl_mechanism="PLAIN", **extra).kafka_auth
+        )
     assert caught.value.setting == setting
     assert PASSWORD not in str(caught.value)
 
@@ -105,7 +102,7 @@ def test_missing_credentials_name_the_setting_and_never_the_password(
 def test_ca_file_without_tls_protocol_is_refused(pki: LocalPki) -> None:
     """A CA file with PLAINTEXT would be silently ignored: it is an error instead."""
     with pytest.raises(ConfigError, match="WORKER_SSL_CAFILE"):
-        kafka_client_kwargs(settings(ssl_cafile=str(pki.ca_cert)))
+        kafka_client_kwargs(settings(ssl_cafile=str(pki.ca_cert)).kafka_auth)
 
 
 def test_garbage_ca_file_is_a_config_error(tmp_path: Path) -> None:
@@ -113,7 +110,7 @@ def test_garbage_ca_file_is_a_config_error(tmp_path: Path) -> None:
     bad = tmp_path / "ca.pem"
     bad.write_text("not a certificate")
     with pytest.raises(ConfigError, match="WORKER_SSL_CAFILE"):
-        kafka_client_kwargs(settings(security_protocol="SSL", ssl_cafile=str(bad)))
+        kafka_client_kwargs(settings(security_protocol="SSL", ssl_cafile=str(bad)).kafka_auth)
 
 
 async def test_oauth_token_file_is_read_again_at_each_authentication(tmp_path: Path) -> None:
@@ -125,7 +122,7 @@ async def test_oauth_token_file_is_read_again_at_each_authentication(tmp_path: P
             security_protocol="SASL_SSL",
             sasl_mechanism="OAUTHBEARER",
             sasl_oauth_token_file=str(token_file),
-        )
+        ).kafka_auth
     )
     provider = kwargs["sasl_oauth_token_provider"]
     first = await provider.token()
@@ -152,7 +149,9 @@ async def test_failing_oauth_command_names_the_setting_not_the_output() -> None:
 def test_oauth_needs_exactly_one_token_source() -> None:
     """OAUTHBEARER with neither a token file nor a command is refused."""
     with pytest.raises(ConfigError, match="WORKER_SASL_OAUTH_TOKEN_FILE"):
-        kafka_client_kwargs(settings(security_protocol="SASL_SSL", sasl_mechanism="OAUTHBEARER"))
+        kafka_client_kwargs(
+            settings(security_protocol="SASL_SSL", sasl_mechanism="OAUTHBEARER").kafka_auth
+        )
 
 
 # -- secrets stay out of messages ----------------------------------------------------
@@ -228,7 +227,7 @@ def test_triton_tls_options_are_file_paths(pki: LocalPki) -> None:
             triton_ssl_cafile=str(pki.ca_cert),
             triton_ssl_certfile=str(pki.client.cert),
             triton_ssl_keyfile=str(pki.client.key),
-        )
+        ).triton
     )
     assert kwargs == {
         "ssl": True,
@@ -236,15 +235,15 @@ def test_triton_tls_options_are_file_paths(pki: LocalPki) -> None:
         "certificate_chain": str(pki.client.cert),
         "private_key": str(pki.client.key),
     }
-    assert triton_client_kwargs(settings()) == {}
+    assert triton_client_kwargs(settings().triton) == {}
 
 
 def test_triton_tls_files_are_checked(pki: LocalPki) -> None:
     """A missing CA file, or a CA file without TLS, is a ConfigError naming the setting."""
     with pytest.raises(ConfigError, match="WORKER_TRITON_SSL_CAFILE"):
-        triton_client_kwargs(settings(triton_ssl="true", triton_ssl_cafile="/nonexistent"))
+        triton_client_kwargs(settings(triton_ssl="true", triton_ssl_cafile="/nonexistent").triton)
     with pytest.raises(ConfigError, match="WORKER_TRITON_SSL=true"):
-        triton_client_kwargs(settings(triton_ssl_cafile=str(pki.ca_cert)))
+        triton_client_kwargs(settings(triton_ssl_cafile=str(pki.ca_cert)).triton)
 
 
 def test_triton_auth_reads_the_token_and_rereads_it_when_the_file_changes(
@@ -254,7 +253,7 @@ def test_triton_auth_reads_the_token_and_rereads_it_when_the_file_changes(
     token_file = tmp_path / "token"
     token_file.write_text("Bearer one\n")
     auth = TritonAuth(
-        settings(triton_auth_header="Authorization", triton_auth_token_file=str(token_file))
+        settings(triton_auth_header="Authorization", triton_auth_token_file=str(token_file)).triton
     )
     first = dict(auth.headers())
     token_file.write_text("Bearer two-longer")
@@ -266,7 +265,7 @@ def test_triton_auth_caches_while_the_file_is_unchanged(tmp_path: Path) -> None:
     """Same mtime, size and inode: the cached token is served without reading the file."""
     token_file = tmp_path / "token"
     token_file.write_text("Bearer aaaa")
-    auth = TritonAuth(settings(triton_auth_token_file=str(token_file)))
+    auth = TritonAuth(settings(triton_auth_token_file=str(token_file)).triton)
     assert dict(auth.headers()) == {"authorization": "Bearer aaaa"}
     stat = token_file.stat()
     with token_file.open("r+") as handle:  # same inode, same size
@@ -278,7 +277,7 @@ def test_triton_auth_caches_while_the_file_is_unchanged(tmp_path: Path) -> None:
 def test_triton_auth_keeps_the_last_token_while_the_file_is_replaced(tmp_path: Path) -> None:
     """Missing at first use: ConfigError; missing later (being replaced): the last token."""
     token_file = tmp_path / "token"
-    auth = TritonAuth(settings(triton_auth_token_file=str(token_file)))
+    auth = TritonAuth(settings(triton_auth_token_file=str(token_file)).triton)
     with pytest.raises(ConfigError, match="WORKER_TRITON_AUTH_TOKEN_FILE"):
         auth.headers()
     token_file.write_text("Bearer kept")
@@ -289,7 +288,7 @@ def test_triton_auth_keeps_the_last_token_while_the_file_is_replaced(tmp_path: P
 
 def test_no_token_file_sends_no_header() -> None:
     """Without WORKER_TRITON_AUTH_TOKEN_FILE no metadata is added."""
-    assert dict(TritonAuth(settings()).headers()) == {}
+    assert dict(TritonAuth(settings().triton).headers()) == {}
 
 
 # -- model allowlist ---------------------------------------------------------------------
@@ -298,28 +297,25 @@ def test_no_token_file_sends_no_header() -> None:
 def test_allowlist_rules() -> None:
     """Listed models pass, others are FORBIDDEN; '*' allows all; unlisted topics are open."""
     loaded = settings(model_allowlist="requests=double|mlp;other=*")
-    check_model_allowed(loaded, "requests", "double")
-    check_model_allowed(loaded, "other", "anything")
-    check_model_allowed(loaded, "unlisted", "anything")
+    RecordRules.from_settings(loaded).check_model_allowed("requests", "double")
+    RecordRules.from_settings(loaded).check_model_allowed("other", "anything")
+    RecordRules.from_settings(loaded).check_model_allowed("unlisted", "anything")
     with pytest.raises(errors.Forbidden) as caught:
-        check_model_allowed(loaded, "requests", "echo_bytes")
+        RecordRules.from_settings(loaded).check_model_allowed("requests", "echo_bytes")
     assert caught.value.code == "FORBIDDEN" and not caught.value.retryable
-    check_model_allowed(settings(), "requests", "anything")
+    RecordRules.from_settings(settings()).check_model_allowed("requests", "anything")
 
 
 # -- tensor limits -------------------------------------------------------------------------
 
 
 def _decode(value: bytes, headers: list[tuple[str, bytes]], **limits: Any) -> Any:
-    return codec.decode_request(
+    return wire.decode_request(
         value,
         headers,
-        topic="t",
-        partition=0,
-        offset=0,
+        source=wire.Source("t", 0, 0),
         default_model="m",
-        max_request_bytes=64 * 1024 * 1024,
-        **limits,
+        limits=wire.DecodeLimits(64 * 1024 * 1024, **limits),
     )
 
 

@@ -8,7 +8,7 @@ import pytest
 from tritonclient.grpc import model_config_pb2, service_pb2
 
 from worker.errors import InvalidRequest
-from worker.wire.codec import DecodedRequest
+from worker.wire import DecodedRequest
 from worker.wire.validation import ModelSpec, TensorSpec, check_request
 
 pytestmark = pytest.mark.unit

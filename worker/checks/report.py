@@ -36,8 +36,9 @@ from rich.console import Console
 from rich.table import Table
 
 from worker.errors import ExitCode
-from worker.kafka.options import TritonAuth, kafka_client_kwargs, triton_client_kwargs
+from worker.kafka.options import kafka_client_kwargs
 from worker.settings import ConfigError, Settings, add_run_arguments, load_settings
+from worker.triton.auth import TritonAuth, triton_client_kwargs
 from worker.wire.tensors import DATATYPES
 from worker.wire.validation import ModelSpec
 
@@ -254,7 +255,7 @@ async def kafka_checks(settings: Settings, timeout_s: float) -> list[CheckResult
         bootstrap_servers=settings.kafka.bootstrap_servers,
         client_id=f"{settings.kafka.client_id}-check",
         request_timeout_ms=int(timeout_s * 1000),
-        **kafka_client_kwargs(settings),
+        **kafka_client_kwargs(settings.kafka_auth),
     )
     try:
         async with asyncio.timeout(timeout_s):
@@ -330,8 +331,10 @@ async def triton_checks(settings: Settings, timeout_s: float) -> list[CheckResul
     from tritonclient.grpc.aio import InferenceServerClient
 
     models = expected_models(settings)
-    auth = TritonAuth(settings)
-    client = InferenceServerClient(settings.triton.triton_url, **triton_client_kwargs(settings))
+    auth = TritonAuth(settings.triton)
+    client = InferenceServerClient(
+        settings.triton.triton_url, **triton_client_kwargs(settings.triton)
+    )
     try:
         try:
             ready = await client.is_server_ready(headers=auth.headers(), client_timeout=timeout_s)

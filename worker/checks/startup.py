@@ -23,8 +23,9 @@ from aiokafka.protocol.metadata import MetadataRequest
 from tritonclient.grpc import InferenceServerException, service_pb2
 from tritonclient.grpc.aio import InferenceServerClient
 
-from worker.kafka.options import TritonAuth, kafka_client_kwargs, triton_client_kwargs
+from worker.kafka.options import kafka_client_kwargs
 from worker.settings import Settings
+from worker.triton.auth import TritonAuth, triton_client_kwargs
 
 #: Bound on each check, so that a start-up never hangs on them.
 CHECK_TIMEOUT_S = 15.0
@@ -56,7 +57,7 @@ async def check_kafka(settings: Settings, timeout_s: float = CHECK_TIMEOUT_S) ->
     Raises StartupCheckFailed on a TLS, SASL or authorization failure; returns
     quietly when no broker can be reached (the consumer's own start reports that).
     """
-    kwargs = kafka_client_kwargs(settings)
+    kwargs = kafka_client_kwargs(settings.kafka_auth)
     secrets = [str(kwargs.get("sasl_plain_password") or "")]
     try:
         await asyncio.wait_for(_check_kafka(settings, kwargs), timeout_s)
@@ -142,10 +143,12 @@ async def check_triton(settings: Settings, timeout_s: float = CHECK_TIMEOUT_S) -
     model is even looked up. Raises StartupCheckFailed on a TLS or token
     failure; returns quietly when Triton is merely unreachable.
     """
-    auth = TritonAuth(settings)
+    auth = TritonAuth(settings.triton)
     if not settings.triton.triton_ssl and not auth.enabled:
         return
-    client = InferenceServerClient(settings.triton.triton_url, **triton_client_kwargs(settings))
+    client = InferenceServerClient(
+        settings.triton.triton_url, **triton_client_kwargs(settings.triton)
+    )
     try:
         await asyncio.wait_for(_check_triton(client, auth, settings), timeout_s)
     except TimeoutError:

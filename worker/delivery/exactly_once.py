@@ -27,7 +27,7 @@ from aiokafka.structs import ConsumerRecord, OffsetAndMetadata, TopicPartition
 from worker.delivery.offsets import OffsetTracker
 from worker.errors import PartitionRevoked
 from worker.kafka.publisher import Headers, dead_letter_value, kafka_compression
-from worker.observability.metrics import Metrics
+from worker.observability import Metrics
 from worker.settings import Settings
 
 log = structlog.get_logger(__name__)

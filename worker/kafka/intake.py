@@ -22,7 +22,7 @@ from worker.delivery.offsets import OffsetTracker
 from worker.flow.breaker import CircuitBreaker
 from worker.flow.window import Window
 from worker.kafka.options import kafka_client_kwargs
-from worker.observability.metrics import Metrics
+from worker.observability import Metrics
 from worker.settings import Settings
 
 log = structlog.get_logger(__name__)
@@ -70,7 +70,7 @@ class Intake(ConsumerRebalanceListener):  # type: ignore[misc]
             max_poll_interval_ms=settings.kafka.max_poll_interval_ms,
             session_timeout_ms=settings.kafka.session_timeout_ms,
             heartbeat_interval_ms=max(100, settings.kafka.session_timeout_ms // 5),
-            **kafka_client_kwargs(settings),
+            **kafka_client_kwargs(settings.kafka_auth),
         )
 
     async def start(self) -> None:

@@ -32,7 +32,7 @@ from tritonclient.grpc import service_pb2
 
 from worker import errors
 from worker.triton.pool import TritonPool
-from worker.wire.codec import DecodedRequest
+from worker.wire import DecodedRequest
 from worker.wire.validation import ModelSpec
 
 __all__ = ["BatchStats", "MicroBatcher", "batchable"]

@@ -28,7 +28,8 @@ from tritonclient.grpc._client import MAX_GRPC_MESSAGE_SIZE
 from tritonclient.grpc.aio import InferenceServerClient
 
 from worker import errors
-from worker.kafka.options import TritonAuth
+from worker.triton import errors as triton_errors
+from worker.triton.auth import TritonAuth
 from worker.triton.shm import ShmPool
 from worker.wire.validation import ModelSpec
 
@@ -83,7 +84,7 @@ class _Stream:
                 self._deliver(response)
             self.broken = errors.TritonUnavailable("the inference stream was closed by Triton")
         except grpc.aio.AioRpcError as exc:
-            self.broken = errors.from_grpc(exc.code(), exc.details() or "")
+            self.broken = triton_errors.from_grpc(exc.code(), exc.details() or "")
             if not self.broken.retryable:
                 self.broken = errors.TritonUnavailable(
                     f"the inference stream broke: {exc.details()}"
@@ -115,7 +116,7 @@ class _Stream:
             log.debug("late_response_dropped", correlation=correlation, stream=self.index)
         elif not future.done():
             if response.error_message:
-                future.set_exception(errors.from_stream_error(response.error_message))
+                future.set_exception(triton_errors.from_stream_error(response.error_message))
             else:
                 future.set_result(response.infer_response)
         if not self.pending:
@@ -384,7 +385,7 @@ class TritonPool:
             metadata = await self._client.get_model_metadata(name, version, headers=headers)
             config = await self._client.get_model_config(name, version, headers=headers)
         except InferenceServerException as exc:
-            raise _from_client_error(exc, f"model {name!r}") from None
+            raise triton_errors.from_client_error(exc, f"model {name!r}") from None
         return ModelSpec.from_triton(metadata, config)
 
     async def server_ready(self, timeout_s: float = 2.0) -> bool:
@@ -439,11 +440,3 @@ def channel_args() -> list[tuple[str, Any]]:
         ("grpc.min_reconnect_backoff_ms", 100),
         ("grpc.max_reconnect_backoff_ms", 1000),
     ]
-
-
-def _from_client_error(exc: InferenceServerException, what: str) -> errors.WorkerError:
-    """Map a tritonclient exception (status text like ``StatusCode.NOT_FOUND``)."""
-    status = exc.status() or ""
-    code = getattr(grpc.StatusCode, status.removeprefix("StatusCode."), None)
-    error = errors.from_grpc(code, f"{what}: {exc.message()}")
-    return error

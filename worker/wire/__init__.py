@@ -1,0 +1,39 @@
+"""Bytes and headers to inference requests and back: the wire contract, pure (no I/O)."""
+
+from worker.wire.headers import (
+    CONTENT_TYPE,
+    CONTENT_TYPE_BINARY,
+    CONTENT_TYPE_JSON,
+    CONTENT_TYPE_PROTOBUF,
+    INFERENCE_HEADER_CONTENT_LENGTH,
+    Headers,
+    Source,
+    dead_letter_headers,
+    header_text,
+    header_value,
+    omitted_value_headers,
+    rfc3339_utc,
+)
+from worker.wire.requests import DecodedRequest, DecodeLimits, Encoding, decode_request
+from worker.wire.results import encode_result, result_headers
+
+__all__ = [
+    "CONTENT_TYPE",
+    "CONTENT_TYPE_BINARY",
+    "CONTENT_TYPE_JSON",
+    "CONTENT_TYPE_PROTOBUF",
+    "INFERENCE_HEADER_CONTENT_LENGTH",
+    "DecodeLimits",
+    "DecodedRequest",
+    "Encoding",
+    "Headers",
+    "Source",
+    "dead_letter_headers",
+    "decode_request",
+    "encode_result",
+    "header_text",
+    "header_value",
+    "omitted_value_headers",
+    "result_headers",
+    "rfc3339_utc",
+]

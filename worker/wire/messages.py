@@ -16,7 +16,10 @@ import msgspec
 from worker.errors import ERROR_CODES, InvalidRequest
 
 __all__ = [
+    "BINARY_DATA_SIZE",
+    "BYTES_ENCODING",
     "DATATYPE_NAMES",
+    "FRAMING_PARAMETERS",
     "Datatype",
     "DeadLetterHeaders",
     "InferRequestJSON",
@@ -66,6 +69,13 @@ TensorData = Annotated[
         )
     ),
 ]
+
+
+#: Parameter names of the binary tensor extension and the JSON framing.
+BINARY_DATA_SIZE: Final = "binary_data_size"
+BYTES_ENCODING: Final = "bytes_encoding"
+#: Parameters that only steer the HTTP/JSON framing; Triton must not see them.
+FRAMING_PARAMETERS: Final = frozenset({"binary_data_output", "binary_data", BINARY_DATA_SIZE})
 
 
 class RequestInput(msgspec.Struct, frozen=True, omit_defaults=True):

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from worker.errors import InvalidRequest
 
 if TYPE_CHECKING:
-    from worker.wire.codec import DecodedRequest
+    from worker.wire import DecodedRequest
 
 __all__ = ["ModelSpec", "TensorSpec", "check_request"]
 

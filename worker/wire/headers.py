@@ -1,0 +1,195 @@
+"""Kafka record headers: every header name of the wire contract, read and written in one place.
+
+Also where a record's coordinates (``Source``) become headers, for results and for
+dead letters, and the small formats those use (RFC 3339 times, truncated UTF-8).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any, Final
+
+from worker.errors import DecodeError, RetriesExhausted, WorkerError
+
+__all__ = [
+    "CONTENT_TYPE",
+    "CONTENT_TYPE_BINARY",
+    "CONTENT_TYPE_JSON",
+    "CONTENT_TYPE_PROTOBUF",
+    "INFERENCE_HEADER_CONTENT_LENGTH",
+    "MAX_ERROR_MESSAGE_BYTES",
+    "Headers",
+    "Source",
+    "dead_letter_headers",
+    "header_text",
+    "header_value",
+    "merge_headers",
+    "omitted_value_headers",
+    "rfc3339_utc",
+    "source_headers",
+    "truncate_utf8",
+]
+
+#: Kafka record headers; a header's value may be null.
+Headers = Sequence[tuple[str, bytes | None]]
+
+CONTENT_TYPE: Final = "content-type"
+INFERENCE_HEADER_CONTENT_LENGTH: Final = "inference-header-content-length"
+X_MODEL_NAME: Final = "x-model-name"
+X_MODEL_VERSION: Final = "x-model-version"
+X_REQUEST_ID: Final = "x-request-id"
+X_SOURCE_TOPIC: Final = "x-source-topic"
+X_SOURCE_PARTITION: Final = "x-source-partition"
+X_SOURCE_OFFSET: Final = "x-source-offset"
+X_SOURCE_TIMESTAMP: Final = "x-source-timestamp"
+X_ERROR_CODE: Final = "x-error-code"
+X_ERROR_MESSAGE: Final = "x-error-message"
+X_ERROR_RETRYABLE: Final = "x-error-retryable"
+X_ATTEMPTS: Final = "x-attempts"
+X_CONSUMER_GROUP: Final = "x-consumer-group"
+X_FAILED_AT: Final = "x-failed-at"
+#: A dead letter whose value (or key) the dead-letter topic refused for its size.
+X_VALUE_OMITTED: Final = "x-value-omitted"
+X_ORIGINAL_VALUE_BYTES: Final = "x-original-value-bytes"
+X_ORIGINAL_VALUE_SHA256: Final = "x-original-value-sha256"
+X_KEY_OMITTED: Final = "x-key-omitted"
+X_ORIGINAL_KEY_BYTES: Final = "x-original-key-bytes"
+X_ORIGINAL_KEY_SHA256: Final = "x-original-key-sha256"
+
+CONTENT_TYPE_JSON: Final = "application/json"
+CONTENT_TYPE_BINARY: Final = "application/octet-stream"
+CONTENT_TYPE_PROTOBUF: Final = "application/x-protobuf"
+MAX_ERROR_MESSAGE_BYTES: Final = 1024
+
+
+@dataclass(frozen=True, slots=True)
+class Source:
+    """Where a record came from: its coordinates in Kafka and its timestamp."""
+
+    topic: str
+    partition: int
+    offset: int
+    timestamp_ms: int = 0
+
+    @classmethod
+    def of(cls, record: Any) -> Source:
+        """The coordinates of a consumed record (anything with topic, partition, offset)."""
+        return cls(record.topic, record.partition, record.offset, record.timestamp)
+
+    def __str__(self) -> str:
+        return f"{self.topic}-{self.partition}@{self.offset}"
+
+
+def header_value(headers: Headers, name: str) -> bytes | None:
+    """Value of the last header called `name` (case-insensitive), or None."""
+    wanted = name.lower()
+    found: bytes | None = None
+    for key, value in headers:
+        if key.lower() == wanted:
+            found = value
+    return found
+
+
+def header_text(headers: Headers, name: str) -> str | None:
+    """The last ``name`` header as stripped UTF-8 text; DecodeError naming it if not UTF-8."""
+    raw = header_value(headers, name)
+    if raw is None:
+        return None
+    try:
+        return bytes(raw).decode().strip()
+    except UnicodeDecodeError:
+        raise DecodeError(f"header {name}: value is not valid UTF-8") from None
+
+
+def merge_headers(
+    original: Headers, added: list[tuple[str, bytes]], also_drop: frozenset[str] = frozenset()
+) -> list[tuple[str, bytes | None]]:
+    """The original headers, then ``added``, which replace the originals of the same names."""
+    # The worker's value wins: originals of the same name are dropped, not duplicated.
+    # Null values and repeated names among the others pass through as they came.
+    replaced = {name for name, _ in added} | also_drop
+    kept: list[tuple[str, bytes | None]] = [
+        (name, None if value is None else bytes(value))
+        for name, value in original
+        if name.lower() not in replaced
+    ]
+    return [*kept, *added]
+
+
+def truncate_utf8(text: str, max_bytes: int = MAX_ERROR_MESSAGE_BYTES) -> bytes:
+    """UTF-8 of `text`, cut to at most `max_bytes` on a character boundary, marked '...'."""
+    encoded = text.encode("utf-8", errors="replace")
+    if len(encoded) <= max_bytes:
+        return encoded
+    marker = b"..."
+    head = encoded[: max_bytes - len(marker)].decode("utf-8", errors="ignore")
+    return head.encode() + marker
+
+
+def rfc3339_utc(moment: datetime) -> str:
+    """`moment` as RFC 3339 UTC with milliseconds, e.g. 2024-05-01T12:00:00.000Z."""
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=UTC)
+    return moment.astimezone(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def dead_letter_headers(
+    original_headers: Headers,
+    error: WorkerError,
+    source: Source,
+    *,
+    attempts: int,
+    group_id: str,
+    failed_at: datetime,
+) -> list[tuple[str, bytes | None]]:
+    """Headers of a dead letter: the original ones first, then the explanation.
+
+    A retryable error is reported as RETRIES_EXHAUSTED naming it, so that
+    x-error-code is always one of the dead-letter codes. x-error-retryable
+    tells whether the cause was transient, i.e. whether replaying the record
+    later may succeed: true exactly for RETRIES_EXHAUSTED.
+    """
+    if error.retryable:
+        error = RetriesExhausted.after(error, attempts)
+    transient = isinstance(error, RetriesExhausted)
+    added = [
+        (X_ERROR_CODE, error.code.encode()),
+        (X_ERROR_MESSAGE, truncate_utf8(error.message)),
+        (X_ERROR_RETRYABLE, b"true" if transient else b"false"),
+        (X_ATTEMPTS, str(attempts).encode()),
+        *source_headers(source),
+        (X_SOURCE_TIMESTAMP, str(source.timestamp_ms).encode()),
+        (X_CONSUMER_GROUP, group_id.encode()),
+        (X_FAILED_AT, rfc3339_utc(failed_at).encode()),
+    ]
+    return merge_headers(original_headers, added)
+
+
+def source_headers(source: Source) -> list[tuple[str, bytes]]:
+    """``x-source-topic``, ``-partition`` and ``-offset`` of a record."""
+    return [
+        (X_SOURCE_TOPIC, source.topic.encode()),
+        (X_SOURCE_PARTITION, str(source.partition).encode()),
+        (X_SOURCE_OFFSET, str(source.offset).encode()),
+    ]
+
+
+def omitted_value_headers(
+    headers: Headers, value: bytes | None, key: bytes | None, *, drop_key: bool
+) -> list[tuple[str, bytes | None]]:
+    """A dead letter's headers once its value (and key) are left out: sizes and digests."""
+    added: list[tuple[str, bytes | None]] = [
+        (X_VALUE_OMITTED, b"true"),
+        (X_ORIGINAL_VALUE_BYTES, str(len(value or b"")).encode()),
+        (X_ORIGINAL_VALUE_SHA256, hashlib.sha256(value or b"").hexdigest().encode()),
+    ]
+    if drop_key:
+        added += [
+            (X_KEY_OMITTED, b"true"),
+            (X_ORIGINAL_KEY_BYTES, str(len(key or b"")).encode()),
+            (X_ORIGINAL_KEY_SHA256, hashlib.sha256(key or b"").hexdigest().encode()),
+        ]
+    return [*headers, *added]

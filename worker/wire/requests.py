@@ -1,0 +1,337 @@
+"""Request bytes and headers to a Triton ``ModelInferRequest``: the three encodings decoded.
+
+Every request, whatever its encoding, becomes a ``ModelInferRequest`` with one
+little-endian blob per input in ``raw_input_contents``, so everything downstream
+handles a single form:
+
+- JSON (content-type absent or application/json): typed decoding with msgspec,
+  then each input's data is validated and packed with numpy;
+- binary extension (application/octet-stream + inference-header-content-length):
+  the JSON header as above, the tensors sliced straight out of the value;
+- protobuf (application/x-protobuf): parsed as is; typed ``contents`` are
+  converted to raw.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Final, Literal
+
+import msgspec
+from google.protobuf.message import (  # type: ignore[import-untyped, unused-ignore]
+    DecodeError as ProtobufDecodeError,
+)
+from tritonclient.grpc import service_pb2
+
+from worker.errors import DecodeError, InvalidRequest, ModelNotFound, TooLarge
+from worker.wire import tensors
+from worker.wire.headers import (
+    CONTENT_TYPE,
+    CONTENT_TYPE_BINARY,
+    CONTENT_TYPE_JSON,
+    CONTENT_TYPE_PROTOBUF,
+    INFERENCE_HEADER_CONTENT_LENGTH,
+    X_MODEL_NAME,
+    X_MODEL_VERSION,
+    X_REQUEST_ID,
+    Headers,
+    Source,
+    header_text,
+)
+from worker.wire.messages import (
+    BINARY_DATA_SIZE,
+    FRAMING_PARAMETERS,
+    InferRequestJSON,
+    RequestInput,
+    set_parameters,
+)
+
+__all__ = ["DecodeLimits", "DecodedRequest", "Encoding", "decode_request"]
+
+Encoding = Literal["json", "binary", "protobuf"]
+
+_CONTENT_TYPES: Final[dict[str, Encoding]] = {
+    CONTENT_TYPE_JSON: "json",
+    CONTENT_TYPE_BINARY: "binary",
+    CONTENT_TYPE_PROTOBUF: "protobuf",
+    "application/protobuf": "protobuf",
+}
+_request_decoder: Final = msgspec.json.Decoder(InferRequestJSON)
+_UTF8_BOM: Final = b"\xef\xbb\xbf"
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeLimits:
+    """How large a request and its tensors may be (None: unbounded)."""
+
+    max_request_bytes: int
+    max_tensor_elements: int | None = None
+    max_tensor_bytes: int | None = None
+
+
+@dataclass(slots=True)
+class DecodedRequest:
+    """A request ready for Triton, and what is needed to shape its result.
+
+    `payload_bytes` is the size of the record value.
+    """
+
+    request_id: str
+    model_name: str
+    model_version: str
+    encoding: Encoding
+    infer_request: Any  # service_pb2.ModelInferRequest
+    binary_outputs: bool
+    payload_bytes: int
+
+
+def _encoding_of(headers: Headers) -> Encoding:
+    content_type = header_text(headers, CONTENT_TYPE)
+    if not content_type:
+        return "json"
+    media_type = content_type.split(";", 1)[0].strip().lower()
+    encoding = _CONTENT_TYPES.get(media_type)
+    if encoding is None:
+        raise DecodeError(
+            f"header content-type: {content_type!r} is not supported; use {CONTENT_TYPE_JSON}, "
+            f"{CONTENT_TYPE_BINARY} with {INFERENCE_HEADER_CONTENT_LENGTH}, "
+            f"or {CONTENT_TYPE_PROTOBUF}"
+        )
+    return encoding
+
+
+def _decode_json(value: bytes | memoryview, what: str) -> InferRequestJSON:
+    try:
+        return _request_decoder.decode(value)
+    except msgspec.ValidationError as error:
+        raise DecodeError(f"{what} does not match the request schema: {error}") from None
+    except msgspec.DecodeError as error:
+        raise DecodeError(f"{what} is not valid JSON: {error}") from None
+
+
+def _binary_data_size(spec: RequestInput, where: str) -> int | None:
+    if not spec.parameters or BINARY_DATA_SIZE not in spec.parameters:
+        return None
+    size = spec.parameters[BINARY_DATA_SIZE]
+    if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+        raise DecodeError(
+            f"{where}.parameters.{BINARY_DATA_SIZE}: expected a byte count, got {size!r}"
+        )
+    return size
+
+
+def _from_json(
+    body: InferRequestJSON, value: bytes, binary_start: int | None, limits: tensors.TensorLimits
+) -> tuple[Any, int]:
+    """Build the ModelInferRequest; return it and the total raw tensor bytes."""
+    request = service_pb2.ModelInferRequest()
+    sizes: list[int | None] = []
+    for i, spec in enumerate(body.inputs):
+        size = _binary_data_size(spec, f"inputs[{i}]")
+        if size is not None and binary_start is None:
+            raise DecodeError(
+                f"inputs[{i}].parameters.{BINARY_DATA_SIZE}: binary data needs content-type "
+                f"{CONTENT_TYPE_BINARY} and header {INFERENCE_HEADER_CONTENT_LENGTH}"
+            )
+        sizes.append(size)
+    if binary_start is not None:
+        declared = sum(size for size in sizes if size is not None)
+        remaining = len(value) - binary_start
+        if declared != remaining:
+            raise DecodeError(
+                f"binary tensors: inputs declare {BINARY_DATA_SIZE} totalling {declared} bytes, "
+                f"but {remaining} bytes follow the {binary_start}-byte JSON header"
+            )
+    position = binary_start or 0
+    seen: set[str] = set()
+    total_bytes = 0
+    for i, (spec, size) in enumerate(zip(body.inputs, sizes, strict=True)):
+        where = f"inputs[{i}]"
+        if spec.name in seen:
+            raise InvalidRequest(f"{where}.name: input {spec.name!r} is given more than once")
+        seen.add(spec.name)
+        # Limits first: the claimed shape and the bytes present, before any copy.
+        limits.check(spec.datatype, spec.shape, where, size)
+        if size is not None:
+            if spec.data is not None:
+                raise DecodeError(f"{where}: has both data and {BINARY_DATA_SIZE}")
+            raw = value[position : position + size]
+            position += size
+            tensors.validate_raw(spec.datatype, spec.shape, raw, where)
+        elif spec.data is None:
+            raise DecodeError(f"{where}: no data (and no {BINARY_DATA_SIZE})")
+        else:
+            raw = tensors.json_to_raw(spec.datatype, spec.shape, spec.data, where)
+            limits.check(spec.datatype, spec.shape, where, len(raw))
+        tensor = request.inputs.add()
+        tensor.name = spec.name
+        tensor.datatype = spec.datatype
+        tensor.shape.extend(spec.shape)
+        set_parameters(
+            tensor.parameters, spec.parameters, f"{where}.parameters", FRAMING_PARAMETERS
+        )
+        request.raw_input_contents.append(raw)
+        total_bytes += len(raw)
+    for i, output in enumerate(body.outputs or ()):
+        requested = request.outputs.add()
+        requested.name = output.name
+        set_parameters(
+            requested.parameters, output.parameters, f"outputs[{i}].parameters", FRAMING_PARAMETERS
+        )
+    set_parameters(request.parameters, body.parameters, "parameters", FRAMING_PARAMETERS)
+    return request, total_bytes
+
+
+def _binary_header_length(headers: Headers, value: bytes) -> int:
+    text = header_text(headers, INFERENCE_HEADER_CONTENT_LENGTH)
+    if text is None:
+        raise DecodeError(
+            f"content-type {CONTENT_TYPE_BINARY} needs header {INFERENCE_HEADER_CONTENT_LENGTH} "
+            "(the length of the JSON header in bytes)"
+        )
+    if not text.isdigit():
+        raise DecodeError(f"header {INFERENCE_HEADER_CONTENT_LENGTH}: {text!r} is not a byte count")
+    length = int(text)
+    if length > len(value):
+        raise DecodeError(
+            f"header {INFERENCE_HEADER_CONTENT_LENGTH}: {length} is past the end of the "
+            f"value ({len(value)} bytes)"
+        )
+    return length
+
+
+def _from_protobuf(value: bytes, limits: tensors.TensorLimits) -> tuple[Any, int]:
+    request = service_pb2.ModelInferRequest()
+    try:
+        request.ParseFromString(value)
+    except (ProtobufDecodeError, RuntimeWarning) as error:
+        raise DecodeError(
+            f"value is not a serialized inference.ModelInferRequest: {error}"
+        ) from None
+    if not request.inputs:
+        # Garbage can parse as an empty message; no request has zero inputs.
+        raise DecodeError("inputs: none given; a request needs at least one input")
+    raw_count = len(request.raw_input_contents)
+    if raw_count and raw_count != len(request.inputs):
+        raise DecodeError(
+            f"raw_input_contents: {raw_count} entries for {len(request.inputs)} inputs; "
+            "give one per input, or use typed contents for all"
+        )
+    seen: set[str] = set()
+    converted: list[bytes] = []
+    for i, tensor in enumerate(request.inputs):
+        where = f"inputs[{i}]"
+        if not tensor.name:
+            raise DecodeError(f"{where}.name: empty")
+        if tensor.name in seen:
+            raise InvalidRequest(f"{where}.name: input {tensor.name!r} is given more than once")
+        seen.add(tensor.name)
+        limits.check(
+            tensor.datatype,
+            tensor.shape,
+            where,
+            len(request.raw_input_contents[i]) if raw_count else None,
+        )
+        if raw_count:
+            if tensor.HasField("contents"):
+                raise DecodeError(f"{where}.contents: mixed with raw_input_contents; use one form")
+            tensors.validate_raw(
+                tensor.datatype, tensor.shape, request.raw_input_contents[i], where
+            )
+        else:
+            converted.append(
+                tensors.contents_to_raw(tensor.datatype, tensor.shape, tensor.contents, where)
+            )
+            tensor.ClearField("contents")
+    if converted:
+        request.raw_input_contents.extend(converted)
+    total_bytes = sum(len(raw) for raw in request.raw_input_contents)
+    return request, total_bytes
+
+
+def _choose_model(
+    headers: Headers, body_name: str, body_version: str, default_model: str | None
+) -> tuple[str, str]:
+    header_name = header_text(headers, X_MODEL_NAME) or ""
+    header_version = header_text(headers, X_MODEL_VERSION) or ""
+    if header_name:
+        name = header_name
+        # The body's version belongs to the body's model: drop it when the
+        # header names another one.
+        version = header_version or (body_version if body_name in ("", header_name) else "")
+    elif body_name:
+        name, version = body_name, header_version or body_version
+    elif default_model:
+        name, version = default_model, header_version or body_version
+    else:
+        raise ModelNotFound(
+            "no model named: set header x-model-name, body model_name, or WORKER_DEFAULT_MODEL"
+        )
+    if version and not version.isdigit():
+        raise InvalidRequest(f"model version {version!r} of {name!r} is not a version number")
+    return name, version
+
+
+def decode_request(
+    value: bytes | None,
+    headers: Headers,
+    source: Source,
+    limits: DecodeLimits,
+    default_model: str | None = None,
+) -> DecodedRequest:
+    """Decode a record into a Triton request; raise a WorkerError saying what is wrong.
+
+    The size limit is checked before any parsing, and again on the decoded
+    tensors (JSON numbers can expand several times in binary form). Each input
+    tensor is held to ``limits.max_tensor_elements`` and ``limits.max_tensor_bytes``
+    (TooLarge) from its claimed shape and its data, before its buffer is built.
+    """
+    max_request_bytes = limits.max_request_bytes
+    tensor_limits = tensors.TensorLimits(limits.max_tensor_elements, limits.max_tensor_bytes)
+    if value is None:
+        raise DecodeError("record value is null (a tombstone); expected an inference request")
+    value = bytes(value)
+    if len(value) > max_request_bytes:
+        raise TooLarge(
+            f"record value is {len(value)} bytes, over the {max_request_bytes}-byte limit"
+        )
+    encoding = _encoding_of(headers)
+    body_id = body_name = body_version = ""
+    if encoding == "protobuf":
+        request, tensor_bytes = _from_protobuf(value, tensor_limits)
+        body_id, body_name, body_version = request.id, request.model_name, request.model_version
+    else:
+        header_end: int | None = None
+        json_part: bytes | memoryview = value
+        if encoding == "json" and value.startswith(_UTF8_BOM):
+            # RFC 8259 lets a parser ignore a byte order mark; some Windows tools write one.
+            json_part = memoryview(value)[len(_UTF8_BOM) :]
+        if encoding == "binary":
+            header_end = _binary_header_length(headers, value)
+            json_part = memoryview(value)[:header_end]
+        body = _decode_json(json_part, "JSON header" if header_end is not None else "request body")
+        request, tensor_bytes = _from_json(body, value, header_end, tensor_limits)
+        body_id = body.id or ""
+        body_name, body_version = body.model_name or "", body.model_version or ""
+    if tensor_bytes > max_request_bytes:
+        raise TooLarge(
+            f"decoded tensors are {tensor_bytes} bytes, over the {max_request_bytes}-byte limit"
+        )
+    model_name, model_version = _choose_model(headers, body_name, body_version, default_model)
+    request.model_name = model_name
+    request.model_version = model_version
+    request.id = ""
+    request_id = (
+        body_id
+        or header_text(headers, X_REQUEST_ID)
+        or f"{source.topic}-{source.partition}-{source.offset}"
+    )
+    return DecodedRequest(
+        request_id=request_id,
+        model_name=model_name,
+        model_version=model_version,
+        encoding=encoding,
+        infer_request=request,
+        binary_outputs=encoding == "binary",
+        payload_bytes=len(value),
+    )

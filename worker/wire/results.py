@@ -1,0 +1,173 @@
+"""A Triton response to result bytes, in the request's encoding family, and the result's headers."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Final
+
+import orjson
+
+from worker.errors import InferenceError, OutputTooLarge, WorkerError
+from worker.wire import tensors
+from worker.wire.headers import (
+    CONTENT_TYPE,
+    CONTENT_TYPE_BINARY,
+    CONTENT_TYPE_JSON,
+    CONTENT_TYPE_PROTOBUF,
+    INFERENCE_HEADER_CONTENT_LENGTH,
+    X_MODEL_NAME,
+    X_MODEL_VERSION,
+    X_REQUEST_ID,
+    Headers,
+    Source,
+    merge_headers,
+    source_headers,
+)
+from worker.wire.messages import BINARY_DATA_SIZE, BYTES_ENCODING, parameters_to_json
+from worker.wire.requests import DecodedRequest, Encoding
+
+__all__ = ["encode_result", "result_headers"]
+
+_RESULT_CONTENT_TYPES: Final[dict[Encoding, bytes]] = {
+    "json": CONTENT_TYPE_JSON.encode(),
+    "binary": CONTENT_TYPE_BINARY.encode(),
+    "protobuf": CONTENT_TYPE_PROTOBUF.encode(),
+}
+
+# Triton marks the last response of a stream with this; it is not part of a result.
+_STREAM_PARAMETERS: Final = frozenset({"triton_final_response"})
+
+
+def _response_tensors(response: Any) -> list[tuple[Any, bytes]]:
+    outputs = response.outputs
+    raws = response.raw_output_contents
+    if len(raws) == len(outputs):
+        return list(zip(outputs, raws, strict=True))
+    if not raws:
+        return [
+            (out, tensors.contents_to_raw(out.datatype, out.shape, out.contents, f"outputs[{i}]"))
+            for i, out in enumerate(outputs)
+        ]
+    raise InferenceError(
+        f"Triton response has {len(outputs)} outputs but {len(raws)} raw_output_contents"
+    )
+
+
+def _encode_json(request: DecodedRequest, response: Any, pairs: list[tuple[Any, bytes]]) -> bytes:
+    outputs = []
+    for i, (out, raw) in enumerate(pairs):
+        data, base64_used = tensors.raw_to_json_array(out.datatype, out.shape, raw, f"outputs[{i}]")
+        entry: dict[str, Any] = {
+            "name": out.name,
+            "shape": list(out.shape),
+            "datatype": out.datatype,
+            "data": data,
+        }
+        params = parameters_to_json(out.parameters, _STREAM_PARAMETERS)
+        if base64_used:
+            params[BYTES_ENCODING] = "base64"
+        if params:
+            entry["parameters"] = params
+        outputs.append(entry)
+    document = _result_document(request, response, outputs)
+    return orjson.dumps(document, option=orjson.OPT_SERIALIZE_NUMPY)
+
+
+def _result_document(
+    request: DecodedRequest, response: Any, outputs: list[dict[str, Any]]
+) -> dict[str, Any]:
+    document: dict[str, Any] = {
+        "id": request.request_id,
+        "model_name": response.model_name or request.model_name,
+        "model_version": response.model_version or request.model_version,
+        "outputs": outputs,
+    }
+    params = parameters_to_json(response.parameters, _STREAM_PARAMETERS)
+    if params:
+        document["parameters"] = params
+    return document
+
+
+def _encode_binary(
+    request: DecodedRequest, response: Any, pairs: list[tuple[Any, bytes]]
+) -> tuple[bytes, int]:
+    outputs = []
+    for i, (out, raw) in enumerate(pairs):
+        tensors.validate_raw(out.datatype, out.shape, raw, f"outputs[{i}]")
+        params = parameters_to_json(out.parameters, _STREAM_PARAMETERS)
+        params[BINARY_DATA_SIZE] = len(raw)
+        outputs.append(
+            {
+                "name": out.name,
+                "shape": list(out.shape),
+                "datatype": out.datatype,
+                "parameters": params,
+            }
+        )
+    header = orjson.dumps(_result_document(request, response, outputs))
+    return b"".join([header, *(raw for _, raw in pairs)]), len(header)
+
+
+def encode_result(
+    request: DecodedRequest, response: Any, *, max_result_bytes: int | None = None
+) -> tuple[bytes, list[tuple[str, bytes]]]:
+    """Encode a ModelInferResponse in the request's encoding family.
+
+    Returns the value and the encoding's headers (content-type, and
+    inference-header-content-length for binary results). For protobuf the
+    response is updated in place (`id` set to the request id). Raises
+    InferenceError if the response is malformed, OutputTooLarge over
+    `max_result_bytes`.
+    """
+    encoding_headers: list[tuple[str, bytes]] = [
+        (CONTENT_TYPE, _RESULT_CONTENT_TYPES[request.encoding])
+    ]
+    try:
+        if request.encoding == "protobuf":
+            response.id = request.request_id
+            for key in _STREAM_PARAMETERS:
+                if key in response.parameters:
+                    del response.parameters[key]
+            value: bytes = response.SerializeToString()
+        else:
+            pairs = _response_tensors(response)
+            if request.binary_outputs:
+                value, header_length = _encode_binary(request, response, pairs)
+                encoding_headers.append(
+                    (INFERENCE_HEADER_CONTENT_LENGTH, str(header_length).encode())
+                )
+            else:
+                value = _encode_json(request, response, pairs)
+    except (InferenceError, OutputTooLarge):
+        raise
+    except WorkerError as error:
+        raise InferenceError(f"Triton response {error.message}") from None
+    if max_result_bytes is not None and len(value) > max_result_bytes:
+        raise OutputTooLarge(
+            f"result of model {request.model_name!r} is {len(value)} bytes, "
+            f"over the {max_result_bytes}-byte limit"
+        )
+    return value, encoding_headers
+
+
+def result_headers(
+    request_headers: Headers,
+    request: DecodedRequest,
+    encoding_headers: Sequence[tuple[str, bytes]],
+    source: Source,
+    *,
+    served_model_version: str = "",
+) -> list[tuple[str, bytes | None]]:
+    """Headers of a result: the request's, then the worker's (which replace same names).
+
+    `served_model_version` is the version Triton reports having used, when known.
+    """
+    added = [
+        (X_REQUEST_ID, request.request_id.encode()),
+        (X_MODEL_NAME, request.model_name.encode()),
+        (X_MODEL_VERSION, (served_model_version or request.model_version).encode()),
+        *source_headers(source),
+        *((name.lower(), bytes(value)) for name, value in encoding_headers),
+    ]
+    # A request's binary header length never describes the result.
+    return merge_headers(request_headers, added, frozenset({INFERENCE_HEADER_CONTENT_LENGTH}))
