@@ -19,8 +19,7 @@ from aiokafka.structs import ConsumerRecord, TopicPartition
 from worker import errors
 from worker.audit import Audit
 from worker.checks import startup as preflight
-from worker.delivery.exactly_once import TransactionalSink
-from worker.delivery.offsets import OffsetTracker
+from worker.delivery import build_delivery
 from worker.errors import ExitCode
 from worker.flow.breaker import CircuitBreaker
 from worker.flow.holds import ModelGate
@@ -31,7 +30,7 @@ from worker.kafka import options as security
 from worker.kafka.intake import Intake
 from worker.kafka.publisher import PRODUCER_HEADROOM_BYTES, Publisher
 from worker.observability import HealthServer, Metrics
-from worker.record import RecordHandler, RecordRules, Sink
+from worker.record import RecordHandler, RecordRules
 from worker.settings import Settings
 from worker.triton import auth as triton_auth
 from worker.triton.batching import MicroBatcher
@@ -47,7 +46,6 @@ class Worker:
         self.settings = settings
         self.metrics = metrics or Metrics()
         self.window = Window(settings.flow.max_in_flight, settings.flow.max_in_flight_per_partition)
-        self.offsets = OffsetTracker()
         self.pool = TritonPool(
             settings.triton.triton_url,
             settings.triton.triton_streams,
@@ -74,21 +72,24 @@ class Worker:
             compression_type=settings.kafka.compression_type,
             on_value_omitted=self.metrics.dead_letter_values_omitted_total.inc,
         )
-        self.txn: TransactionalSink | None = None
-        sink: Sink = self.publisher
-        if settings.delivery.delivery == "exactly_once":
-            self.txn = sink = TransactionalSink(
-                settings,
-                self.offsets,
-                self.metrics,
-                security.kafka_client_kwargs(settings.kafka_auth),
-                max_request_bytes=largest_record,
-            )
-        self.audit = Audit(settings, self.publisher.send_audit)
         self.breaker = CircuitBreaker(
             settings.retry.breaker_failure_threshold,
             on_change=lambda is_open: self.metrics.breaker_open.set(1 if is_open else 0),
         )
+        self.intake = Intake(
+            settings.kafka,
+            settings.topics.input_topics,
+            client_kwargs=security.kafka_client_kwargs(settings.kafka_auth),
+            window=self.window,
+            breaker=self.breaker,
+            metrics=self.metrics,
+            dispatch=self._dispatch,
+            rebalance=self,
+        )
+        self.delivery = build_delivery(
+            settings, self.publisher, self.intake, self.metrics, max_request_bytes=largest_record
+        )
+        self.audit = Audit(settings, self.publisher.send_audit)
         self.batcher = MicroBatcher(
             self.pool, settings.flow.batch_max_size, settings.flow.batch_delay_ms / 1000
         )
@@ -108,21 +109,12 @@ class Worker:
             RecordRules.from_settings(settings),
             pool=self.pool,
             batcher=self.batcher,
-            sink=sink,
+            sink=self.delivery.sink,
             metrics=self.metrics,
             audit=self.audit,
             breaker=self.breaker,
             limiter=self.limiter,
             models=self.models,
-        )
-        self.intake = Intake(
-            settings,
-            self.window,
-            self.offsets,
-            self.metrics,
-            self.breaker,
-            self._dispatch,
-            txn=self.txn,
         )
         self._turns = Turns()
         self.health: HealthServer | None = None
@@ -160,7 +152,7 @@ class Worker:
                 self._tasks = tasks
                 fetching = tasks.create_task(self.intake.run(), name="intake")
                 background = [
-                    tasks.create_task(self.intake.commit_loop(), name="commits"),
+                    tasks.create_task(self.delivery.commit_loop(), name="commits"),
                     tasks.create_task(
                         self.breaker.probe_loop(
                             self.pool.server_ready,
@@ -202,7 +194,7 @@ class Worker:
             for task in list(self._records):
                 task.cancel()
         await asyncio.gather(*self._records, return_exceptions=True)
-        await self.intake.commit()
+        await self.delivery.commit()
 
     async def stop(self) -> None:
         """Close Triton streams, the producer, the consumer, the HTTP server. Idempotent."""
@@ -211,8 +203,7 @@ class Worker:
         self._stopped = True
         await self.batcher.close()
         await self.pool.close(drain_timeout_s=5.0)
-        if self.txn is not None:
-            await self.txn.close()
+        await self.delivery.close()
         await self.publisher.stop()
         await self.intake.stop()
         if self.health is not None:
@@ -221,8 +212,9 @@ class Worker:
 
     # -- records -----------------------------------------------------------------
 
-    def _dispatch(self, record: ConsumerRecord[bytes, bytes], generation: int) -> None:
+    def _dispatch(self, record: ConsumerRecord[bytes, bytes]) -> None:
         assert self._tasks is not None
+        generation = self.delivery.track(record)
         tp = TopicPartition(record.topic, record.partition)
         # Tickets are taken here, synchronously, because dispatch runs in offset order.
         mode = self.settings.delivery.ordering
@@ -253,17 +245,7 @@ class Worker:
             outcome = await self.handler.evaluate(record)
             if publish_turn is not None:
                 await publish_turn.wait()
-            if self.txn is None:
-                await self.handler.deliver(outcome)
-                # Done only after the broker acknowledged the result or dead letter.
-                self.offsets.done(tp, record.offset, generation)
-            else:
-                await self.txn.ready(tp)
-                if self.offsets.done(tp, record.offset, generation):
-                    # exactly_once: done when staged (deliver stages it before its
-                    # first pause); it returns once the transaction carrying the
-                    # outcome and the offsets has committed.
-                    await self.handler.deliver(outcome)
+            await self.delivery.complete(record, generation, lambda: self.handler.deliver(outcome))
         except errors.PartitionRevoked:
             pass  # the partition moved away; its next owner redoes the record
         except errors.Fatal:
@@ -279,6 +261,21 @@ class Worker:
                 if turn is not None:
                     turn.done()
             self.window.release(tp)
+
+    # -- rebalances ---------------------------------------------------------------
+
+    async def on_revoked(self, partitions: set[TopicPartition]) -> None:
+        """Wait (bounded) for the revoked partitions' in-flight records, then hand them over."""
+        waits = [self.window.wait_empty(tp) for tp in partitions]
+        try:
+            await asyncio.wait_for(asyncio.gather(*waits), self.settings.kafka.revoke_timeout_s)
+        except TimeoutError:
+            log.warning("revoke_drain_timeout", partitions=sorted(map(str, partitions)))
+        await self.delivery.revoked(partitions)
+
+    async def on_assigned(self, partitions: set[TopicPartition]) -> None:
+        """Prepare what the delivery mode needs before the partitions' records are done."""
+        await self.delivery.assigned(partitions)
 
     # -- health ------------------------------------------------------------------
 

@@ -13,13 +13,14 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 import structlog
 from aiokafka.structs import ConsumerRecord
 
 from worker import errors, wire
 from worker.audit import Audit
+from worker.delivery.base import Sink
 from worker.flow.breaker import CircuitBreaker
 from worker.flow.holds import ModelGate
 from worker.flow.limiter import AdaptiveLimiter
@@ -28,7 +29,7 @@ from worker.observability import Metrics
 from worker.settings import Settings
 from worker.triton.batching import MicroBatcher
 from worker.triton.pool import TritonPool
-from worker.wire import Headers, Source
+from worker.wire import Source
 from worker.wire.validation import ModelSpec, check_request
 
 log = structlog.get_logger(__name__)
@@ -90,18 +91,6 @@ class Outcome:
     headers: list[tuple[str, bytes | None]] = field(default_factory=list)
     error: errors.WorkerError | None = None
     served_version: str | None = None
-
-
-class Sink(Protocol):
-    """Where outcomes go: straight to the broker, or into a Kafka transaction."""
-
-    async def publish_result(
-        self, record: ConsumerRecord[bytes, bytes], value: bytes, headers: Headers
-    ) -> None: ...
-
-    async def publish_dead_letter(
-        self, record: ConsumerRecord[bytes, bytes], headers: Headers
-    ) -> None: ...
 
 
 #: Exceptions that are not a record's failure: they end the record's task as they are.

@@ -138,11 +138,11 @@ async def test_commit_never_passes_an_unfinished_record(
         # on the other stream(s) can overtake the slow one: wait for some of them.
         got = await collect(kafka.bootstrap_servers, topics, expected=5)
         assert "slow-0" not in got.results, "the slow request finished too early for this test"
-        await worker.intake.commit()
+        await worker.delivery.commit()
         while_slow = await kafka.committed_offsets(topics.group)
-        assert worker.offsets.pending(tp) >= 1  # the slow one is still in flight
+        assert worker.delivery.offsets.pending(tp) >= 1  # the slow one is still in flight
         got = await collect(kafka.bootstrap_servers, topics, expected=21, into=got)
-        await worker.intake.commit()
+        await worker.delivery.commit()
         after = await kafka.committed_offsets(topics.group)
 
     assert while_slow.get(tp, 0) == 0

@@ -1,0 +1,41 @@
+"""When a record is done and what is committed: one ``Delivery`` per mode, chosen once.
+
+``at_least_once``: done once the broker acknowledged the outcome; offsets committed
+through the consumer. ``exactly_once``: outcomes and offsets in one Kafka
+transaction per input partition.
+"""
+
+from __future__ import annotations
+
+from worker.delivery.at_least_once import AtLeastOnce
+from worker.delivery.base import CommitEdge, Delivery, Sink
+from worker.delivery.exactly_once import ExactlyOnce
+from worker.delivery.offsets import OffsetTracker
+from worker.kafka.options import kafka_client_kwargs
+from worker.observability import Metrics
+from worker.settings import Settings
+
+__all__ = ["AtLeastOnce", "CommitEdge", "Delivery", "ExactlyOnce", "Sink", "build_delivery"]
+
+
+def build_delivery(
+    settings: Settings,
+    publisher: Sink,
+    edge: CommitEdge,
+    metrics: Metrics,
+    *,
+    max_request_bytes: int,
+) -> Delivery:
+    """The delivery mode ``WORKER_DELIVERY`` names, over its own offset tracker."""
+    offsets = OffsetTracker()
+    if settings.delivery.delivery == "exactly_once":
+        return ExactlyOnce(
+            settings,
+            offsets,
+            edge,
+            metrics,
+            client_kwargs=kafka_client_kwargs(settings.kafka_auth),
+            max_request_bytes=max_request_bytes,
+        )
+    interval_s = settings.kafka.commit_interval_ms / 1000
+    return AtLeastOnce(publisher, offsets, edge, metrics, interval_s)

@@ -15,7 +15,7 @@ so it holds its window slot until then: staged outcomes are bounded by the windo
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +24,7 @@ from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
 from aiokafka.structs import ConsumerRecord, OffsetAndMetadata, TopicPartition
 
+from worker.delivery.base import CommitEdge, Sink, TrackingDelivery
 from worker.delivery.offsets import OffsetTracker
 from worker.errors import PartitionRevoked
 from worker.kafka.publisher import Headers, dead_letter_value, kafka_compression
@@ -46,26 +47,59 @@ class _PartitionTxn:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
 
-class TransactionalSink:
-    """The exactly_once sink: stage outcomes per partition, commit them with their offsets."""
+class ExactlyOnce(TrackingDelivery):
+    """The exactly_once mode: stage outcomes per partition, commit them with their offsets."""
 
     def __init__(
         self,
         settings: Settings,
         offsets: OffsetTracker,
+        edge: CommitEdge,
         metrics: Metrics,
+        *,
         client_kwargs: Mapping[str, Any],
         max_request_bytes: int,
     ) -> None:
+        super().__init__(offsets, edge, metrics, settings.kafka.commit_interval_ms / 1000)
         self._settings = settings
         self._offsets = offsets
-        self._metrics = metrics
         self._client_kwargs = dict(client_kwargs)
         self._max_request_bytes = max_request_bytes
         self._partitions: dict[TopicPartition, _PartitionTxn] = {}
         # Resolved once a partition's producer is ready (or the partition is gone):
         # records can be fetched before the assignment callback has finished.
         self._ready: dict[TopicPartition, asyncio.Future[None]] = {}
+
+    @property
+    def sink(self) -> Sink:
+        return self
+
+    async def complete(
+        self,
+        record: ConsumerRecord[bytes, bytes],
+        ticket: int,
+        deliver: Callable[[], Awaitable[None]],
+    ) -> None:
+        tp = TopicPartition(record.topic, record.partition)
+        await self.ready(tp)
+        if self._offsets.done(tp, record.offset, ticket):
+            # Done when staged (deliver stages it before its first pause); deliver
+            # returns once the transaction carrying the outcome and the offset committed.
+            await deliver()
+
+    async def commit(self, only: Iterable[TopicPartition] | None = None) -> None:
+        """exactly_once: offsets are committed inside each partition's transaction."""
+        await self.flush(set(only) if only is not None else None)
+
+    async def assigned(self, partitions: set[TopicPartition]) -> None:
+        for tp in partitions:
+            await self.assign(tp)
+
+    async def revoked(self, partitions: set[TopicPartition]) -> None:
+        await self.flush(partitions)
+        for tp in partitions:
+            await self.revoke(tp)
+        self.forget(partitions)
 
     def transactional_id(self, tp: TopicPartition) -> str:
         """Stable per group and input partition, so a new owner fences the old one."""

@@ -1,8 +1,10 @@
-"""Kafka consumption: the fetch loop, pause/resume against the window, rebalances, commits.
+"""Kafka consumption: the fetch loop, pause/resume against the window, assignment events.
 
 The loop keeps calling ``getmany`` even when every partition is paused, so the
 member never exceeds ``max_poll_interval_ms`` and never leaves its group while
-the window is full.
+the window is full. The intake knows nothing of offsets or transactions: it hands
+each record that holds a window slot to ``dispatch`` and reports assignments and
+revocations to its ``Rebalance`` listener (the delivery mode decides the rest).
 """
 
 from __future__ import annotations
@@ -10,28 +12,35 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
 
 import structlog
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener
-from aiokafka.errors import CommitFailedError, KafkaError
 from aiokafka.structs import ConsumerRecord, OffsetAndMetadata, TopicPartition
 
-from worker.delivery.exactly_once import TransactionalSink
-from worker.delivery.offsets import OffsetTracker
 from worker.flow.breaker import CircuitBreaker
 from worker.flow.window import Window
-from worker.kafka.options import kafka_client_kwargs
 from worker.observability import Metrics
-from worker.settings import Settings
+from worker.settings import KafkaSettings
+
+__all__ = ["Dispatch", "Intake", "Rebalance"]
 
 log = structlog.get_logger(__name__)
 
-#: Called for each record given a window slot: (record, generation of its partition).
-Dispatch = Callable[[ConsumerRecord[bytes, bytes], int], None]
+#: Called for each record given a window slot, in offset order per partition.
+Dispatch = Callable[[ConsumerRecord[bytes, bytes]], None]
 
 #: Longest wait in one fetch; also bounds how late a freed slot resumes a paused partition.
 _POLL_TIMEOUT_MS = 100
+
+
+class Rebalance(Protocol):
+    """Told of assignment changes; the intake has already stopped dispatching revoked ones."""
+
+    async def on_revoked(self, partitions: set[TopicPartition]) -> None: ...
+
+    async def on_assigned(self, partitions: set[TopicPartition]) -> None: ...
 
 
 class Intake(ConsumerRebalanceListener):  # type: ignore[misc]
@@ -39,42 +48,41 @@ class Intake(ConsumerRebalanceListener):  # type: ignore[misc]
 
     def __init__(
         self,
-        settings: Settings,
-        window: Window,
-        offsets: OffsetTracker,
-        metrics: Metrics,
-        breaker: CircuitBreaker,
-        dispatch: Dispatch,
+        kafka: KafkaSettings,
+        topics: Sequence[str],
         *,
-        txn: TransactionalSink | None = None,
+        client_kwargs: Mapping[str, Any],
+        window: Window,
+        breaker: CircuitBreaker,
+        metrics: Metrics,
+        dispatch: Dispatch,
+        rebalance: Rebalance,
     ) -> None:
-        self._settings = settings
+        self._topics = list(topics)
         self._window = window
-        self._offsets = offsets
         self._metrics = metrics
         self._breaker = breaker
         self._dispatch = dispatch
-        self._txn = txn
+        self._rebalance = rebalance
         self._backlog: dict[TopicPartition, deque[ConsumerRecord[bytes, bytes]]] = {}
         self._stopping = asyncio.Event()
-        self._commit_lock = asyncio.Lock()
         self.running = False
         self.consumer = AIOKafkaConsumer(
-            bootstrap_servers=settings.kafka.bootstrap_servers,
-            group_id=settings.kafka.group_id,
-            client_id=settings.kafka.client_id,
+            bootstrap_servers=kafka.bootstrap_servers,
+            group_id=kafka.group_id,
+            client_id=kafka.client_id,
             enable_auto_commit=False,
-            auto_offset_reset=settings.kafka.auto_offset_reset,
-            max_poll_records=settings.kafka.max_poll_records,
+            auto_offset_reset=kafka.auto_offset_reset,
+            max_poll_records=kafka.max_poll_records,
             isolation_level="read_committed",
-            max_poll_interval_ms=settings.kafka.max_poll_interval_ms,
-            session_timeout_ms=settings.kafka.session_timeout_ms,
-            heartbeat_interval_ms=max(100, settings.kafka.session_timeout_ms // 5),
-            **kafka_client_kwargs(settings.kafka_auth),
+            max_poll_interval_ms=kafka.max_poll_interval_ms,
+            session_timeout_ms=kafka.session_timeout_ms,
+            heartbeat_interval_ms=max(100, kafka.session_timeout_ms // 5),
+            **client_kwargs,
         )
 
     async def start(self) -> None:
-        self.consumer.subscribe(list(self._settings.topics.input_topics), listener=self)
+        self.consumer.subscribe(self._topics, listener=self)
         await self.consumer.start()
         self.running = True
 
@@ -123,14 +131,7 @@ class Intake(ConsumerRebalanceListener):  # type: ignore[misc]
             return  # Triton is out: records stay in the backlog and in Kafka.
         for tp, queue in self._backlog.items():
             while queue and self._window.try_acquire(tp):
-                record = queue.popleft()
-                if self._offsets.get(tp) is None:
-                    # First record since this partition was assigned: its offset is
-                    # where the member starts (the committed one, or a later one
-                    # when the log has gaps).
-                    self._offsets.assign(tp, record.offset)
-                generation = self._offsets.track(tp, record.offset)
-                self._dispatch(record, generation)
+                self._dispatch(queue.popleft())
 
     def _sync_pauses(self) -> None:
         consumer = self.consumer
@@ -146,77 +147,35 @@ class Intake(ConsumerRebalanceListener):  # type: ignore[misc]
             consumer.resume(*to_resume)
         self._metrics.paused_partitions.set(len(full))
 
-    # -- commits -------------------------------------------------------------
+    # -- the consumer, for delivery ----------------------------------------------
 
-    async def commit(self, only: Iterable[TopicPartition] | None = None) -> None:
-        """Commit each partition's contiguous done prefix (the lowest offset not done)."""
-        if self._txn is not None:
-            # exactly_once: offsets are committed inside each partition's transaction.
-            await self._txn.flush(set(only) if only is not None else None)
-            return
-        async with self._commit_lock:
-            offsets = self._offsets.commit_offsets()
-            if only is not None:
-                keep = set(only)
-                offsets = {tp: off for tp, off in offsets.items() if tp in keep}
-            if not offsets:
-                return
-            try:
-                await self.consumer.commit(
-                    {tp: OffsetAndMetadata(off, "") for tp, off in offsets.items()}
-                )
-            except (CommitFailedError, KafkaError) as exc:
-                # Not fatal: the done offsets stay tracked and the next commit retries.
-                self._metrics.commit_failures_total.inc()
-                log.warning("commit_failed", error=f"{type(exc).__name__}: {exc}")
-                return
-            self._offsets.mark_committed(offsets)
-            self._metrics.commits_total.inc()
+    def assignment(self) -> set[TopicPartition]:
+        """The partitions assigned now."""
+        assigned: set[TopicPartition] = self.consumer.assignment()
+        return assigned
 
-    async def commit_loop(self) -> None:
-        """Commit every ``commit_interval_ms`` and refresh the lag gauges."""
-        interval_s = self._settings.kafka.commit_interval_ms / 1000
-        while True:
-            await asyncio.sleep(interval_s)
-            await self.commit()
-            self._update_lag()
+    def highwater(self, tp: TopicPartition) -> int | None:
+        """The partition's end offset as of the last fetch (None before any)."""
+        end: int | None = self.consumer.highwater(tp)
+        return end
 
-    def _update_lag(self) -> None:
-        for tp in self.consumer.assignment():
-            highwater = self.consumer.highwater(tp)
-            point = self._offsets.commit_point(tp)
-            if highwater is None or point is None:
-                continue
-            self._metrics.consumer_lag.labels(topic=tp.topic, partition=str(tp.partition)).set(
-                max(0, highwater - point)
-            )
+    async def commit(self, offsets: Mapping[TopicPartition, OffsetAndMetadata]) -> None:
+        """Commit these offsets for the group (raises the client's errors)."""
+        await self.consumer.commit(dict(offsets))
 
     # -- rebalance listener ----------------------------------------------------
 
     async def on_partitions_revoked(self, revoked: set[TopicPartition]) -> None:
-        """Stop dispatching for them, wait (bounded) for their in-flight work, commit it."""
+        """Stop dispatching them (their fetched records are dropped), then tell the listener."""
         for tp in revoked:
             self._backlog.pop(tp, None)
-        waits = [self._window.wait_empty(tp) for tp in revoked]
-        try:
-            await asyncio.wait_for(asyncio.gather(*waits), self._settings.kafka.revoke_timeout_s)
-        except TimeoutError:
-            log.warning("revoke_drain_timeout", partitions=sorted(map(str, revoked)))
-        await self.commit(only=revoked)
-        for tp in revoked:
-            if self._txn is not None:
-                await self._txn.revoke(tp)
-            # Late completions of this generation are dropped from here on.
-            self._offsets.revoke(tp)
-            self._metrics.forget_partition(tp.topic, tp.partition)
+        await self._rebalance.on_revoked(revoked)
         self._metrics.partitions_assigned.set(len(self.consumer.assignment() - revoked))
 
     async def on_partitions_assigned(self, assigned: set[TopicPartition]) -> None:
-        """Start from the committed offsets (the consumer's position); tracking starts lazily."""
+        """Start from the committed offsets (the consumer's position); tell the listener."""
         self._metrics.partitions_assigned.set(len(self.consumer.assignment()))
-        if self._txn is not None:
-            for tp in assigned:
-                await self._txn.assign(tp)
+        await self._rebalance.on_assigned(assigned)
         if assigned:
             log.info("partitions_assigned", partitions=sorted(map(str, assigned)))
 

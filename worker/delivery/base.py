@@ -1,0 +1,133 @@
+"""What both delivery modes share: tracking dispatched records, the commit loop, lag gauges.
+
+A record is *tracked* when it is dispatched (in offset order), *done* once its
+outcome is safe (acknowledged, or staged in a transaction that will carry its
+offset), and a partition is committed up to its lowest record not done.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from typing import Protocol
+
+from aiokafka.structs import ConsumerRecord, OffsetAndMetadata, TopicPartition
+
+from worker.delivery.offsets import OffsetTracker
+from worker.observability import Metrics
+from worker.wire import Headers
+
+__all__ = ["CommitEdge", "Delivery", "Sink", "TrackingDelivery"]
+
+
+class Sink(Protocol):
+    """Where outcomes go: straight to the broker, or into a Kafka transaction."""
+
+    async def publish_result(
+        self, record: ConsumerRecord[bytes, bytes], value: bytes, headers: Headers
+    ) -> None: ...
+
+    async def publish_dead_letter(
+        self, record: ConsumerRecord[bytes, bytes], headers: Headers
+    ) -> None: ...
+
+
+class CommitEdge(Protocol):
+    """What delivery needs of the consumer: its assignment, end offsets, and a commit."""
+
+    def assignment(self) -> set[TopicPartition]: ...
+
+    def highwater(self, tp: TopicPartition) -> int | None: ...
+
+    async def commit(self, offsets: Mapping[TopicPartition, OffsetAndMetadata]) -> None: ...
+
+
+class Delivery(Protocol):
+    """When a record is done and what is committed; one implementation per mode, chosen once."""
+
+    @property
+    def sink(self) -> Sink: ...
+
+    @property
+    def offsets(self) -> OffsetTracker:
+        """Each assigned partition's done offsets and commit point."""
+        ...
+
+    def track(self, record: ConsumerRecord[bytes, bytes]) -> int:
+        """A record is dispatched (in offset order); returns the ticket for ``complete``."""
+        ...
+
+    async def complete(
+        self,
+        record: ConsumerRecord[bytes, bytes],
+        ticket: int,
+        deliver: Callable[[], Awaitable[None]],
+    ) -> None:
+        """Publish the record's outcome with ``deliver`` and mark it done, in the mode's order."""
+        ...
+
+    async def commit(self, only: Iterable[TopicPartition] | None = None) -> None:
+        """Commit what is done (of ``only``, or of every partition)."""
+        ...
+
+    async def commit_loop(self) -> None:
+        """Commit periodically, and refresh the lag gauges, until cancelled."""
+        ...
+
+    async def assigned(self, partitions: set[TopicPartition]) -> None:
+        """Partitions were assigned: prepare whatever their outcomes need."""
+        ...
+
+    async def revoked(self, partitions: set[TopicPartition]) -> None:
+        """Partitions were revoked (their in-flight records drained or abandoned): commit
+        what is done and forget them; late completions are dropped."""
+        ...
+
+    async def close(self) -> None:
+        """Release what the mode holds (producers). Idempotent."""
+        ...
+
+
+class TrackingDelivery:
+    """Tracking, the periodic commit and the lag gauges; subclasses commit and complete."""
+
+    def __init__(
+        self, offsets: OffsetTracker, edge: CommitEdge, metrics: Metrics, interval_s: float
+    ) -> None:
+        self.offsets = offsets
+        self._edge = edge
+        self._metrics = metrics
+        self._interval_s = interval_s
+
+    def track(self, record: ConsumerRecord[bytes, bytes]) -> int:
+        tp = TopicPartition(record.topic, record.partition)
+        if self.offsets.get(tp) is None:
+            # First record since this partition was assigned: its offset is where the
+            # member starts (the committed one, or a later one when the log has gaps).
+            self.offsets.assign(tp, record.offset)
+        return self.offsets.track(tp, record.offset)
+
+    async def commit(self, only: Iterable[TopicPartition] | None = None) -> None:
+        raise NotImplementedError
+
+    async def commit_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self._interval_s)
+            await self.commit()
+            self._update_lag()
+
+    def _update_lag(self) -> None:
+        for tp in self._edge.assignment():
+            highwater = self._edge.highwater(tp)
+            point = self.offsets.commit_point(tp)
+            if highwater is None or point is None:
+                continue
+            self._metrics.consumer_lag.labels(topic=tp.topic, partition=str(tp.partition)).set(
+                max(0, highwater - point)
+            )
+
+    def forget(self, partitions: Iterable[TopicPartition]) -> None:
+        """Stop tracking: late completions of these assignments are dropped from here on."""
+        for tp in partitions:
+            self.offsets.revoke(tp)
+            self._metrics.forget_partition(tp.topic, tp.partition)
