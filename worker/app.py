@@ -155,7 +155,7 @@ class Worker:
                     tasks.create_task(self.delivery.commit_loop(), name="commits"),
                     tasks.create_task(
                         self.breaker.probe_loop(
-                            self.pool.server_ready,
+                            self.pool.server_live,
                             self.settings.retry.breaker_probe_interval_ms / 1000,
                             self._report_health,
                         ),

@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import itertools
 import time
-from collections.abc import Mapping
+from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -389,14 +389,25 @@ class TritonPool:
         return ModelSpec.from_triton(metadata, config)
 
     async def server_ready(self, timeout_s: float = 2.0) -> bool:
-        """True when Triton answers ``ServerReady`` within the timeout."""
+        """True when Triton answers ``ServerReady`` within the timeout.
+
+        With strict readiness (Triton's default) that means every model is ready too.
+        """
         if self._client is None:
             return False
-        try:
-            ready = self._client.is_server_ready(headers=self._headers())
-            return bool(await asyncio.wait_for(ready, timeout_s))
-        except (TimeoutError, InferenceServerException, grpc.aio.AioRpcError):
+        return await _answers_true(self._client.is_server_ready(headers=self._headers()), timeout_s)
+
+    async def server_live(self, timeout_s: float = 2.0) -> bool:
+        """True when Triton answers ``ServerLive`` within the timeout: up, started, not exiting.
+
+        This, not ``server_ready``, tells whether Triton can serve: with strict readiness
+        Triton is not ready while any one model is loading, unloading or failed to load,
+        and one model's rollout must not count as an outage of all of them (its own
+        records are held by the ModelGate meanwhile).
+        """
+        if self._client is None:
             return False
+        return await _answers_true(self._client.is_server_live(headers=self._headers()), timeout_s)
 
     def in_flight(self) -> int:
         return sum(len(s.pending) for s in self._streams)
@@ -440,3 +451,11 @@ def channel_args() -> list[tuple[str, Any]]:
         ("grpc.min_reconnect_backoff_ms", 100),
         ("grpc.max_reconnect_backoff_ms", 1000),
     ]
+
+
+async def _answers_true(call: Awaitable[Any], timeout_s: float) -> bool:
+    """True when the health call answers true in time; False on any error or timeout."""
+    try:
+        return bool(await asyncio.wait_for(call, timeout_s))
+    except (TimeoutError, InferenceServerException, grpc.aio.AioRpcError):
+        return False

@@ -1,0 +1,358 @@
+"""Model rollouts: a model unloaded and loaded again in Triton holds its records; others flow.
+
+The session's Triton runs with explicit model control, so the tests unload and load
+``mlp`` through its repository API. That Triton is shared with every other test of
+the session: each test here loads ``mlp`` back in a ``finally`` block.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import urllib.error
+import urllib.request
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import numpy as np
+import pytest
+from aiokafka import AIOKafkaProducer
+from aiokafka.structs import ConsumerRecord
+
+from devtools.samples import (
+    ENCODINGS,
+    MODEL_INPUTS,
+    SampleRequest,
+    Tensor,
+    encode_request,
+)
+from tests.support import (
+    Collected,
+    Topics,
+    collect,
+    create,
+    headers_dict,
+    mlp_reference,
+    result_outputs,
+    running_worker,
+    send,
+    settings_for,
+)
+from worker.app import Worker
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
+
+_RATE_PER_S = 50  # requests per second for each of mlp and double
+_RUN_S = 10.0
+#: The rollout's gap: how long mlp stays unloaded before it is loaded again.
+_GAP_S = 4.0
+
+
+# -- Triton's repository API ---------------------------------------------------------
+
+
+def _post(triton: Any, path: str) -> Any:
+    request = urllib.request.Request(
+        f"http://{triton.http_address}{path}",
+        data=b"{}",
+        headers={"Content-Type": "application/json"},
+        method="POST",
+    )
+    with urllib.request.urlopen(request, timeout=60) as response:
+        assert response.status == 200, (path, response.status)
+        body = response.read()
+    return json.loads(body) if body else None
+
+
+def _model_ready(triton: Any, model: str) -> bool:
+    url = f"http://{triton.http_address}/v2/models/{model}/ready"
+    try:
+        with urllib.request.urlopen(url, timeout=10) as response:
+            return bool(response.status == 200)
+    except urllib.error.HTTPError:
+        return False
+
+
+async def _unload(triton: Any, model: str) -> None:
+    await asyncio.to_thread(_post, triton, f"/v2/repository/models/{model}/unload")
+
+
+async def _load(triton: Any, model: str) -> None:
+    await asyncio.to_thread(_post, triton, f"/v2/repository/models/{model}/load")
+
+
+def _load_broken(triton: Any, model: str) -> tuple[int, str]:
+    """Load ``model`` with a configuration naming a backend that does not exist: it fails."""
+    config = json.dumps({"name": model, "backend": "no_such_backend", "max_batch_size": 0})
+    request = urllib.request.Request(
+        f"http://{triton.http_address}/v2/repository/models/{model}/load",
+        data=json.dumps({"parameters": {"config": config}}).encode(),
+        headers={"Content-Type": "application/json"},
+        method="POST",
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return int(response.status), response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return int(exc.code), exc.read().decode()
+
+
+async def _index_state(triton: Any, model: str) -> set[str]:
+    """The states Triton's repository index gives for ``model``'s versions."""
+    index = await asyncio.to_thread(_post, triton, "/v2/repository/index")
+    return {entry.get("state", "") for entry in index if entry["name"] == model}
+
+
+async def _until_state(triton: Any, model: str, state: str, timeout_s: float = 30) -> None:
+    """Wait until the index gives ``state`` for ``model`` (an unload finishes in the background)."""
+    deadline = time.monotonic() + timeout_s
+    while (states := await _index_state(triton, model)) != {state}:
+        assert time.monotonic() < deadline, f"{model} still {states} after {timeout_s} s"
+        await asyncio.sleep(0.1)  # polling Triton, another process: nothing to await
+
+
+@contextlib.asynccontextmanager
+async def _loaded_afterwards(triton: Any, model: str) -> AsyncIterator[None]:
+    """Whatever happens inside, ``model`` is loaded (and ready) again on exit."""
+    try:
+        yield
+    finally:
+        if not await asyncio.to_thread(_model_ready, triton, model):
+            await _load(triton, model)
+        assert await asyncio.to_thread(_model_ready, triton, model)
+
+
+# -- requests and checks ---------------------------------------------------------------
+
+
+class Flow:
+    """Requests for mlp and double produced at a steady rate, remembered for checking."""
+
+    def __init__(self, bootstrap: str, topic: str) -> None:
+        self._bootstrap = bootstrap
+        self._topic = topic
+        self.tensors: dict[str, tuple[str, list[Tensor]]] = {}
+        self._rng = np.random.default_rng(17)
+
+    def request(self, model: str, request_id: str, index: int) -> SampleRequest:
+        tensors = MODEL_INPUTS[model](self._rng)
+        encoding = ENCODINGS[index % len(ENCODINGS)]
+        value, headers = encode_request(model, tensors, encoding, request_id)
+        self.tensors[request_id] = (model, tensors)
+        return SampleRequest(value, headers, model, encoding, request_id)
+
+    async def run(self, duration_s: float) -> None:
+        """Produce ``_RATE_PER_S`` requests a second for each model for ``duration_s``."""
+        producer = AIOKafkaProducer(bootstrap_servers=self._bootstrap, acks="all", linger_ms=5)
+        await producer.start()
+        try:
+            acks = []
+            started = time.monotonic()
+            for i in range(int(duration_s * _RATE_PER_S)):
+                # Pacing the producer to a steady rate: this is the traffic, not a wait.
+                await asyncio.sleep(max(0.0, started + i / _RATE_PER_S - time.monotonic()))
+                for model in ("mlp", "double"):
+                    r = self.request(model, f"{model}-{i}", i)
+                    key = r.request_id.encode()
+                    acks.append(
+                        await producer.send(self._topic, r.value, key=key, headers=r.headers)
+                    )
+            await asyncio.gather(*acks)
+        finally:
+            await producer.stop()
+
+
+def _check_result(record: ConsumerRecord[bytes, bytes], model: str, tensors: list[Tensor]) -> None:
+    values = np.asarray(tensors[0].values, dtype=np.float32)
+    name, expected = ("PROBS", mlp_reference(values)) if model == "mlp" else ("OUTPUT0", values * 2)
+    got = np.asarray(result_outputs(record)[name]).reshape(expected.shape)
+    np.testing.assert_allclose(got, expected, rtol=1e-5, err_msg=str(record.key))
+    assert headers_dict(record.headers)["x-model-name"] == model.encode()
+
+
+def _stamps_s(got: Collected, prefix: str) -> list[float]:
+    """Publish times (record timestamps, in s) of the results whose request id has ``prefix``."""
+    return sorted(r.timestamp / 1000 for rid, r in got.results.items() if rid.startswith(prefix))
+
+
+def _published(worker: Worker, model: str) -> float:
+    value = worker.metrics.registry.get_sample_value(
+        "worker_results_published_total", {"model": model}
+    )
+    return value or 0.0
+
+
+def _not_ready_gauge(worker: Worker) -> float | None:
+    return worker.metrics.registry.get_sample_value("worker_models_not_ready")
+
+
+async def _until(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
+    """Poll the in-process worker's state until ``condition`` holds, or fail naming ``what``."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"{what}: not within {timeout_s} s"
+        await asyncio.sleep(0.05)  # the worker's state changes in its own tasks: poll it
+
+
+# -- tests ---------------------------------------------------------------------------------
+
+
+async def test_rollout_holds_the_model_while_others_flow(
+    kafka: Any, triton: Any, unique: str
+) -> None:
+    """mlp unloaded for 4 s and loaded again mid-stream: every request answered, none lost."""
+    topics = Topics.fresh(unique)
+    await create(kafka, topics, partitions=2)
+    # The window holds the gap's mlp records (~50/s for the gap plus the probe's second)
+    # with room to spare, so that double keeps its slots while they wait.
+    settings = settings_for(
+        kafka, triton, topics, max_in_flight="1024", max_in_flight_per_partition="512"
+    )
+    flow = Flow(kafka.bootstrap_servers, topics.input)
+    tensors = MODEL_INPUTS["double"](np.random.default_rng(3))
+    value, headers = encode_request("no_such_model", tensors, "json", "unknown-model")
+    unknown = SampleRequest(value, headers, "no_such_model", "json", "unknown-model")
+    seen: dict[str, Any] = {}
+    async with _loaded_afterwards(triton, "mlp"), running_worker(settings) as worker:
+        producing = asyncio.create_task(flow.run(_RUN_S))
+        try:
+            await _until(lambda: _published(worker, "mlp") > 0, 30, "an mlp result")
+            assert not producing.done()
+            await _unload(triton, "mlp")
+            unloaded_at = time.time()
+            # A model the repository does not know, asked for while mlp is out.
+            unknown_sent_at = time.time()
+            await send(kafka.bootstrap_servers, topics.input, [unknown])
+            await _until(lambda: worker.models.is_held("mlp", ""), _GAP_S, "mlp held")
+            seen["early"] = (_not_ready_gauge(worker), worker.readiness())
+            # The rollout's gap itself: the model stays out this long, whatever the worker does.
+            await asyncio.sleep(max(0.0, unloaded_at + _GAP_S - time.time()))
+            seen["late"] = (_not_ready_gauge(worker), worker.readiness())
+            assert worker.models.is_held("mlp", "")
+            loading_at = time.time()
+            await _load(triton, "mlp")
+            loaded_at = time.time()
+            await _until(lambda: not worker.models.held(), 10, "mlp released")
+            seen["after"] = (_not_ready_gauge(worker), worker.readiness())
+            await producing
+        finally:
+            producing.cancel()
+        expected = len(flow.tensors) + 1
+        got = await collect(kafka.bootstrap_servers, topics, expected, timeout_s=60)
+
+    # While mlp was out: the gauge said so, /readyz named it, and the worker stayed ready.
+    for moment in ("early", "late"):
+        gauge, (ready, detail) = seen[moment]
+        assert gauge == 1, (moment, gauge)
+        assert detail.get("models_not_ready") == ["mlp"], (moment, detail)
+        assert ready, (moment, detail)
+    gauge, (ready, detail) = seen["after"]
+    assert gauge == 0 and "models_not_ready" not in detail and ready, (gauge, detail)
+
+    # The unknown model: MODEL_NOT_FOUND at once, on its first try; it is the only dead letter.
+    assert set(got.dead_letters) == {"unknown-model"}, sorted(got.dead_letters)[:10]
+    letter = got.dead_letters["unknown-model"]
+    headers = headers_dict(letter.headers)
+    assert headers["x-error-code"] == b"MODEL_NOT_FOUND"
+    assert int(headers["x-attempts"]) == 1, headers["x-attempts"]
+    assert letter.timestamp / 1000 - unknown_sent_at < 2.0
+    assert letter.timestamp / 1000 < loading_at  # not held until mlp came back
+
+    # Every other request has exactly one result, with the right values.
+    assert got.duplicates == 0
+    assert set(got.results) == set(flow.tensors)
+    for rid, (model, tensors) in flow.tensors.items():
+        _check_result(got.results[rid], model, tensors)
+
+    # double kept being answered through the gap; mlp was answered neither in it (it was
+    # really out: Triton's unload finishes what it has in flight first) nor before its load.
+    doubles = [t for t in _stamps_s(got, "double-") if unloaded_at <= t <= loading_at]
+    gap_s = loading_at - unloaded_at
+    assert len(doubles) >= 0.5 * _RATE_PER_S * gap_s, (len(doubles), gap_s)
+    pauses = np.diff([unloaded_at, *doubles, loading_at])
+    assert pauses.max() < 1.0, f"double stalled {pauses.max():.2f} s while mlp was out"
+    mlps = [t for t in _stamps_s(got, "mlp-") if unloaded_at + 0.5 <= t < loaded_at]
+    assert not mlps, f"{len(mlps)} mlp results while it was unloaded"
+    print(
+        f"\nROLLOUT | gap {gap_s:.1f} s, load {loaded_at - loading_at:.1f} s | "
+        f"{len(doubles)} double results in the gap | longest double pause "
+        f"{pauses.max():.2f} s | {len(got.results)} results"
+    )
+
+
+async def test_model_unloaded_before_first_request_is_held_until_loaded(
+    kafka: Any, triton: Any, unique: str
+) -> None:
+    """mlp unloaded before a fresh worker ever saw it ready: its requests wait, then answer."""
+    topics = Topics.fresh(unique)
+    await create(kafka, topics, partitions=1)
+    flow = Flow(kafka.bootstrap_servers, topics.input)
+    mlps = [flow.request("mlp", f"mlp-{i}", i) for i in range(15)]
+    doubles = [flow.request("double", f"double-{i}", i) for i in range(15)]
+    async with _loaded_afterwards(triton, "mlp"):
+        await _unload(triton, "mlp")
+        # Unloaded, the repository index still lists it: a rollout may bring it back.
+        await _until_state(triton, "mlp", "UNAVAILABLE")
+        async with running_worker(settings_for(kafka, triton, topics)) as worker:
+            assert not worker.pool.has_spec("mlp", "")
+            await send(kafka.bootstrap_servers, topics.input, [*mlps, *doubles])
+            await _until(lambda: worker.models.is_held("mlp", ""), 30, "mlp held")
+            # Meanwhile double is answered; mlp is neither answered nor dead-lettered.
+            got = await collect(kafka.bootstrap_servers, topics, len(doubles), timeout_s=60)
+            assert set(got.results) == {r.request_id for r in doubles}, sorted(got.results)
+            assert not got.dead_letters
+            assert _not_ready_gauge(worker) == 1
+            assert worker.readiness()[1].get("models_not_ready") == ["mlp"]
+            loading_at = time.time()
+            await _load(triton, "mlp")
+            got = await collect(kafka.bootstrap_servers, topics, len(flow.tensors), into=got)
+            assert _not_ready_gauge(worker) == 0
+
+    assert not got.dead_letters, sorted(got.dead_letters)
+    assert got.duplicates == 0
+    assert set(got.results) == set(flow.tensors)
+    for rid, (model, tensors) in flow.tensors.items():
+        _check_result(got.results[rid], model, tensors)
+    # mlp's results came only once it was loaded: they were held, not failed and retried.
+    assert min(_stamps_s(got, "mlp-")) >= loading_at
+
+
+async def test_model_that_failed_to_load_stops_no_other_model(
+    kafka: Any, triton: Any, unique: str
+) -> None:
+    """mlp's load fails (Triton not ready from then on): double flows, the worker stays ready."""
+    topics = Topics.fresh(unique)
+    await create(kafka, topics, partitions=1)
+    flow = Flow(kafka.bootstrap_servers, topics.input)
+    mlps = [flow.request("mlp", f"mlp-{i}", i) for i in range(10)]
+    doubles = [flow.request("double", f"double-{i}", i) for i in range(10)]
+    # Probes ten times a second: five failed ones in a row would open the breaker in 0.5 s.
+    settings = settings_for(kafka, triton, topics, breaker_probe_interval_ms="100")
+    async with _loaded_afterwards(triton, "mlp"):
+        await _unload(triton, "mlp")
+        status, body = await asyncio.to_thread(_load_broken, triton, "mlp")
+        assert status == 400, body
+        # Listed, but not servable: with strict readiness Triton's ServerReady says no now.
+        assert await _index_state(triton, "mlp") == {"UNAVAILABLE"}
+        async with running_worker(settings) as worker:
+            # The scenario: the worker idles for ten probe intervals with no inference at all.
+            await asyncio.sleep(1.0)
+            await send(kafka.bootstrap_servers, topics.input, [*mlps, *doubles])
+            got = await collect(kafka.bootstrap_servers, topics, len(doubles), timeout_s=30)
+            assert set(got.results) == {r.request_id for r in doubles}, sorted(got.results)
+            assert not got.dead_letters
+            # mlp's records wait for a good load rather than fail; the worker stays ready.
+            assert worker.models.held() == ["mlp"]
+            ready, detail = worker.readiness()
+            assert ready and detail["triton"] == "up" and detail["breaker"] == "closed", detail
+            loading_at = time.time()
+            await _load(triton, "mlp")
+            got = await collect(kafka.bootstrap_servers, topics, len(flow.tensors), into=got)
+
+    assert not got.dead_letters, sorted(got.dead_letters)
+    assert set(got.results) == set(flow.tensors)
+    for rid, (model, tensors) in flow.tensors.items():
+        _check_result(got.results[rid], model, tensors)
+    assert min(_stamps_s(got, "mlp-")) >= loading_at
