@@ -28,26 +28,19 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from aiokafka.admin import AIOKafkaAdminClient
-from aiokafka.errors import KafkaError, for_code
-from aiokafka.protocol.admin import DescribeGroupsResponse_v3
-from aiokafka.protocol.api import Request, RequestStruct, Response
-from aiokafka.protocol.types import Array, Boolean, Int16, Int32, Schema, String
 from rich.console import Console
 from rich.table import Table
 
+from worker.checks import probes
 from worker.errors import ExitCode
 from worker.kafka.options import kafka_client_kwargs
 from worker.settings import ConfigError, Settings, add_run_arguments, load_settings
-from worker.triton.auth import TritonAuth, triton_client_kwargs
+from worker.triton.auth import TritonAuth
 from worker.wire.tensors import DATATYPES
 from worker.wire.validation import ModelSpec
 
 Outcome = Literal["ok", "fail", "skip"]
 
-#: Kafka's AclOperation codes, as bit positions of an "authorized operations" field.
-_READ, _WRITE = 3, 4
-#: The field's value when the broker did not report the operations.
-_NOT_REPORTED = -(2**31)
 #: Kafka error codes the checks explain in words.
 _KAFKA_ERRORS = {
     3: "does not exist",
@@ -71,123 +64,7 @@ class CheckResult:
         return self.outcome != "fail"
 
 
-# -- requests asking for authorized operations (aiokafka's admin calls do not) ---------
-
-
-class _MetadataResponseV8(Response):  # type: ignore[misc]  # aiokafka is untyped
-    API_KEY = 3
-    API_VERSION = 8
-    SCHEMA = Schema(
-        ("throttle_time_ms", Int32),
-        (
-            "brokers",
-            Array(
-                ("node_id", Int32),
-                ("host", String("utf-8")),
-                ("port", Int32),
-                ("rack", String("utf-8")),
-            ),
-        ),
-        ("cluster_id", String("utf-8")),
-        ("controller_id", Int32),
-        (
-            "topics",
-            Array(
-                ("error_code", Int16),
-                ("topic", String("utf-8")),
-                ("is_internal", Boolean),
-                (
-                    "partitions",
-                    Array(
-                        ("error_code", Int16),
-                        ("partition", Int32),
-                        ("leader", Int32),
-                        ("leader_epoch", Int32),
-                        ("replicas", Array(Int32)),
-                        ("isr", Array(Int32)),
-                        ("offline_replicas", Array(Int32)),
-                    ),
-                ),
-                ("topic_authorized_operations", Int32),
-            ),
-        ),
-        ("cluster_authorized_operations", Int32),
-    )
-
-
-class _MetadataRequestV8(RequestStruct):  # type: ignore[misc]
-    API_KEY = 3
-    API_VERSION = 8
-    RESPONSE_TYPE = _MetadataResponseV8
-    SCHEMA = Schema(
-        ("topics", Array(String("utf-8"))),
-        ("allow_auto_topic_creation", Boolean),
-        ("include_cluster_authorized_operations", Boolean),
-        ("include_topic_authorized_operations", Boolean),
-    )
-
-
-class _TopicPermissionsRequest(Request[_MetadataRequestV8]):  # type: ignore[misc]
-    API_KEY = 3
-
-    def __init__(self, topics: Sequence[str]) -> None:
-        self._topics = list(topics)
-
-    def build(self, request_struct_class: type[_MetadataRequestV8]) -> _MetadataRequestV8:
-        return request_struct_class(self._topics, False, False, True)
-
-
-class _DescribeGroupsRequestV3(RequestStruct):  # type: ignore[misc]
-    # aiokafka's own v3 struct parses the answer as v2, which drops the operations.
-    API_KEY = 15
-    API_VERSION = 3
-    RESPONSE_TYPE = DescribeGroupsResponse_v3
-    SCHEMA = Schema(("groups", Array(String("utf-8"))), ("include_authorized_operations", Boolean))
-
-
-class _GroupPermissionsRequest(Request[_DescribeGroupsRequestV3]):  # type: ignore[misc]
-    API_KEY = 15
-
-    def __init__(self, group_id: str) -> None:
-        self._group_id = group_id
-
-    def build(
-        self, request_struct_class: type[_DescribeGroupsRequestV3]
-    ) -> _DescribeGroupsRequestV3:
-        return request_struct_class([self._group_id], True)
-
-
-def _may(operations: int, operation: int) -> bool | None:
-    """Whether the bit field allows ``operation``; None when the broker did not say."""
-    if operations == _NOT_REPORTED:
-        return None
-    return bool(operations & (1 << operation))
-
-
-def _reason(exc: BaseException) -> str:
-    """The first line of an error, named by its type unless the message already is."""
-    name = type(exc).__name__
-    lines = str(exc).strip().splitlines()
-    if not lines:
-        return name
-    return lines[0] if lines[0].startswith(name) else f"{name}: {lines[0]}"
-
-
 # -- Kafka ---------------------------------------------------------------------------
-
-
-def _topics_to_check(settings: Settings) -> list[tuple[str, str, int]]:
-    """(row name, topic, operation needed) for every topic the worker uses."""
-    rows = [(f"input topic {t}", t, _READ) for t in settings.topics.input_topics]
-    rows.append(
-        (f"output topic {settings.topics.output_topic}", settings.topics.output_topic, _WRITE)
-    )
-    rows.append(
-        (f"dead-letter topic {settings.topics.dlq_topic}", settings.topics.dlq_topic, _WRITE)
-    )
-    if settings.ops.audit in ("topic", "both") and settings.ops.audit_topic is not None:
-        rows.append((f"audit topic {settings.ops.audit_topic}", settings.ops.audit_topic, _WRITE))
-    return rows
 
 
 def _topic_result(name: str, topic: dict[str, Any] | None, operation: int) -> CheckResult:
@@ -200,47 +77,24 @@ def _topic_result(name: str, topic: dict[str, Any] | None, operation: int) -> Ch
     leaderless = sorted(p["partition"] for p in partitions if p["leader"] < 0)
     if leaderless:
         return CheckResult(name, "fail", f"partitions without a leader: {leaderless}")
-    verb = "read" if operation == _READ else "write"
-    allowed = _may(int(topic["topic_authorized_operations"]), operation)
+    verb = "read" if operation == probes.READ else "write"
+    allowed = probes.may(int(topic["topic_authorized_operations"]), operation)
     if allowed is False:
         return CheckResult(name, "fail", f"{len(partitions)} partitions, but no {verb} permission")
     permission = f"may {verb}" if allowed else f"{verb} permission not reported"
     return CheckResult(name, "ok", f"{len(partitions)} partitions, {permission}")
 
 
-async def _describe_group(admin: AIOKafkaAdminClient, group_id: str) -> dict[str, Any]:
-    # The first group lookup on a fresh cluster creates the offsets topic and answers
-    # "coordinator not available" meanwhile; retriable errors are retried (the caller
-    # bounds the total time).
-    backoff_s = 0.1
-    while True:
-        try:
-            node = await admin.find_coordinator(group_id)
-            response = await admin._client.send(node, _GroupPermissionsRequest(group_id))
-        except KafkaError as exc:
-            if not exc.retriable:
-                raise
-            await asyncio.sleep(backoff_s)
-            backoff_s = min(backoff_s * 2, 1.0)
-            continue
-        group: dict[str, Any] = response.to_object()["groups"][0]
-        code = int(group["error_code"])
-        if not code or not for_code(code).retriable:
-            return group
-        await asyncio.sleep(backoff_s)  # e.g. the coordinator is still loading the group
-        backoff_s = min(backoff_s * 2, 1.0)
-
-
 async def _group_result(admin: AIOKafkaAdminClient, group_id: str) -> CheckResult:
     name = f"consumer group {group_id}"
-    group = await _describe_group(admin, group_id)
+    group = await probes.describe_group(admin, group_id)
     code = int(group["error_code"])
     if code:
         return CheckResult(name, "fail", _KAFKA_ERRORS.get(code, f"Kafka error code {code}"))
     if group["protocol_type"] not in ("", "consumer"):
         kind = group["protocol_type"]
         return CheckResult(name, "fail", f"the group id is used by a {kind!r} group")
-    if _may(int(group["authorized_operations"]), _READ) is False:
+    if probes.may(int(group["authorized_operations"]), probes.READ) is False:
         return CheckResult(name, "fail", "no read permission on the group: cannot join it")
     members = len(group["members"])
     state = "no members yet" if group["state"] in ("Dead", "Empty") else group["state"]
@@ -249,7 +103,7 @@ async def _group_result(admin: AIOKafkaAdminClient, group_id: str) -> CheckResul
 
 async def kafka_checks(settings: Settings, timeout_s: float) -> list[CheckResult]:
     """Broker reachable; topics exist with the needed permissions; the group can be joined."""
-    topics = _topics_to_check(settings)
+    topics = probes.topics_to_check(settings)
     later = [name for name, _, _ in topics] + [f"consumer group {settings.kafka.group_id}"]
     admin = AIOKafkaAdminClient(
         bootstrap_servers=settings.kafka.bootstrap_servers,
@@ -260,12 +114,14 @@ async def kafka_checks(settings: Settings, timeout_s: float) -> list[CheckResult
     try:
         async with asyncio.timeout(timeout_s):
             await admin.start()
-            request = _TopicPermissionsRequest(sorted({topic for _, topic, _ in topics}))
             client = admin._client  # the admin API has no metadata call that can say "may"
-            metadata = (await client.send(client.get_random_node(), request)).to_object()
+            metadata = await probes.describe_topics(
+                lambda request: client.send(client.get_random_node(), request),
+                [topic for _, topic, _ in topics],
+            )
     except Exception as exc:
         await admin.close()
-        reason = f"{settings.kafka.bootstrap_servers}: {_reason(exc)}"
+        reason = f"{settings.kafka.bootstrap_servers}: {probes.reason(exc)}"
         return [
             CheckResult("Kafka reachable", "fail", reason),
             *(CheckResult(name, "skip", "Kafka unreachable") for name in later),
@@ -285,7 +141,7 @@ async def kafka_checks(settings: Settings, timeout_s: float) -> list[CheckResult
             async with asyncio.timeout(timeout_s):
                 results.append(await _group_result(admin, settings.kafka.group_id))
         except Exception as exc:
-            results.append(CheckResult(later[-1], "fail", _reason(exc)))
+            results.append(CheckResult(later[-1], "fail", probes.reason(exc)))
         return results
     finally:
         await admin.close()
@@ -328,13 +184,9 @@ async def _model_result(client: Any, name: str, auth: TritonAuth, timeout_s: flo
 
 async def triton_checks(settings: Settings, timeout_s: float) -> list[CheckResult]:
     """Server ready; every expected model ready with metadata the worker can use."""
-    from tritonclient.grpc.aio import InferenceServerClient
-
     models = expected_models(settings)
     auth = TritonAuth(settings.triton)
-    client = InferenceServerClient(
-        settings.triton.triton_url, **triton_client_kwargs(settings.triton)
-    )
+    client = probes.triton_client(settings)
     try:
         try:
             ready = await client.is_server_ready(headers=auth.headers(), client_timeout=timeout_s)
@@ -344,7 +196,7 @@ async def triton_checks(settings: Settings, timeout_s: float) -> list[CheckResul
         except Exception as exc:
             return [
                 CheckResult(
-                    "Triton ready", "fail", f"{settings.triton.triton_url}: {_reason(exc)}"
+                    "Triton ready", "fail", f"{settings.triton.triton_url}: {probes.reason(exc)}"
                 ),
                 *(CheckResult(f"model {m}", "skip", "Triton unreachable") for m in models),
             ]
@@ -365,7 +217,7 @@ async def triton_checks(settings: Settings, timeout_s: float) -> list[CheckResul
             try:
                 results.append(await _model_result(client, name, auth, timeout_s))
             except Exception as exc:
-                results.append(CheckResult(f"model {name}", "fail", _reason(exc)))
+                results.append(CheckResult(f"model {name}", "fail", probes.reason(exc)))
         return results
     finally:
         await client.close()

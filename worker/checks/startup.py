@@ -19,13 +19,12 @@ import grpc  # type: ignore[import-untyped, unused-ignore]
 from aiokafka import errors as kafka_errors
 from aiokafka.conn import create_conn
 from aiokafka.protocol.coordination import FindCoordinatorRequest
-from aiokafka.protocol.metadata import MetadataRequest
 from tritonclient.grpc import InferenceServerException, service_pb2
-from tritonclient.grpc.aio import InferenceServerClient
 
+from worker.checks import probes
 from worker.kafka.options import kafka_client_kwargs
 from worker.settings import Settings
-from worker.triton.auth import TritonAuth, triton_client_kwargs
+from worker.triton.auth import TritonAuth
 
 #: Bound on each check, so that a start-up never hangs on them.
 CHECK_TIMEOUT_S = 15.0
@@ -110,16 +109,10 @@ async def _check_kafka(settings: Settings, kwargs: dict[str, Any]) -> None:
 
 
 async def _check_authorization(conn: Any, settings: Settings, where: str, who: str) -> None:
-    topics = [
-        *settings.topics.input_topics,
-        settings.topics.output_topic,
-        settings.topics.dlq_topic,
-    ]
-    if settings.ops.audit in ("topic", "both") and settings.ops.audit_topic:
-        topics.append(settings.ops.audit_topic)
-    metadata = await conn.send(MetadataRequest(topics, allow_auto_topic_creation=False))
+    topics = [topic for _, topic, _ in probes.topics_to_check(settings)]
+    metadata = await probes.describe_topics(conn.send, topics)
     refused = sorted(
-        topic for error, topic, *_ in metadata.topics if error == _TOPIC_AUTHORIZATION_FAILED
+        t["topic"] for t in metadata["topics"] if t["error_code"] == _TOPIC_AUTHORIZATION_FAILED
     )
     if refused:
         raise StartupCheckFailed(
@@ -146,9 +139,7 @@ async def check_triton(settings: Settings, timeout_s: float = CHECK_TIMEOUT_S) -
     auth = TritonAuth(settings.triton)
     if not settings.triton.triton_ssl and not auth.enabled:
         return
-    client = InferenceServerClient(
-        settings.triton.triton_url, **triton_client_kwargs(settings.triton)
-    )
+    client = probes.triton_client(settings)
     try:
         await asyncio.wait_for(_check_triton(client, auth, settings), timeout_s)
     except TimeoutError:
