@@ -18,7 +18,7 @@ from aiokafka.structs import ConsumerRecord, TopicPartition
 
 from worker import errors
 from worker.audit import Audit
-from worker.checks import startup as preflight
+from worker.checks.startup import run_startup_checks
 from worker.delivery import build_delivery
 from worker.errors import ExitCode
 from worker.flow.breaker import CircuitBreaker
@@ -133,7 +133,7 @@ class Worker:
 
     async def start(self) -> None:
         """Connect everything; the consumer joins its group last, when all else is ready."""
-        await preflight.run_checks(self.settings)
+        await run_startup_checks(self.settings)
         if self.settings.ops.metrics_port:
             self.health = HealthServer(
                 self.metrics.registry, self.readiness, port=self.settings.ops.metrics_port

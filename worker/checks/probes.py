@@ -18,6 +18,7 @@ from aiokafka.protocol.api import Request, RequestStruct, Response
 from aiokafka.protocol.types import Array, Boolean, Int16, Int32, Schema, String
 from tritonclient.grpc.aio import InferenceServerClient
 
+from worker.flow.retry import Backoff
 from worker.settings import Settings
 from worker.triton.auth import triton_client_kwargs
 
@@ -34,6 +35,8 @@ __all__ = [
 
 #: Kafka's AclOperation codes, as bit positions of an "authorized operations" field.
 READ, WRITE = 3, 4
+#: Waits between tries of a group lookup the broker answered with a retriable error.
+_RETRY = Backoff(first_s=0.1, max_s=1.0)
 #: The field's value when the broker did not report the operations.
 _NOT_REPORTED = -(2**31)
 
@@ -163,7 +166,7 @@ async def describe_group(admin: AIOKafkaAdminClient, group_id: str) -> dict[str,
     # The first group lookup on a fresh cluster creates the offsets topic and answers
     # "coordinator not available" meanwhile; retriable errors are retried (the caller
     # bounds the total time).
-    backoff_s = 0.1
+    failures = 0
     while True:
         try:
             node = await admin.find_coordinator(group_id)
@@ -171,15 +174,15 @@ async def describe_group(admin: AIOKafkaAdminClient, group_id: str) -> dict[str,
         except KafkaError as exc:
             if not exc.retriable:
                 raise
-            await asyncio.sleep(backoff_s)
-            backoff_s = min(backoff_s * 2, 1.0)
+            failures += 1
+            await asyncio.sleep(_RETRY.delay_s(failures))
             continue
         group: dict[str, Any] = response.to_object()["groups"][0]
         code = int(group["error_code"])
         if not code or not for_code(code).retriable:
             return group
-        await asyncio.sleep(backoff_s)  # e.g. the coordinator is still loading the group
-        backoff_s = min(backoff_s * 2, 1.0)
+        failures += 1  # e.g. the coordinator is still loading the group
+        await asyncio.sleep(_RETRY.delay_s(failures))
 
 
 def reason(exc: BaseException) -> str:

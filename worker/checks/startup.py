@@ -24,6 +24,7 @@ from tritonclient.grpc import InferenceServerException, service_pb2
 from worker.checks import probes
 from worker.kafka.options import kafka_client_kwargs
 from worker.settings import Settings
+from worker.triton._compat import grpc_stub
 from worker.triton.auth import TritonAuth
 
 #: Bound on each check, so that a start-up never hangs on them.
@@ -154,7 +155,7 @@ async def _check_triton(client: Any, auth: TritonAuth, settings: Settings) -> No
     where = f"Triton {settings.triton.triton_url}"
     try:
         await client.get_server_metadata(headers=headers)
-        await client._client_stub.ModelInfer(
+        await grpc_stub(client).ModelInfer(
             service_pb2.ModelInferRequest(model_name=""), metadata=tuple(headers.items())
         )
     except InferenceServerException as exc:
@@ -190,7 +191,7 @@ def _raise_if_fatal(
     # Anything else (unknown model "", server unreachable) is not a credentials problem.
 
 
-async def run_checks(settings: Settings) -> None:
+async def run_startup_checks(settings: Settings) -> None:
     """Every start-up check, Kafka and Triton side by side; the first failure is raised."""
     outcomes = await asyncio.gather(
         check_kafka(settings), check_triton(settings), return_exceptions=True

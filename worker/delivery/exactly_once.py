@@ -27,6 +27,7 @@ from aiokafka.structs import ConsumerRecord, OffsetAndMetadata, TopicPartition
 from worker.delivery.base import CommitEdge, Sink, TrackingDelivery
 from worker.delivery.offsets import OffsetTracker
 from worker.errors import PartitionRevoked
+from worker.kafka._compat import in_transaction
 from worker.kafka.publisher import Headers, dead_letter_value, kafka_compression
 from worker.observability import Metrics
 from worker.settings import Settings
@@ -217,7 +218,7 @@ class ExactlyOnce(TrackingDelivery):
             except KafkaError as exc:
                 log.warning("transaction_failed", partition=str(tp), error=repr(exc))
                 self._metrics.commit_failures_total.inc()
-                if producer._txn_manager is not None and producer._txn_manager.is_in_transaction():
+                if in_transaction(producer):
                     await producer.abort_transaction()
                 return  # staged outcomes stay; the next flush tries again
             for offset in ready:

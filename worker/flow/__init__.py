@@ -1,0 +1,20 @@
+"""Flow control, pure asyncio: the in-flight window, ordering turns, breakers, holds, retries."""
+
+from worker.flow.breaker import CircuitBreaker
+from worker.flow.holds import ModelGate
+from worker.flow.limiter import AdaptiveLimiter
+from worker.flow.ordering import Ticket, Turns
+from worker.flow.retry import Backoff, Budget, RetryPolicy
+from worker.flow.window import Window
+
+__all__ = [
+    "AdaptiveLimiter",
+    "Backoff",
+    "Budget",
+    "CircuitBreaker",
+    "ModelGate",
+    "RetryPolicy",
+    "Ticket",
+    "Turns",
+    "Window",
+]

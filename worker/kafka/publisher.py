@@ -15,11 +15,15 @@ from aiokafka.partitioner import DefaultPartitioner
 from aiokafka.structs import ConsumerRecord
 
 from worker import errors
+from worker.flow.retry import Backoff
 
 log = structlog.get_logger(__name__)
 
 Headers = Sequence[tuple[str, bytes | None]]
 _T = TypeVar("_T")
+
+#: Waits between tries of a write that failed on a Kafka error (a broker restart, a leader move).
+_WRITE_BACKOFF = Backoff(first_s=0.2, max_s=5.0)
 
 #: Producer batch per partition. aiokafka's 16 KiB default fills after ~40 results;
 #: senders then queue behind the in-flight batch, which costs CPU per record.
@@ -295,7 +299,6 @@ async def write_with_retries(
     """Call ``write``, retrying Kafka errors (a broker restart, a leader moving) with
     backoff; raise ``failure`` when every try failed. A size refusal is not retried:
     MessageSizeTooLargeError propagates at once."""
-    delay_s = 0.2
     for attempt in range(1, attempts + 1):
         try:
             return await write()
@@ -309,6 +312,5 @@ async def write_with_retries(
                 raise failure(
                     f"{what} failed {attempt} times: {type(exc).__name__}: {exc}"
                 ) from exc
-            await asyncio.sleep(delay_s)
-            delay_s = min(delay_s * 2, 5.0)
+            await asyncio.sleep(_WRITE_BACKOFF.delay_s(attempt))
     raise AssertionError("unreachable")

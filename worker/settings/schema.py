@@ -10,28 +10,40 @@ Every check that involves several settings lives here too.
 
 from __future__ import annotations
 
-import os
-import socket
 import typing
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, ClassVar
 
 import msgspec
 from msgspec import Meta
 
+from worker.settings.fields import (
+    AuditMode,
+    Compression,
+    ConfigError,
+    DeliveryMode,
+    Doc,
+    LogFormat,
+    LogLevel,
+    OffsetReset,
+    Ordering,
+    SaslMechanism,
+    SecurityProtocol,
+    ShmMode,
+    WindowMode,
+    default_client_id,
+    log_format_for,
+)
 from worker.settings.parsers import (
     MIB,
-    ValueKind,
     allowlist,
     host_port,
     host_ports,
-    kind_of,
     seconds,
     size,
     topic,
     topics,
 )
+from worker.settings.spec import ENV_PREFIX, SettingSpec, specs_of
 
 __all__ = [
     "ENV_PREFIX",
@@ -52,51 +64,6 @@ __all__ = [
     "TopicSettings",
     "TritonSettings",
 ]
-
-ENV_PREFIX = "WORKER_"
-
-LogFormat = Literal["json", "console"]
-LogLevel = Literal["debug", "info", "warning", "error"]
-OffsetReset = Literal["earliest", "latest"]
-Ordering = Literal["unordered", "key", "partition"]
-DeliveryMode = Literal["at_least_once", "exactly_once"]
-SecurityProtocol = Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"]
-SaslMechanism = Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "OAUTHBEARER"]
-WindowMode = Literal["fixed", "adaptive"]
-ShmMode = Literal["none", "system"]
-AuditMode = Literal["none", "log", "topic", "both"]
-Compression = Literal["none", "gzip", "snappy", "lz4", "zstd"]
-
-
-class ConfigError(Exception):
-    """A setting is unknown, missing or invalid; the message is one line naming it."""
-
-    def __init__(self, setting: str, message: str) -> None:
-        super().__init__(message)
-        #: The environment variable concerned (or the flag, when the flag itself is unknown).
-        self.setting = setting
-        self.message = message
-
-
-@dataclass(frozen=True, slots=True)
-class Doc:
-    """A setting's documentation: its meaning, and how its default reads."""
-
-    help: str
-    secret: bool = False
-    default_doc: str | None = None  # prose instead of the literal default
-    #: A default that depends on the environment: f(stderr is a terminal) -> value.
-    contextual_default: Callable[[bool], object] | None = None
-
-
-def default_client_id() -> str:
-    """``kafka-triton-worker-<hostname>-<pid>``: unique per process, readable in broker logs."""
-    return f"kafka-triton-worker-{socket.gethostname()}-{os.getpid()}"
-
-
-def _log_format_for(isatty: bool) -> object:
-    # People at a terminal read; collectors parse. Neither has to configure it.
-    return "console" if isatty else "json"
 
 
 class _Section(msgspec.Struct, frozen=True, kw_only=True):
@@ -330,7 +297,7 @@ class OpsSettings(_Section, frozen=True, kw_only=True):
         "Port of /metrics, /healthz and /readyz; 0 disables them.")] = 9400
     log_format: Annotated[LogFormat, Doc(
         "Logs as JSON lines, or human-readable.", default_doc="console on a terminal, else json",
-        contextual_default=_log_format_for)] = "json"
+        contextual_default=log_format_for)] = "json"
     log_level: Annotated[LogLevel, Doc("Least level logged.")] = "info"
     audit: Annotated[AuditMode, Doc(
         "One audit record per request: to a log stream, an audit topic, or both.")] = "none"
@@ -392,70 +359,8 @@ Settings.SECTIONS = {
 }  # fmt: skip
 
 
-@dataclass(frozen=True, slots=True)
-class SettingSpec:
-    """One setting as read from the environment and flags, and as documented."""
-
-    section: str
-    field: str
-    env: str
-    flag: str
-    kind: ValueKind
-    doc: Doc
-    required: bool
-    default: object  # None when required or computed by a factory
-
-    @property
-    def help(self) -> str:
-        return self.doc.help
-
-    @property
-    def secret(self) -> bool:
-        return self.doc.secret
-
-    def get(self, settings: Settings) -> Any:
-        return getattr(getattr(settings, self.section), self.field)
-
-    def default_doc(self) -> str:
-        """How the default reads in the README and ``--help``."""
-        if self.doc.default_doc is not None:
-            return self.doc.default_doc
-        if self.required:
-            return "required"
-        value = self.default
-        if value is None:
-            return "(none)"
-        if isinstance(value, int) and not isinstance(value, bool):
-            if value >= MIB and value % MIB == 0:
-                return f"{value // MIB}MiB"
-        return str(value)
-
-    def default_is_value(self) -> bool:
-        """True when ``default_doc`` is the literal default rather than prose."""
-        return self.doc.default_doc is None and not self.required and self.default is not None
-
-
-def _specs_of(section: str, cls: type[_Section]) -> Iterator[SettingSpec]:
-    hints = typing.get_type_hints(cls, include_extras=True)
-    for info in msgspec.structs.fields(cls):
-        annotation = hints[info.name]
-        doc = next(e for e in typing.get_args(annotation) if isinstance(e, Doc))
-        required = info.required
-        default = None if required or info.default is msgspec.NODEFAULT else info.default
-        yield SettingSpec(
-            section=section,
-            field=info.name,
-            env=ENV_PREFIX + info.name.upper(),
-            flag="--" + info.name.replace("_", "-"),
-            kind=kind_of(annotation, info.name),
-            doc=doc,
-            required=required,
-            default=default,
-        )
-
-
 _SECTION_SPECS: dict[type[_Section], tuple[SettingSpec, ...]] = {
-    cls: tuple(_specs_of(name, cls)) for name, cls in Settings.SECTIONS.items()
+    cls: tuple(specs_of(name, cls)) for name, cls in Settings.SECTIONS.items()
 }
 
 #: Every setting, in declaration order: the single source for env, flags and docs.

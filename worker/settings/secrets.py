@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from worker.settings.schema import ConfigError
+from worker.settings.fields import ConfigError
 
 __all__ = ["check_file", "read_secret"]
 

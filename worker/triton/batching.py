@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import struct
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -33,13 +32,13 @@ from tritonclient.grpc import service_pb2
 from worker import errors
 from worker.triton.pool import TritonPool
 from worker.wire import DecodedRequest
+from worker.wire.bytes_tensor import LENGTH_PREFIX
 from worker.wire.validation import ModelSpec
 
 __all__ = ["BatchStats", "MicroBatcher", "batchable"]
 
 #: Request parameters that tie a request to server-side state: never batched.
 _STATEFUL_PARAMETERS = frozenset({"sequence_id", "sequence_start", "sequence_end"})
-_LENGTH_PREFIX = struct.Struct("<I")
 #: Entries of one batch whose deadlines differ by less than this share the batch's.
 _DEADLINE_SLACK_S = 0.005
 
@@ -357,7 +356,7 @@ def _split_bytes(raw: bytes, rows: Sequence[int], row_elements: int) -> list[byt
         for _ in range(count * row_elements):
             if end + 4 > len(raw):
                 raise _SplitError("BYTES output ends inside an element")
-            (length,) = _LENGTH_PREFIX.unpack_from(raw, end)
+            (length,) = LENGTH_PREFIX.unpack_from(raw, end)
             end += 4 + length
         if end > len(raw):
             raise _SplitError("BYTES output ends inside an element")

@@ -23,18 +23,22 @@ from typing import Any
 
 import grpc  # type: ignore[import-untyped, unused-ignore]
 import structlog
-from tritonclient.grpc import InferenceServerException, KeepAliveOptions, service_pb2
-from tritonclient.grpc._client import MAX_GRPC_MESSAGE_SIZE
+from tritonclient.grpc import InferenceServerException, service_pb2
 from tritonclient.grpc.aio import InferenceServerClient
 
 from worker import errors
+from worker.flow.retry import Backoff
 from worker.triton import errors as triton_errors
+from worker.triton._compat import channel_args, grpc_stub
 from worker.triton.auth import TritonAuth
 from worker.triton.shm import ShmPool
+from worker.triton.stream import Stream
 from worker.wire.validation import ModelSpec
 
 log = structlog.get_logger(__name__)
 
+#: Waits before re-opening a broken stream, so a down server is not hammered.
+_REOPEN = Backoff(first_s=0.1, max_s=5.0)
 #: How long a negative model lookup (unknown model) is remembered.
 _NEGATIVE_CACHE_S = 5.0
 #: A stream whose oldest request waits longer than this is avoided for new requests.
@@ -43,124 +47,6 @@ _STUCK_AFTER_S = 0.25
 _INDEX_CACHE_S = 1.0
 #: Repository states of a model that Triton is expected to serve (again) soon.
 _SERVABLE_STATES = frozenset({"READY", "LOADING", "UNLOADING", "UNAVAILABLE"})
-
-
-class _Stream:
-    """One ModelStreamInfer call: a queue of requests in, responses matched by id out."""
-
-    def __init__(self, stub: object, index: int, headers: Mapping[str, str]) -> None:
-        self.index = index
-        self._stub = stub
-        self._metadata = tuple(headers.items())
-        self._call: Any = None
-        self._abandoned = False
-        self._outbox: asyncio.Queue[service_pb2.ModelInferRequest | None] = asyncio.Queue()
-        # Insertion-ordered: the first entry is the oldest request still owed.
-        self.pending: dict[str, asyncio.Future[service_pb2.ModelInferResponse]] = {}
-        self._sent_at: dict[str, float] = {}
-        self.broken: errors.WorkerError | None = None
-        self._idle = asyncio.Event()
-        self._idle.set()
-
-    def __aiter__(self) -> _Stream:
-        return self
-
-    async def __anext__(self) -> service_pb2.ModelInferRequest:
-        # A plain async iterator rather than an async generator: gRPC may still be
-        # awaiting it when the call breaks, and a generator cannot be closed then.
-        request = await self._outbox.get()
-        if request is None:
-            raise StopAsyncIteration
-        return request
-
-    async def run(self) -> None:
-        """Read responses until the stream ends; then fail whatever is still owed."""
-        call = self._stub.ModelStreamInfer(  # type: ignore[attr-defined]
-            self, metadata=self._metadata or None
-        )
-        self._call = call
-        try:
-            async for response in call:
-                self._deliver(response)
-            self.broken = errors.TritonUnavailable("the inference stream was closed by Triton")
-        except grpc.aio.AioRpcError as exc:
-            self.broken = triton_errors.from_grpc(exc.code(), exc.details() or "")
-            if not self.broken.retryable:
-                self.broken = errors.TritonUnavailable(
-                    f"the inference stream broke: {exc.details()}"
-                )
-        except asyncio.CancelledError:
-            call.cancel()
-            self.broken = errors.TritonUnavailable("the inference stream was cancelled")
-            task = asyncio.current_task()
-            if self._abandoned and task is not None and not task.cancelling():
-                return  # close() abandoned the drained call; this task was not cancelled
-            raise
-        finally:
-            self._fail_pending(self.broken or errors.TritonUnavailable("stream ended"))
-            # End the request iterator so gRPC's task feeding it finishes too.
-            self._outbox.put_nowait(None)
-
-    def oldest_age_s(self, now: float) -> float:
-        """How long the oldest owed response has been waiting (0 when none)."""
-        for correlation in self.pending:
-            return now - self._sent_at[correlation]
-        return 0.0
-
-    def _deliver(self, response: service_pb2.ModelStreamInferResponse) -> None:
-        correlation = response.infer_response.id
-        self._sent_at.pop(correlation, None)
-        future = self.pending.pop(correlation, None)
-        if future is None:
-            # A response for a request already timed out (or unknown): never used twice.
-            log.debug("late_response_dropped", correlation=correlation, stream=self.index)
-        elif not future.done():
-            if response.error_message:
-                future.set_exception(triton_errors.from_stream_error(response.error_message))
-            else:
-                future.set_result(response.infer_response)
-        if not self.pending:
-            self._idle.set()
-
-    def _fail_pending(self, error: errors.WorkerError) -> None:
-        pending, self.pending = self.pending, {}
-        self._sent_at.clear()
-        for future in pending.values():
-            if not future.done():
-                future.set_exception(error)
-        self._idle.set()
-
-    def submit(
-        self, request: service_pb2.ModelInferRequest
-    ) -> asyncio.Future[service_pb2.ModelInferResponse]:
-        future: asyncio.Future[service_pb2.ModelInferResponse] = (
-            asyncio.get_running_loop().create_future()
-        )
-        self.pending[request.id] = future
-        self._sent_at[request.id] = time.monotonic()
-        self._idle.clear()
-        self._outbox.put_nowait(request)
-        return future
-
-    def forget(self, correlation: str) -> None:
-        self.pending.pop(correlation, None)
-        self._sent_at.pop(correlation, None)
-        if not self.pending:
-            self._idle.set()
-
-    async def close(self, drain_timeout_s: float) -> None:
-        """Wait (bounded) for every owed response, then abandon the call.
-
-        Cancelling rather than half-closing: tritonserver 2.51 was seen to crash
-        when a client half-closed a stream, even an idle one, while cancelling
-        never crashed it.
-        """
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._idle.wait(), drain_timeout_s)
-        self._abandoned = True
-        if self._call is not None:
-            self._call.cancel()
-        self._outbox.put_nowait(None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,13 +75,13 @@ class TritonPool:
         self._auth = auth
         self._size = streams
         self._client: InferenceServerClient | None = None
-        self._streams: list[_Stream] = []
+        self._streams: list[Stream] = []
         self._tasks: list[asyncio.Task[None]] = []
         self._ids = itertools.count(1)
         self._specs: dict[tuple[str, str], _CachedSpec] = {}
         self._spec_locks: dict[tuple[str, str], asyncio.Lock] = {}
         self._closing = False
-        self._reopen_backoff_s = 0.1
+        self._reopen_failures = 0
         self._wake = asyncio.Event()
         self._shm_min_bytes = shm_min_bytes
         self._shm_pool_bytes = shm_pool_bytes
@@ -220,7 +106,7 @@ class TritonPool:
 
     def _open(self, index: int) -> None:
         assert self._client is not None
-        stream = _Stream(self._client._client_stub, index, self._headers())
+        stream = Stream(grpc_stub(self._client), index, self._headers())
         task = asyncio.get_running_loop().create_task(
             self._supervise(stream), name=f"triton-stream-{index}"
         )
@@ -230,7 +116,7 @@ class TritonPool:
             self._streams.append(stream)
             self._tasks.append(task)
 
-    async def _supervise(self, stream: _Stream) -> None:
+    async def _supervise(self, stream: Stream) -> None:
         await stream.run()
         if self._closing:
             return
@@ -240,14 +126,14 @@ class TritonPool:
         # Back off before re-opening, so a down server is not hammered; the other
         # streams keep serving meanwhile.
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._wake.wait(), self._reopen_backoff_s)
-        self._reopen_backoff_s = min(self._reopen_backoff_s * 2, 5.0)
+            self._reopen_failures += 1
+            await asyncio.wait_for(self._wake.wait(), _REOPEN.delay_s(self._reopen_failures))
         if not self._closing:
             self._open(stream.index)
 
     def wake(self) -> None:
         """Re-open broken streams now (Triton is back), not after their backoff."""
-        self._reopen_backoff_s = 0.1
+        self._reopen_failures = 0
         self._wake.set()
         self._wake = asyncio.Event()
 
@@ -255,7 +141,7 @@ class TritonPool:
         """Per-call gRPC metadata (authentication), read afresh for each call or stream."""
         return dict(self._auth.headers()) if self._auth is not None else {}
 
-    def _pick(self) -> _Stream:
+    def _pick(self) -> Stream:
         """The least-loaded live stream, avoiding streams stuck behind a slow request.
 
         Triton answers a stream in request order, so a request queued behind a
@@ -303,7 +189,7 @@ class TritonPool:
             if lease is not None:
                 assert self.shm is not None
                 self.shm.release(lease, reusable=answered)
-        self._reopen_backoff_s = 0.1
+        self._reopen_failures = 0
         return response
 
     async def model_spec(self, name: str, version: str) -> ModelSpec:
@@ -429,28 +315,6 @@ class TritonPool:
             await self.shm.close()
         if self._client is not None:
             await self._client.close()
-
-
-def channel_args() -> list[tuple[str, Any]]:
-    """tritonclient's own channel options, plus a short reconnect backoff.
-
-    gRPC's default reconnect backoff grows to two minutes: after a long Triton
-    outage the channel would wait that long before trying again, keeping the
-    worker (and its health probe) down well after Triton is ready. One second
-    at most keeps resumption within seconds.
-    """
-    keepalive = KeepAliveOptions()
-    return [
-        ("grpc.max_send_message_length", MAX_GRPC_MESSAGE_SIZE),
-        ("grpc.max_receive_message_length", MAX_GRPC_MESSAGE_SIZE),
-        ("grpc.keepalive_time_ms", keepalive.keepalive_time_ms),
-        ("grpc.keepalive_timeout_ms", keepalive.keepalive_timeout_ms),
-        ("grpc.keepalive_permit_without_calls", keepalive.keepalive_permit_without_calls),
-        ("grpc.http2.max_pings_without_data", keepalive.http2_max_pings_without_data),
-        ("grpc.initial_reconnect_backoff_ms", 100),
-        ("grpc.min_reconnect_backoff_ms", 100),
-        ("grpc.max_reconnect_backoff_ms", 1000),
-    ]
 
 
 async def _answers_true(call: Awaitable[Any], timeout_s: float) -> bool:

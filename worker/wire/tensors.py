@@ -13,9 +13,8 @@ refused cheaply.
 from __future__ import annotations
 
 import base64
-import struct
 import types
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from math import prod
 from typing import Annotated, Any, Final
@@ -25,6 +24,11 @@ import numpy as np
 import numpy.typing as npt
 
 from worker.errors import DecodeError, InvalidRequest, TooLarge
+from worker.wire.bytes_tensor import (
+    count_bytes_elements,
+    deserialize_bytes_tensor,
+    serialize_bytes_tensor,
+)
 
 __all__ = [
     "DATATYPES",
@@ -117,7 +121,6 @@ DATATYPES: Final[Mapping[str, DataType]] = {
 _JSON_LIST_TYPES: Final[Mapping[str, Any]] = {
     name: types.GenericAlias(list, (dt.json_element,)) for name, dt in DATATYPES.items()
 }
-_LENGTH_PREFIX: Final = struct.Struct("<I")
 
 
 def lookup_datatype(name: str, where: str) -> DataType:
@@ -169,51 +172,6 @@ class TensorLimits:
                     f"{where}: {dt.name} {what} {size} bytes, over the "
                     f"{self.max_bytes}-byte limit per tensor"
                 )
-
-
-def serialize_bytes_tensor(items: Iterable[bytes]) -> bytes:
-    """Encode BYTES elements as Triton does: 4-byte LE length, then the bytes."""
-    pack = _LENGTH_PREFIX.pack
-    parts: list[bytes] = []
-    for item in items:
-        parts.append(pack(len(item)))
-        parts.append(item)
-    return b"".join(parts)
-
-
-def _bytes_offsets(raw: bytes | memoryview, where: str) -> list[tuple[int, int]]:
-    offsets: list[tuple[int, int]] = []
-    unpack_from = _LENGTH_PREFIX.unpack_from
-    position = 0
-    total = len(raw)
-    while position < total:
-        if position + 4 > total:
-            raise DecodeError(
-                f"{where}: BYTES element {len(offsets)} has a truncated length prefix "
-                f"at byte {position} of {total}"
-            )
-        (length,) = unpack_from(raw, position)
-        start = position + 4
-        end = start + length
-        if end > total:
-            raise DecodeError(
-                f"{where}: BYTES element {len(offsets)} claims {length} bytes at byte {start}, "
-                f"past the end of the tensor ({total} bytes)"
-            )
-        offsets.append((start, end))
-        position = end
-    return offsets
-
-
-def deserialize_bytes_tensor(raw: bytes | memoryview, where: str = "tensor") -> list[bytes]:
-    """Split a length-prefixed BYTES tensor into its elements."""
-    data = bytes(raw)
-    return [data[start:end] for start, end in _bytes_offsets(data, where)]
-
-
-def count_bytes_elements(raw: bytes | memoryview, where: str) -> int:
-    """Count the elements of a length-prefixed BYTES tensor, checking its framing."""
-    return len(_bytes_offsets(raw, where))
 
 
 def check_raw_size(dt: DataType, shape: Sequence[int], raw_size: int, where: str) -> int:
