@@ -97,6 +97,11 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
+def _markdown(docstring_text: str) -> str:
+    """reStructuredText literals (double backticks) as Markdown code."""
+    return docstring_text.replace("``", "`")
+
+
 def module_table_markdown() -> str:
     """The README's module table: each package in flow order, then the top-level modules."""
     lines = ["| module | owns |", "| --- | --- |"]
@@ -104,7 +109,7 @@ def module_table_markdown() -> str:
         lines.append(f"| **`worker/{package}/`** | {summary} |")
         for path in sorted((WORKER / package).glob("*.py")):
             if path.name != "__init__.py":
-                lines.append(f"| `{path.stem}.py` | {first_line(path)} |")
+                lines.append(f"| `{path.stem}.py` | {_markdown(first_line(path))} |")
     for name in TOP_LEVEL:
-        lines.append(f"| `worker/{name}.py` | {first_line(WORKER / f'{name}.py')} |")
+        lines.append(f"| `worker/{name}.py` | {_markdown(first_line(WORKER / f'{name}.py'))} |")
     return "\n".join(lines) + "\n"

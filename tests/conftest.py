@@ -19,6 +19,24 @@ from devtools.devstack.stack import LocalStack
 from tests.support import local_kafka
 from worker.triton.pool import TritonPool
 
+#: The marker of each test folder; contract tests run with the unit tests (no servers).
+_FOLDER_MARKERS = {
+    "unit": ("unit",),
+    "contract": ("contract", "unit"),
+    "devtools": ("devtools",),
+    "integration": ("integration",),
+    "fault": ("fault",),
+}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark every test by its folder (tests/<folder>/...), so a module cannot forget."""
+    for item in items:
+        parts = item.path.relative_to(item.config.rootpath).parts
+        folder = parts[1] if len(parts) > 2 and parts[0] == "tests" else ""
+        for name in _FOLDER_MARKERS.get(folder, ()):
+            item.add_marker(name)
+
 
 def _report(config: pytest.Config, line: str) -> None:
     reporter = config.pluginmanager.get_plugin("terminalreporter")

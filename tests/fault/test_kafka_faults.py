@@ -29,7 +29,7 @@ from tests.support import (
     worker_env,
 )
 
-pytestmark = [pytest.mark.fault, pytest.mark.timeout(300)]
+pytestmark = pytest.mark.timeout(300)
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ from devtools.devstack.paths import models_dir
 from devtools.devstack.triton import TritonServer, ensure_triton
 from tests.support import Topics, collect, create, report, running_worker, send, settings_for
 
-pytestmark = [pytest.mark.fault, pytest.mark.timeout(240)]
+pytestmark = pytest.mark.timeout(240)
 
 
 @pytest.fixture(scope="module")

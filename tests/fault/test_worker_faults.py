@@ -28,7 +28,7 @@ from tests.support import (
     worker_env,
 )
 
-pytestmark = [pytest.mark.fault, pytest.mark.timeout(240)]
+pytestmark = pytest.mark.timeout(240)
 
 
 async def _kill_and_restart(

@@ -15,7 +15,7 @@ from worker.triton.batching import MicroBatcher
 from worker.triton.pool import TritonPool
 from worker.wire.tensors import deserialize_bytes_tensor, raw_to_numpy, serialize_bytes_tensor
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
+pytestmark = pytest.mark.timeout(60)
 
 
 def floats(model: str, rows: np.ndarray[Any, Any], rid: str) -> wire.DecodedRequest:

@@ -13,7 +13,7 @@ from tests.support import Topics, create, running_worker, settings_for, worker_e
 from worker import cli
 from worker.checks.report import CheckResult, run_checks
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+pytestmark = pytest.mark.timeout(120)
 
 
 def _by_check(results: list[CheckResult]) -> dict[str, CheckResult]:

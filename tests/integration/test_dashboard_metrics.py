@@ -11,10 +11,10 @@ import pytest
 
 from devtools import samples
 from devtools.devstack.process import free_port
+from tests.contract.test_deploy import base_metric_name, referenced_metric_names
 from tests.support import Topics, collect, create, running_worker, send, settings_for
-from tests.unit.test_deploy import base_metric_name, referenced_metric_names
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+pytestmark = pytest.mark.timeout(120)
 
 _TYPE_RE = re.compile(r"^# TYPE (\S+) (\S+)$", re.M)
 

@@ -32,7 +32,7 @@ from tests.support import Topics, mlp_reference, result_outputs, running_worker,
 from worker.app import Worker
 from worker.wire import header_value
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
+pytestmark = pytest.mark.timeout(180)
 
 Headers = list[tuple[str, bytes | None]]
 MiB = 1024 * 1024

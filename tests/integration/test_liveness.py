@@ -25,7 +25,7 @@ from devtools.devstack.process import free_port
 from devtools.samples import faulty_request
 from tests.support import Topics, create, send, spawn_worker, worker_env
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
+pytestmark = pytest.mark.timeout(180)
 
 #: Each request keeps one of faulty's four instances busy for this long: ~4 answers/s. Each
 #: answer costs the worker a few ms of CPU (decode, infer, publish, ack); few answers keep

@@ -42,7 +42,7 @@ from tests.support import (
 )
 from worker.app import Worker
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
+pytestmark = pytest.mark.timeout(240)
 
 _RATE_PER_S = 50  # requests per second for each of mlp and double
 _RUN_S = 10.0

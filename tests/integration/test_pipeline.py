@@ -24,7 +24,7 @@ from tests.support import (
 )
 from worker.flow.window import Window
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
+pytestmark = pytest.mark.timeout(180)
 
 
 def _expected(request_tensors: list[samples.Tensor], model: str) -> tuple[str, Any]:

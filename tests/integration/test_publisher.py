@@ -14,7 +14,7 @@ from worker import errors
 from worker.kafka.publisher import Publisher
 from worker.wire import header_value
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
+pytestmark = pytest.mark.timeout(60)
 
 #: The topics' max.message.bytes, and a value the broker refuses under it.
 LIMIT = 64 * 1024

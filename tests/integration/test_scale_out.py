@@ -9,7 +9,7 @@ import pytest
 
 from devtools.bench.scaleout import measure_workers
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+pytestmark = pytest.mark.timeout(120)
 
 
 async def test_three_workers_in_one_group_move_at_least_twice_the_records_of_one(

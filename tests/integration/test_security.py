@@ -39,7 +39,7 @@ from worker.settings import load_settings
 from worker.triton.auth import TritonAuth, triton_client_kwargs
 from worker.triton.pool import TritonPool
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
+pytestmark = pytest.mark.timeout(180)
 
 ALICE_PASSWORD = "alice-Secret-7f3"
 BOB_PASSWORD = "bob-Secret-91c"

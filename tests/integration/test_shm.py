@@ -21,7 +21,7 @@ from tests.support import (
 )
 from worker.triton.pool import TritonPool
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
+pytestmark = pytest.mark.timeout(60)
 
 _ELEMENTS = 512 * 1024  # 2 MiB of FP32
 

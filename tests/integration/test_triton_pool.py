@@ -14,7 +14,7 @@ from tests.support import decode_sample
 from worker import errors
 from worker.triton.pool import TritonPool
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
+pytestmark = pytest.mark.timeout(60)
 
 
 def _faulty(rng: np.random.Generator, rid: str, delay_ms: int = 0, fail: bool = False) -> Any:

@@ -23,7 +23,7 @@ from devtools.devstack.paths import PROJECT_ROOT
 from devtools.devstack.process import free_port
 from tests.support import Topics, create, request_id_of, rss_bytes, spawn_worker, worker_env
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
+pytestmark = pytest.mark.timeout(240)
 
 
 class Answers:

@@ -18,8 +18,6 @@ from worker.audit import AUDIT_LOGGER, Audit, AuditWriteFailed, audit_record
 from worker.observability import configure_logging, reset_logging
 from worker.settings import Settings, load_settings
 
-pytestmark = pytest.mark.unit
-
 PAYLOAD = b'{"inputs": [{"name": "secret-input", "data": [42]}]}'
 KEY = b"customer-1234"
 

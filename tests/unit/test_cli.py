@@ -8,8 +8,6 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.unit
-
 _REQUIRED = {
     "WORKER_INPUT_TOPICS": "requests",
     "WORKER_OUTPUT_TOPIC": "results",

@@ -9,8 +9,6 @@ from tritonclient.utils import InferenceServerException
 from worker import errors
 from worker.triton import errors as triton_errors
 
-pytestmark = pytest.mark.unit
-
 NON_RETRYABLE = (
     errors.DecodeError,
     errors.InvalidRequest,

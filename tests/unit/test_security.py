@@ -21,8 +21,6 @@ from worker.record import RecordRules
 from worker.settings import ConfigError, KafkaAuthSettings, Settings, load_settings
 from worker.triton.auth import TritonAuth, triton_client_kwargs
 
-pytestmark = pytest.mark.unit
-
 PASSWORD = "hunter2-Secret-value"
 BASE = {
     "WORKER_INPUT_TOPICS": "requests",

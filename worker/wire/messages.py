@@ -1,7 +1,7 @@
 """Typed wire structures: the JSON request, the JSON result, the dead-letter headers.
 
 The JSON Schemas in `schemas/` are generated from these types
-(`python -m devtools schemas` rewrites them), so the decoder and the published
+(the project's schema writer rewrites them), so the decoder and the published
 contract cannot drift apart. Decoding is lenient about unknown top-level
 fields (ignored) and strict about the types of known ones.
 """

@@ -1,0 +1,43 @@
+"""Helpers shared by the tests, by side: Kafka, the models, the worker."""
+
+from tests.support.kafka import (
+    Collected,
+    Topics,
+    collect,
+    create,
+    headers_dict,
+    local_kafka,
+    request_id_of,
+    send,
+)
+from tests.support.models import decode_sample, mlp_reference, result_outputs
+from tests.support.worker import (
+    report,
+    rss_bytes,
+    running_worker,
+    settings_for,
+    spawn_worker,
+    wait_ready,
+    worker_env,
+)
+
+__all__ = [
+    "Collected",
+    "Topics",
+    "collect",
+    "create",
+    "decode_sample",
+    "headers_dict",
+    "local_kafka",
+    "mlp_reference",
+    "report",
+    "request_id_of",
+    "result_outputs",
+    "rss_bytes",
+    "running_worker",
+    "send",
+    "settings_for",
+    "spawn_worker",
+    "wait_ready",
+    "worker_env",
+]

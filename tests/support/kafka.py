@@ -1,0 +1,130 @@
+"""Kafka helpers for the tests: a cluster of one's own, fresh topics, send and collect."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka.structs import ConsumerRecord
+
+from devtools.devstack.kafka import KafkaCluster, ensure_kafka_jars
+from devtools.samples import SampleRequest
+from worker.wire import header_value
+
+
+@contextlib.contextmanager
+def local_kafka(nodes: int) -> Iterator[KafkaCluster]:
+    """A Kafka cluster of its own (``nodes`` KRaft nodes), stopped with nothing left behind."""
+    with tempfile.TemporaryDirectory() as tmp:
+        cluster = KafkaCluster(ensure_kafka_jars(log=lambda _: None), Path(tmp), nodes=nodes)
+        cluster.start()
+        try:
+            yield cluster
+        finally:
+            cluster.stop()
+        assert cluster.running_nodes() == []
+
+
+@dataclass
+class Topics:
+    input: str
+    output: str
+    dlq: str
+    group: str
+
+    @classmethod
+    def fresh(cls, unique: str) -> Topics:
+        return cls(f"req-{unique}", f"res-{unique}", f"dlq-{unique}", f"grp-{unique}")
+
+
+async def create(kafka: Any, topics: Topics, partitions: int = 1) -> None:
+    await kafka.create_topics([topics.input], partitions=partitions)
+    await kafka.create_topics([topics.output, topics.dlq], partitions=1)
+
+
+async def send(
+    bootstrap: str, topic: str, requests: Sequence[SampleRequest], partition: int | None = None
+) -> None:
+    """Produce requests keyed by request id and wait for every ack."""
+    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=5)
+    await producer.start()
+    try:
+        futures = [
+            await producer.send(
+                topic, r.value, key=r.request_id.encode(), headers=r.headers, partition=partition
+            )
+            for r in requests
+        ]
+        await asyncio.gather(*futures)
+    finally:
+        await producer.stop()
+
+
+@dataclass
+class Collected:
+    results: dict[str, ConsumerRecord[bytes, bytes]] = field(default_factory=dict)
+    dead_letters: dict[str, ConsumerRecord[bytes, bytes]] = field(default_factory=dict)
+    duplicates: int = 0
+    # (topic, partition, offset) already read, so that collecting again from the
+    # start does not count the same records twice.
+    seen: set[tuple[str, int, int]] = field(default_factory=set)
+
+    def __len__(self) -> int:
+        return len(self.results) + len(self.dead_letters)
+
+
+def request_id_of(record: ConsumerRecord[bytes, bytes]) -> str:
+    found = header_value(record.headers, "x-request-id")
+    if found is not None:
+        return found.decode()
+    return (record.key or b"").decode()
+
+
+async def collect(
+    bootstrap: str,
+    topics: Topics,
+    expected: int,
+    timeout_s: float = 60.0,
+    into: Collected | None = None,
+) -> Collected:
+    """Read results and dead letters until ``expected`` distinct request ids have answers."""
+    got = into or Collected()
+    consumer = AIOKafkaConsumer(
+        topics.output,
+        topics.dlq,
+        bootstrap_servers=bootstrap,
+        auto_offset_reset="earliest",
+        enable_auto_commit=False,
+        isolation_level="read_committed",
+    )
+    await consumer.start()
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(got) < expected:
+            assert time.monotonic() < deadline, f"only {len(got)}/{expected} answers in time"
+            batch = await consumer.getmany(timeout_ms=500)
+            for records in batch.values():
+                for record in records:
+                    position = (record.topic, record.partition, record.offset)
+                    if position in got.seen:
+                        continue
+                    got.seen.add(position)
+                    target = got.results if record.topic == topics.output else got.dead_letters
+                    rid = request_id_of(record)
+                    if rid in got.results or rid in got.dead_letters:
+                        got.duplicates += 1
+                    target[rid] = record
+    finally:
+        await consumer.stop()
+    return got
+
+
+def headers_dict(headers: Sequence[tuple[str, bytes]]) -> dict[str, bytes]:
+    return dict(headers)

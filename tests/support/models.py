@@ -1,0 +1,83 @@
+"""The models' side of the tests: sample requests decoded, references, result decoding."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+from aiokafka.structs import ConsumerRecord
+
+from devtools.samples import Encoding, Tensor, encode_request
+from worker import wire
+from worker.wire import header_value
+
+
+def decode_sample(
+    model: str, tensors: Sequence[Tensor], request_id: str, encoding: Encoding = "protobuf"
+) -> wire.DecodedRequest:
+    """Encode tensors as a request for ``model`` and decode it as the worker would."""
+    value, headers = encode_request(model, tensors, encoding, request_id)
+    return wire.decode_request(
+        value,
+        headers,
+        source=wire.Source("t", 0, 0),
+        default_model=None,
+        limits=wire.DecodeLimits(1 << 20),
+    )
+
+
+def mlp_reference(rows: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
+    """The ``mlp`` model computed here, from the same seeded weights."""
+    rng = np.random.default_rng(1234)
+    w1 = (rng.standard_normal((64, 128)) / 8.0).astype(np.float32)
+    b1 = (rng.standard_normal(128) * 0.1).astype(np.float32)
+    w2 = (rng.standard_normal((128, 10)) / np.sqrt(128.0)).astype(np.float32)
+    b2 = (rng.standard_normal(10) * 0.1).astype(np.float32)
+    hidden = np.maximum(rows @ w1 + b1, 0.0)
+    logits = hidden @ w2 + b2
+    exp = np.exp(logits - logits.max(axis=1, keepdims=True))
+    return (exp / exp.sum(axis=1, keepdims=True)).astype(np.float32)
+
+
+def result_outputs(record: ConsumerRecord[bytes, bytes]) -> dict[str, Any]:
+    """Decode a result value, whatever its encoding, into {output name: numpy array or list}."""
+    import json
+
+    from tritonclient.grpc import service_pb2
+
+    from worker.wire.tensors import deserialize_bytes_tensor, raw_to_numpy
+
+    content_type = (header_value(record.headers, "content-type") or b"").decode()
+    value = record.value or b""
+
+    def decode(datatype: str, shape: list[int], raw: bytes) -> Any:
+        if datatype == "BYTES":
+            return [item.decode() for item in deserialize_bytes_tensor(raw)]
+        return raw_to_numpy(datatype, shape, raw)
+
+    if content_type == "application/x-protobuf":
+        response = service_pb2.ModelInferResponse.FromString(value)
+        return {
+            o.name: decode(o.datatype, list(o.shape), raw)
+            for o, raw in zip(response.outputs, response.raw_output_contents, strict=True)
+        }
+    if content_type == "application/octet-stream":
+        length = int(header_value(record.headers, "inference-header-content-length") or b"0")
+        doc = json.loads(value[:length])
+        out, position = {}, length
+        for o in doc["outputs"]:
+            size = o["parameters"]["binary_data_size"]
+            out[o["name"]] = decode(o["datatype"], o["shape"], value[position : position + size])
+            position += size
+        return out
+    doc = json.loads(value)
+    return {
+        o["name"]: (
+            o["data"]
+            if o["datatype"] == "BYTES"
+            else np.asarray(o["data"], dtype=np.float64).reshape(o["shape"])
+        )
+        for o in doc["outputs"]
+    }
