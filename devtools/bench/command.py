@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 #: The variants, in the order they run (names in worker.benchmarks.report.VARIANTS).
 VARIANT_KEYS = ("sync", "naive", "worker", "worker_tuned", "triton", "kafka")
 #: Measurements beyond the table (worker.benchmarks.extras, worker.benchmarks.scaleout).
-EXTRA_KEYS = ("batching", "windows", "shm", "scale_out")
+EXTRA_KEYS = ("batching", "windows", "compression", "shm", "scale_out")
 MODELS = ("double", "mlp", "echo_bytes")
 
 #: Settings of the tuned worker, beyond the defaults.
@@ -241,6 +241,16 @@ async def _extras(
                 model=args.model,
                 records=args.records,
                 base={k: v for k, v in tuned.items() if not k.startswith("MAX_IN_FLIGHT")},
+            )
+    if "compression" in wanted:
+        with console.status("compression: the worker's own batches none, lz4, zstd..."):
+            out["compression"] = await extras.compression(
+                servers.bootstrap,
+                servers.triton,
+                args.out,
+                model=args.model,
+                records=args.records,
+                base=tuned,
             )
     if "shm" in wanted:
         with console.status("shared memory: 4 MiB tensors with and without..."):

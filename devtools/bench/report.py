@@ -333,6 +333,23 @@ def extras_markdown(extras: dict[str, Any]) -> str:
                 f"| {d.label} | {shown} | {d.records_per_s:,.0f} "
                 f"| {d.inference_p99_ms:,.1f} | {d.peak_rss_mib:,.1f} |"
             )
+    compression = extras.get("compression")
+    if compression:
+        ratios = compression["ratios"]
+        lines += [
+            "",
+            "The worker's own batches compressed (`WORKER_COMPRESSION_TYPE`), tuned settings, "
+            "one worker draining a backlog; size is of the results, compressed as one batch:",
+            "",
+            "| codec | records/s | worker CPU s / 1k records | result bytes after compression |",
+            "| --- | ---: | ---: | ---: |",
+        ]
+        for run in compression["runs"]:
+            codec = run.settings["COMPRESSION_TYPE"]
+            size = "100 %" if codec == "none" else f"{ratios[codec] * 100:.0f} %"
+            lines.append(
+                f"| {codec} | {run.records_per_s:,.0f} | {run.cpu_s_per_1k:.3f} | {size} |"
+            )
     shm = extras.get("shm")
     if shm:
         lines += [
