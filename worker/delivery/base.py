@@ -8,7 +8,7 @@ offset), and a partition is committed up to its lowest record not done.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Protocol
 
 from aiokafka.structs import ConsumerRecord, OffsetAndMetadata, TopicPartition
@@ -21,11 +21,22 @@ __all__ = ["CommitEdge", "Delivery", "Sink", "TrackingDelivery"]
 
 
 class Sink(Protocol):
-    """Where outcomes go: straight to the broker, or into a Kafka transaction."""
+    """Where outcomes go: straight to the broker, or into a Kafka transaction.
+
+    Each call returns once the outcome is safe: acknowledged by the broker, or
+    committed in the transaction that carries the record's offset.
+    """
 
     async def publish_result(
         self, record: ConsumerRecord[bytes, bytes], value: bytes, headers: Headers
     ) -> None: ...
+
+    async def publish_results(
+        self, record: ConsumerRecord[bytes, bytes], results: Sequence[tuple[bytes, Headers]]
+    ) -> None:
+        """Several results of one record (a stream's responses), in order, all or none
+        visible to a ``read_committed`` reader under exactly_once."""
+        ...
 
     async def publish_dead_letter(
         self, record: ConsumerRecord[bytes, bytes], headers: Headers

@@ -15,7 +15,7 @@ so it holds its window slot until then: staged outcomes are bounded by the windo
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -165,6 +165,12 @@ class ExactlyOnce(TrackingDelivery):
     ) -> None:
         await self._stage(record, (self._settings.topics.output_topic, value, record.key, headers))
 
+    async def publish_results(
+        self, record: ConsumerRecord[bytes, bytes], results: Sequence[tuple[bytes, Headers]]
+    ) -> None:
+        topic = self._settings.topics.output_topic
+        await self._stage_all(record, [(topic, v, record.key, h) for v, h in results])
+
     async def publish_dead_letter(
         self, record: ConsumerRecord[bytes, bytes], headers: Headers
     ) -> None:
@@ -176,12 +182,19 @@ class ExactlyOnce(TrackingDelivery):
         record: ConsumerRecord[bytes, bytes],
         message: tuple[str, bytes | None, bytes | None, Headers],
     ) -> None:
+        await self._stage_all(record, [message])
+
+    async def _stage_all(
+        self,
+        record: ConsumerRecord[bytes, bytes],
+        messages: list[tuple[str, bytes | None, bytes | None, Headers]],
+    ) -> None:
         tp = TopicPartition(record.topic, record.partition)
         state = self._partitions.get(tp)
         if state is None:
             raise PartitionRevoked(str(tp))
         assert record.offset not in state.staged
-        staged = _Staged([message], asyncio.get_running_loop().create_future())
+        staged = _Staged(messages, asyncio.get_running_loop().create_future())
         state.staged[record.offset] = staged
         await staged.committed
 

@@ -220,6 +220,13 @@ class Publisher:
     ) -> None:
         await self.write_result(value, record.key, headers)
 
+    async def publish_results(
+        self, record: ConsumerRecord[bytes, bytes], results: Sequence[tuple[bytes, Headers]]
+    ) -> None:
+        # One after the other: the same key and partition keep them in order.
+        for value, headers in results:
+            await self.write_result(value, record.key, headers)
+
     async def publish_dead_letter(
         self, record: ConsumerRecord[bytes, bytes], headers: Headers
     ) -> None:
