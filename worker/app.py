@@ -85,6 +85,7 @@ class Worker:
             metrics=self.metrics,
             dispatch=self._dispatch,
             rebalance=self,
+            admits=lambda tp: self.delivery.admits(tp),
         )
         self.delivery = build_delivery(
             settings, self.publisher, self.intake, self.metrics, max_request_bytes=largest_record
@@ -216,6 +217,10 @@ class Worker:
         assert self._tasks is not None
         generation = self.delivery.track(record)
         tp = TopicPartition(record.topic, record.partition)
+        if self.delivery.settle_if_done(record, generation):
+            # Done before a crash or hand-over (the commit metadata says so): skipped.
+            self.window.release(tp)
+            return
         # Tickets are taken here, synchronously, because dispatch runs in offset order.
         mode = self.settings.delivery.ordering
         key_turn = (
@@ -245,7 +250,17 @@ class Worker:
             outcome = await self.handler.evaluate(record)
             if publish_turn is not None:
                 await publish_turn.wait()
-            await self.delivery.complete(record, generation, lambda: self.handler.deliver(outcome))
+
+            def safe() -> None:
+                # The outcome is acknowledged, or staged in offset order: the next record
+                # of the key or partition may go (exactly_once need not wait for the commit).
+                for turn in (key_turn, publish_turn):
+                    if turn is not None:
+                        turn.done()
+
+            await self.delivery.complete(
+                record, generation, lambda: self.handler.deliver(outcome), safe
+            )
         except errors.PartitionRevoked:
             pass  # the partition moved away; its next owner redoes the record
         except errors.Fatal:
@@ -297,7 +312,11 @@ class Worker:
         if held := self.models.held():
             # Other models keep flowing: a model being reloaded does not make the worker unready.
             detail["models_not_ready"] = held
-        ready = self.intake.running and self.triton_up and not self.breaker.is_open
+        waiting = self.delivery.not_ready()
+        if waiting:
+            # exactly_once: partitions whose transactional producer is not started yet.
+            detail["partitions_not_ready"] = waiting
+        ready = self.intake.running and self.triton_up and not self.breaker.is_open and not waiting
         return ready, detail
 
 

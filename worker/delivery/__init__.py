@@ -36,6 +36,13 @@ def build_delivery(
             metrics,
             client_kwargs=kafka_client_kwargs(settings.kafka_auth),
             max_request_bytes=max_request_bytes,
+            owns=edge.owns,
         )
-    interval_s = settings.kafka.commit_interval_ms / 1000
-    return AtLeastOnce(publisher, offsets, edge, metrics, interval_s)
+    return AtLeastOnce(
+        publisher,
+        offsets,
+        edge,
+        metrics,
+        interval_s=settings.kafka.commit_interval_ms / 1000,
+        max_uncommitted=settings.delivery.max_uncommitted_per_partition,
+    )

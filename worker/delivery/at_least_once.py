@@ -1,8 +1,12 @@
 """``at_least_once``: a record is done once the broker acknowledged its outcome.
 
-Each partition is committed up to its lowest record not done, every commit
-interval, on revocation and at shutdown. A crash redoes what was in flight and
-what finished after the last commit.
+Each partition is committed up to its lowest record not done, with the done
+offsets beyond that point in the commit's metadata (``delivery.metadata``). A
+member assigned a partition reads that metadata and skips the records listed, so
+a crash redoes only what was in flight and what finished after the last commit,
+even when one record at the head of a partition was stuck in retries. Commits
+go when a partition's commit point or done set moved, at most every commit
+interval, one at a time.
 """
 
 from __future__ import annotations
@@ -14,17 +18,21 @@ import structlog
 from aiokafka.errors import CommitFailedError, KafkaError
 from aiokafka.structs import ConsumerRecord, OffsetAndMetadata, TopicPartition
 
-from worker.delivery.base import CommitEdge, Sink, TrackingDelivery
+from worker.delivery import metadata
+from worker.delivery.base import CommitEdge, OnSafe, Sink, TrackingDelivery
 from worker.delivery.offsets import OffsetTracker
 from worker.observability import Metrics
 
-__all__ = ["AtLeastOnce"]
+__all__ = ["MAX_METADATA_BYTES", "AtLeastOnce"]
 
 log = structlog.get_logger(__name__)
 
+#: Kept under the broker's default ``offset.metadata.max.bytes`` (4096).
+MAX_METADATA_BYTES = 2048
+
 
 class AtLeastOnce(TrackingDelivery):
-    """Outcomes straight to the broker; offsets committed through the consumer."""
+    """Outcomes straight to the broker; offsets (and done runs) committed by the consumer."""
 
     def __init__(
         self,
@@ -32,52 +40,109 @@ class AtLeastOnce(TrackingDelivery):
         offsets: OffsetTracker,
         edge: CommitEdge,
         metrics: Metrics,
+        *,
         interval_s: float,
+        max_uncommitted: int,
     ) -> None:
-        super().__init__(offsets, edge, metrics, interval_s)
+        super().__init__(offsets, edge, metrics, interval_s, max_uncommitted)
         self._sink = sink
         self._commit_lock = asyncio.Lock()
+        #: What was last committed per partition: (offset, metadata).
+        self._committed: dict[TopicPartition, tuple[int, str]] = {}
+        #: Done runs read from the commit a partition started from.
+        self._skips: dict[TopicPartition, metadata.DoneRuns] = {}
 
     @property
     def sink(self) -> Sink:
         return self._sink
+
+    def settle_if_done(self, record: ConsumerRecord[bytes, bytes], ticket: int) -> bool:
+        tp = TopicPartition(record.topic, record.partition)
+        skip = self._skips.get(tp)
+        if skip is None:
+            return False
+        state = self.offsets.get(tp)
+        if state is None or state.start != skip.point or record.offset > skip.last:
+            # Started elsewhere than the commit (a reset), or past every listed run.
+            del self._skips[tp]
+            return False
+        if record.offset not in skip:
+            return False
+        self.offsets.done(tp, record.offset, ticket)
+        self._metrics.records_skipped_total.inc()
+        return True
 
     async def complete(
         self,
         record: ConsumerRecord[bytes, bytes],
         ticket: int,
         deliver: Callable[[], Awaitable[None]],
+        on_safe: OnSafe,
     ) -> None:
         await deliver()
+        on_safe()
         # Done only after the broker acknowledged the result or dead letter.
         self.offsets.done(TopicPartition(record.topic, record.partition), record.offset, ticket)
 
     async def commit(self, only: Iterable[TopicPartition] | None = None) -> None:
-        """Commit each partition's contiguous done prefix (the lowest offset not done)."""
+        """Commit each partition whose commit point or done runs moved since the last commit."""
         async with self._commit_lock:
-            offsets = self.offsets.commit_offsets()
-            if only is not None:
-                keep = set(only)
-                offsets = {tp: off for tp, off in offsets.items() if tp in keep}
+            wanted = set(only) if only is not None else None
+            offsets = {
+                tp: meta
+                for tp, meta in self._pending_commits().items()
+                if wanted is None or tp in wanted
+            }
             if not offsets:
                 return
             try:
-                await self._edge.commit(
-                    {tp: OffsetAndMetadata(off, "") for tp, off in offsets.items()}
-                )
+                await self._edge.commit(offsets)
             except (CommitFailedError, KafkaError) as exc:
                 # Not fatal: the done offsets stay tracked and the next commit retries.
                 self._metrics.commit_failures_total.inc()
                 log.warning("commit_failed", error=f"{type(exc).__name__}: {exc}")
                 return
-            self.offsets.mark_committed(offsets)
+            for tp, meta in offsets.items():
+                self._committed[tp] = (meta.offset, meta.metadata)
+            self.offsets.mark_committed({tp: meta.offset for tp, meta in offsets.items()})
             self._metrics.commits_total.inc()
 
+    def _pending_commits(self) -> dict[TopicPartition, OffsetAndMetadata]:
+        pending: dict[TopicPartition, OffsetAndMetadata] = {}
+        for tp in self.offsets.assigned():
+            point = self.offsets.commit_point(tp)
+            if point is None:
+                continue
+            done = self.offsets.done_beyond_commit(tp)
+            text = metadata.encode(point, done, MAX_METADATA_BYTES)
+            if text is None:
+                self._metrics.commit_metadata_overflows_total.inc()
+                text = ""
+            if self._committed.get(tp) != (point, text):
+                pending[tp] = OffsetAndMetadata(point, text)
+        return pending
+
     async def assigned(self, partitions: set[TopicPartition]) -> None:
-        """Nothing to prepare: tracking starts with each partition's first record."""
+        """Read the commits the partitions start from: their done runs are skipped."""
+        if not partitions:
+            return
+        try:
+            committed = await self._edge.fetch_committed(partitions)
+        except KafkaError as exc:
+            # Without them the records are processed again: at least once still holds.
+            log.warning("committed_metadata_unavailable", error=f"{type(exc).__name__}: {exc}")
+            return
+        for tp, meta in committed.items():
+            runs = metadata.decode(meta.offset, meta.metadata)
+            if meta.offset >= 0 and runs.runs:
+                self._skips[tp] = runs
+                log.info("done_beyond_commit", partition=str(tp), records=len(runs))
 
     async def revoked(self, partitions: set[TopicPartition]) -> None:
         await self.commit(only=partitions)
+        for tp in partitions:
+            self._committed.pop(tp, None)
+            self._skips.pop(tp, None)
         self.forget(partitions)
 
     async def close(self) -> None:

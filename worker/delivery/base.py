@@ -2,7 +2,8 @@
 
 A record is *tracked* when it is dispatched (in offset order), *done* once its
 outcome is safe (acknowledged, or staged in a transaction that will carry its
-offset), and a partition is committed up to its lowest record not done.
+offset), and a partition is committed up to its lowest record not done. A
+partition may run at most ``max_uncommitted`` records past its commit point.
 """
 
 from __future__ import annotations
@@ -13,11 +14,15 @@ from typing import Protocol
 
 from aiokafka.structs import ConsumerRecord, OffsetAndMetadata, TopicPartition
 
+from worker import errors
 from worker.delivery.offsets import OffsetTracker
 from worker.observability import Metrics
 from worker.wire import Headers
 
-__all__ = ["CommitEdge", "Delivery", "Sink", "TrackingDelivery"]
+__all__ = ["CommitEdge", "Delivery", "OnSafe", "Sink", "TrackingDelivery"]
+
+#: Called once a record's outcome can no longer be reordered (acked, or staged in order).
+OnSafe = Callable[[], None]
 
 
 class Sink(Protocol):
@@ -44,13 +49,27 @@ class Sink(Protocol):
 
 
 class CommitEdge(Protocol):
-    """What delivery needs of the consumer: its assignment, end offsets, and a commit."""
+    """What delivery needs of the consumer: assignment, end offsets, commits and seeks."""
 
     def assignment(self) -> set[TopicPartition]: ...
 
     def highwater(self, tp: TopicPartition) -> int | None: ...
 
     async def commit(self, offsets: Mapping[TopicPartition, OffsetAndMetadata]) -> None: ...
+
+    async def fetch_committed(
+        self, partitions: Iterable[TopicPartition]
+    ) -> dict[TopicPartition, OffsetAndMetadata]:
+        """The group's committed offsets (with their metadata), read from the broker now."""
+        ...
+
+    def seek(self, tp: TopicPartition, offset: int) -> None:
+        """Fetch ``tp`` from ``offset`` on."""
+        ...
+
+    def owns(self, tp: TopicPartition) -> bool:
+        """True while ``tp`` is assigned and no rebalance is known to be under way."""
+        ...
 
 
 class Delivery(Protocol):
@@ -68,13 +87,23 @@ class Delivery(Protocol):
         """A record is dispatched (in offset order); returns the ticket for ``complete``."""
         ...
 
+    def settle_if_done(self, record: ConsumerRecord[bytes, bytes], ticket: int) -> bool:
+        """True (and the record is done) when the commit metadata says it was done already."""
+        ...
+
+    def admits(self, tp: TopicPartition) -> bool:
+        """False while ``tp`` has run ``max_uncommitted`` records past its commit point."""
+        ...
+
     async def complete(
         self,
         record: ConsumerRecord[bytes, bytes],
         ticket: int,
         deliver: Callable[[], Awaitable[None]],
+        on_safe: OnSafe,
     ) -> None:
-        """Publish the record's outcome with ``deliver`` and mark it done, in the mode's order."""
+        """Publish the record's outcome with ``deliver`` and mark it done, in the mode's
+        order; ``on_safe`` is called as soon as later records may be published."""
         ...
 
     async def commit(self, only: Iterable[TopicPartition] | None = None) -> None:
@@ -82,7 +111,8 @@ class Delivery(Protocol):
         ...
 
     async def commit_loop(self) -> None:
-        """Commit periodically, and refresh the lag gauges, until cancelled."""
+        """Commit periodically and refresh the lag gauges until cancelled; raises a
+        ``Fatal`` error when the mode cannot go on."""
         ...
 
     async def assigned(self, partitions: set[TopicPartition]) -> None:
@@ -94,21 +124,33 @@ class Delivery(Protocol):
         what is done and forget them; late completions are dropped."""
         ...
 
+    def not_ready(self) -> list[str]:
+        """Partitions assigned but not yet able to take outcomes (for ``/readyz``)."""
+        ...
+
     async def close(self) -> None:
         """Release what the mode holds (producers). Idempotent."""
         ...
 
 
 class TrackingDelivery:
-    """Tracking, the periodic commit and the lag gauges; subclasses commit and complete."""
+    """Tracking, the uncommitted bound, the periodic commit and the lag gauges."""
 
     def __init__(
-        self, offsets: OffsetTracker, edge: CommitEdge, metrics: Metrics, interval_s: float
+        self,
+        offsets: OffsetTracker,
+        edge: CommitEdge,
+        metrics: Metrics,
+        interval_s: float,
+        max_uncommitted: int,
     ) -> None:
         self.offsets = offsets
         self._edge = edge
         self._metrics = metrics
         self._interval_s = interval_s
+        self._max_uncommitted = max_uncommitted
+        self._fatal: errors.Fatal | None = None
+        self._fatal_set = asyncio.Event()
 
     def track(self, record: ConsumerRecord[bytes, bytes]) -> int:
         tp = TopicPartition(record.topic, record.partition)
@@ -118,12 +160,37 @@ class TrackingDelivery:
             self.offsets.assign(tp, record.offset)
         return self.offsets.track(tp, record.offset)
 
+    def settle_if_done(self, record: ConsumerRecord[bytes, bytes], ticket: int) -> bool:
+        return False
+
+    def admits(self, tp: TopicPartition) -> bool:
+        state = self.offsets.get(tp)
+        if state is None or state.last_tracked is None:
+            return True
+        point = state.commit_point()
+        assert point is not None
+        return state.last_tracked + 1 - point < self._max_uncommitted
+
+    def not_ready(self) -> list[str]:
+        return []
+
     async def commit(self, only: Iterable[TopicPartition] | None = None) -> None:
         raise NotImplementedError
 
+    def fail(self, error: errors.Fatal) -> None:
+        """The mode cannot go on (a rebalance callback cannot raise): stop the worker."""
+        if self._fatal is None:
+            self._fatal = error
+            self._fatal_set.set()
+
     async def commit_loop(self) -> None:
         while True:
-            await asyncio.sleep(self._interval_s)
+            try:
+                await asyncio.wait_for(self._fatal_set.wait(), self._interval_s)
+            except TimeoutError:
+                pass
+            if self._fatal is not None:
+                raise self._fatal
             await self.commit()
             self._update_lag()
 

@@ -1,15 +1,17 @@
-"""``exactly_once`` delivery: outcomes and offsets of an input partition in one Kafka transaction.
+"""``exactly_once``: outcomes and offsets of an input partition in one Kafka transaction.
 
 Each assigned input partition gets its own transactional producer whose
 transactional id names the group and the partition. aiokafka has no
-group-metadata fencing (KIP-447), so fencing relies on that id: when a
-partition moves to another member, the new owner's producer initialises the
-same id and the broker fences the old one, whose open transaction is aborted.
+group-metadata fencing (KIP-447), so fencing relies on that id and on order: a
+new owner first initialises the partition's id (the broker fences the old
+producer and completes or aborts its open transaction), and only then reads the
+committed offset and starts fetching from it.
 
 Outcomes are staged as records finish; every commit interval the contiguous
-done prefix of each partition is written, with the next offset to consume, in
-one transaction. A record's ``deliver`` returns once its transaction commits,
-so it holds its window slot until then: staged outcomes are bounded by the window.
+done prefix of each partition is written, with the next offset to consume, in one
+transaction. A record's ``deliver`` returns once its transaction commits, so it
+holds its window slot until then (staged outcomes are bounded by the window),
+while ordering turns pass on as soon as it is staged.
 """
 
 from __future__ import annotations
@@ -21,31 +23,39 @@ from typing import Any
 
 import structlog
 from aiokafka import AIOKafkaProducer
-from aiokafka.errors import KafkaError
-from aiokafka.structs import ConsumerRecord, OffsetAndMetadata, TopicPartition
+from aiokafka.structs import ConsumerRecord, TopicPartition
 
-from worker.delivery.base import CommitEdge, Sink, TrackingDelivery
+from worker import wire
+from worker.delivery.base import CommitEdge, OnSafe, Sink, TrackingDelivery
 from worker.delivery.offsets import OffsetTracker
-from worker.errors import PartitionRevoked
-from worker.kafka._compat import in_transaction
-from worker.kafka.publisher import Headers, dead_letter_value, kafka_compression
+from worker.delivery.transactions import Message, PartitionProducer, ProducerStartFailed
+from worker.errors import OutputTooLarge, PartitionRevoked, WriteFailed
+from worker.kafka.publisher import dead_letter_value, kafka_compression
 from worker.observability import Metrics
 from worker.settings import Settings
+from worker.wire import Headers
+from worker.wire.headers import X_VALUE_OMITTED
+
+__all__ = ["ExactlyOnce"]
 
 log = structlog.get_logger(__name__)
 
 
 @dataclass
 class _Staged:
-    messages: list[tuple[str, bytes | None, bytes | None, Headers]]
+    record: ConsumerRecord[bytes, bytes]
+    messages: list[Message]
     committed: asyncio.Future[None]
+    is_result: bool  # a refusal for size turns it into a dead letter
 
 
 @dataclass
-class _PartitionTxn:
-    producer: AIOKafkaProducer
+class _Partition:
+    producer: PartitionProducer
+    ready: asyncio.Event = field(default_factory=asyncio.Event)  # producer started, or gone
     staged: dict[int, _Staged] = field(default_factory=dict)
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    #: Offsets whose outcome was refused and awaits its replacement (a dead letter).
+    replacing: set[int] = field(default_factory=set)
 
 
 class ExactlyOnce(TrackingDelivery):
@@ -60,184 +70,283 @@ class ExactlyOnce(TrackingDelivery):
         *,
         client_kwargs: Mapping[str, Any],
         max_request_bytes: int,
+        owns: Callable[[TopicPartition], bool] = lambda _: True,
     ) -> None:
-        super().__init__(offsets, edge, metrics, settings.kafka.commit_interval_ms / 1000)
+        super().__init__(
+            offsets,
+            edge,
+            metrics,
+            settings.kafka.commit_interval_ms / 1000,
+            settings.delivery.max_uncommitted_per_partition,
+        )
         self._settings = settings
-        self._offsets = offsets
         self._client_kwargs = dict(client_kwargs)
         self._max_request_bytes = max_request_bytes
-        self._partitions: dict[TopicPartition, _PartitionTxn] = {}
-        # Resolved once a partition's producer is ready (or the partition is gone):
-        # records can be fetched before the assignment callback has finished.
-        self._ready: dict[TopicPartition, asyncio.Future[None]] = {}
+        self._owns = owns
+        self._partitions: dict[TopicPartition, _Partition] = {}
+        self._on_staged: dict[tuple[TopicPartition, int], OnSafe] = {}
+        # Set (and replaced) when a partition is added or dropped, or its tracking forgotten.
+        self._changed = asyncio.Event()
 
     @property
     def sink(self) -> Sink:
         return self
+
+    def not_ready(self) -> list[str]:
+        return sorted(str(tp) for tp, p in self._partitions.items() if not p.ready.is_set())
+
+    # -- records -------------------------------------------------------------------
 
     async def complete(
         self,
         record: ConsumerRecord[bytes, bytes],
         ticket: int,
         deliver: Callable[[], Awaitable[None]],
+        on_safe: OnSafe,
     ) -> None:
         tp = TopicPartition(record.topic, record.partition)
-        await self.ready(tp)
-        if self._offsets.done(tp, record.offset, ticket):
-            # Done when staged (deliver stages it before its first pause); deliver
-            # returns once the transaction carrying the outcome and the offset committed.
+        part = await self._partition_of(tp, ticket)
+        await part.ready.wait()
+        if self._partitions.get(tp) is not part or not part.producer.running:
+            raise PartitionRevoked(str(tp))
+        if not self.offsets.done(tp, record.offset, ticket):
+            raise PartitionRevoked(str(tp))
+        # Done when staged (deliver stages it before its first pause); deliver returns
+        # once the transaction carrying the outcome and the offset has committed.
+        self._on_staged[(tp, record.offset)] = on_safe
+        try:
             await deliver()
+        finally:
+            self._on_staged.pop((tp, record.offset), None)
+
+    async def _partition_of(self, tp: TopicPartition, ticket: int) -> _Partition:
+        """The record's partition state; PartitionRevoked once the record's assignment ended.
+
+        Records can be fetched before the assignment callback has created the state:
+        they wait for it (never for a partition that has moved away meanwhile).
+        """
+        while tp not in self._partitions and self.offsets.generation(tp) == ticket:
+            await self._changed.wait()
+        part = self._partitions.get(tp)
+        if part is None or self.offsets.generation(tp) != ticket:
+            raise PartitionRevoked(str(tp))
+        return part
+
+    def _notify(self) -> None:
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()
+
+    # -- the sink --------------------------------------------------------------------
+
+    async def publish_result(
+        self, record: ConsumerRecord[bytes, bytes], value: bytes, headers: Headers
+    ) -> None:
+        topic = self._settings.topics.output_topic
+        await self._stage(record, [(topic, value, record.key, headers)], is_result=True)
+
+    async def publish_results(
+        self, record: ConsumerRecord[bytes, bytes], results: Sequence[tuple[bytes, Headers]]
+    ) -> None:
+        topic = self._settings.topics.output_topic
+        messages: list[Message] = [(topic, v, record.key, h) for v, h in results]
+        await self._stage(record, messages, is_result=True)
+
+    async def publish_dead_letter(
+        self, record: ConsumerRecord[bytes, bytes], headers: Headers
+    ) -> None:
+        value = dead_letter_value(record.value, record.key)
+        topic = self._settings.topics.dlq_topic
+        await self._stage(record, [(topic, value, record.key, headers)], is_result=False)
+
+    async def _stage(
+        self, record: ConsumerRecord[bytes, bytes], messages: list[Message], *, is_result: bool
+    ) -> None:
+        tp = TopicPartition(record.topic, record.partition)
+        part = self._partitions.get(tp)
+        if part is None:
+            raise PartitionRevoked(str(tp))
+        assert record.offset not in part.staged, f"{tp}@{record.offset} staged twice"
+        part.replacing.discard(record.offset)
+        staged = _Staged(record, messages, asyncio.get_running_loop().create_future(), is_result)
+        part.staged[record.offset] = staged
+        on_staged = self._on_staged.pop((tp, record.offset), None)
+        if on_staged is not None:
+            on_staged()
+        await staged.committed
+
+    # -- commits ---------------------------------------------------------------------
 
     async def commit(self, only: Iterable[TopicPartition] | None = None) -> None:
-        """exactly_once: offsets are committed inside each partition's transaction."""
-        await self.flush(set(only) if only is not None else None)
+        """Commit each partition's staged done prefix with its offset, one transaction each."""
+        wanted = set(only) if only is not None else None
+        for tp, part in list(self._partitions.items()):
+            if wanted is None or tp in wanted:
+                await self._flush(tp, part)
 
-    async def assigned(self, partitions: set[TopicPartition]) -> None:
-        for tp in partitions:
-            await self.assign(tp)
+    async def _flush(self, tp: TopicPartition, part: _Partition) -> None:
+        async with part.producer.lock:
+            if self._partitions.get(tp) is not part or not part.ready.is_set():
+                return
+            point = self.offsets.commit_point(tp)
+            if point is None:
+                return
+            # A refused outcome holds the commit until its dead letter is staged.
+            point = min([point, *part.replacing])
+            ready = sorted(o for o in part.staged if o < point)
+            if not ready:
+                return
+            if not part.producer.running:
+                if not self._owns(tp):
+                    return  # a rebalance is deciding; the revocation cleans up
+                await self._restart(tp, part)
+                if not part.producer.running:
+                    return
+            messages = [m for o in ready for m in part.staged[o].messages]
+            outcome = await part.producer.run_transaction(messages, point)
+            if outcome.fenced:
+                self._drop(tp, part, "fenced by the partition's new owner")
+                return
+            if outcome.too_large:
+                self._replace_refused(part, ready, outcome.too_large)
+                return
+            if not outcome.committed:
+                self._metrics.commit_failures_total.inc()
+                return  # staged outcomes stay; the next flush tries again
+        for offset in ready:
+            staged = part.staged.pop(offset)
+            if not staged.committed.done():
+                staged.committed.set_result(None)
+        self.offsets.mark_committed({tp: point})
+        self._metrics.transactions_total.inc()
+        self._metrics.commits_total.inc()
 
-    async def revoked(self, partitions: set[TopicPartition]) -> None:
-        await self.flush(partitions)
-        for tp in partitions:
-            await self.revoke(tp)
-        self.forget(partitions)
+    def _replace_refused(
+        self, part: _Partition, ready: list[int], refused: tuple[int, ...]
+    ) -> None:
+        """Outcomes the broker refused for size: results become OUTPUT_TOO_LARGE dead
+        letters (through the record's own path), dead letters lose their value."""
+        index_of: list[int] = [o for o in ready for _ in part.staged[o].messages]
+        for offset in sorted({index_of[i] for i in refused}):
+            staged = part.staged[offset]
+            if staged.is_result:
+                del part.staged[offset]
+                part.replacing.add(offset)
+                staged.committed.set_exception(
+                    OutputTooLarge(f"result of {staged.record.topic}@{offset} is larger than "
+                                   f"{self._settings.topics.output_topic!r} accepts")
+                )  # fmt: skip
+            else:
+                staged.messages = [self._slimmer(staged, m) for m in staged.messages]
+
+    def _slimmer(self, staged: _Staged, message: Message) -> Message:
+        topic, value, key, headers = message
+        omitted = any(name == X_VALUE_OMITTED for name, _ in headers)
+        if omitted and key is None:
+            error = WriteFailed(
+                f"{topic!r} refuses the dead letter of {wire.Source.of(staged.record)} even "
+                "without its value and key; raise the topic's max.message.bytes"
+            )
+            staged.committed.set_exception(error)
+            self.fail(error)
+            return message
+        self._metrics.dead_letter_values_omitted_total.inc()
+        slim_headers = wire.omitted_value_headers(headers, value, key, drop_key=omitted)
+        return (topic, b"", None if omitted else key, slim_headers)
+
+    # -- assignment ------------------------------------------------------------------
 
     def transactional_id(self, tp: TopicPartition) -> str:
         """Stable per group and input partition, so a new owner fences the old one."""
         s = self._settings
         return f"{s.delivery.transactional_id_prefix}-{s.kafka.group_id}-{tp.topic}-{tp.partition}"
 
-    async def assign(self, tp: TopicPartition) -> None:
-        """Start the partition's producer; initialising its id fences any previous owner."""
-        if tp in self._partitions:
-            return
-        producer = AIOKafkaProducer(
-            bootstrap_servers=self._settings.kafka.bootstrap_servers,
-            client_id=f"{self._settings.kafka.client_id}-{tp.topic}-{tp.partition}",
-            transactional_id=self.transactional_id(tp),
+    def _producer(self, transactional_id: str) -> AIOKafkaProducer:
+        kafka = self._settings.kafka
+        return AIOKafkaProducer(
+            bootstrap_servers=kafka.bootstrap_servers,
+            client_id=f"{kafka.client_id}-{transactional_id.rsplit('-', 2)[-2]}",
+            transactional_id=transactional_id,
             acks="all",
             enable_idempotence=True,
-            linger_ms=self._settings.kafka.linger_ms,
+            linger_ms=kafka.linger_ms,
             max_request_size=self._max_request_bytes,
-            compression_type=kafka_compression(self._settings.kafka.compression_type),
+            compression_type=kafka_compression(kafka.compression_type),
             **self._client_kwargs,
         )
-        await producer.start()
-        self._partitions[tp] = _PartitionTxn(producer)
-        self._ready_future(tp).set_result(None)
 
-    def _ready_future(self, tp: TopicPartition) -> asyncio.Future[None]:
-        if tp not in self._ready:
-            self._ready[tp] = asyncio.get_running_loop().create_future()
-        return self._ready[tp]
+    async def assigned(self, partitions: set[TopicPartition]) -> None:
+        """Start each partition's producer, then read its committed offset and seek to it.
 
-    async def ready(self, tp: TopicPartition) -> None:
-        """Wait until the partition's producer is ready; PartitionRevoked if it went away.
-
-        A record must only be marked done once this returned: staging it then
-        happens without a pause, so no commit can cover a record not staged.
+        The order is the fencing: initialising the id completes or aborts the previous
+        owner's open transaction, so the offset read afterwards is final.
         """
-        await asyncio.shield(self._ready_future(tp))
-        if tp not in self._partitions:
-            raise PartitionRevoked(str(tp))
+        for tp in sorted(partitions):
+            if tp in self._partitions:
+                continue
+            producer = PartitionProducer(
+                tp, self.transactional_id(tp), self._producer, self._settings.kafka.group_id
+            )
+            part = _Partition(producer)
+            self._partitions[tp] = part
+            self._notify()
+            await self._restart(tp, part)
+        await self._seek_committed(partitions)
 
-    async def revoke(self, tp: TopicPartition) -> None:
-        """Stop the producer; records still staged are redone by the next owner."""
-        state = self._partitions.pop(tp, None)
-        waiting = self._ready.pop(tp, None)
-        if waiting is not None and not waiting.done():
-            waiting.set_result(None)  # waiters see the partition gone
-        if state is None:
+    async def _restart(self, tp: TopicPartition, part: _Partition) -> None:
+        try:
+            await part.producer.replace()
+        except ProducerStartFailed as error:
+            # A rebalance callback cannot raise (aiokafka drops it): stop the worker instead.
+            log.error("exactly_once_partition_unusable", partition=str(tp), error=str(error))
+            self._drop(tp, part, str(error))
+            self.fail(error)
             return
-        for staged in state.staged.values():
+        part.ready.set()
+
+    async def _seek_committed(self, partitions: set[TopicPartition]) -> None:
+        ours = [tp for tp in partitions if tp in self._partitions]
+        if not ours:
+            return
+        committed = await self._edge.fetch_committed(ours)
+        for tp in ours:
+            meta = committed.get(tp)
+            if meta is None or meta.offset < 0:
+                continue  # no commit yet: the consumer's offset reset applies
+            state = self.offsets.get(tp)
+            if state is not None:
+                if state.start == meta.offset:
+                    continue  # fetching already started from the final offset
+                # Fetched from an offset read before the previous owner's transaction
+                # ended: what was dispatched from there is stale.
+                self.offsets.revoke(tp)
+                self._notify()
+            self._edge.seek(tp, meta.offset)
+
+    async def revoked(self, partitions: set[TopicPartition]) -> None:
+        await self.commit(only=partitions)
+        for tp in partitions:
+            part = self._partitions.get(tp)
+            if part is not None:
+                async with part.producer.lock:
+                    await part.producer.stop()
+                self._drop(tp, part, "revoked")
+        self.forget(partitions)
+        self._notify()
+
+    def _drop(self, tp: TopicPartition, part: _Partition, why: str) -> None:
+        """Forget the partition: waiters see it gone, staged outcomes are redone elsewhere."""
+        if self._partitions.get(tp) is part:
+            del self._partitions[tp]
+        part.ready.set()
+        for staged in part.staged.values():
             if not staged.committed.done():
-                staged.committed.set_exception(PartitionRevoked(str(tp)))
-        await state.producer.stop()
+                staged.committed.set_exception(PartitionRevoked(f"{tp}: {why}"))
+        part.staged.clear()
+        self._notify()
+        log.info("exactly_once_partition_released", partition=str(tp), reason=why)
 
     async def close(self) -> None:
-        for tp in list(self._partitions):
-            await self.revoke(tp)
-
-    # -- the sink interface -------------------------------------------------------
-
-    async def publish_result(
-        self, record: ConsumerRecord[bytes, bytes], value: bytes, headers: Headers
-    ) -> None:
-        await self._stage(record, (self._settings.topics.output_topic, value, record.key, headers))
-
-    async def publish_results(
-        self, record: ConsumerRecord[bytes, bytes], results: Sequence[tuple[bytes, Headers]]
-    ) -> None:
-        topic = self._settings.topics.output_topic
-        await self._stage_all(record, [(topic, v, record.key, h) for v, h in results])
-
-    async def publish_dead_letter(
-        self, record: ConsumerRecord[bytes, bytes], headers: Headers
-    ) -> None:
-        value = dead_letter_value(record.value, record.key)
-        await self._stage(record, (self._settings.topics.dlq_topic, value, record.key, headers))
-
-    async def _stage(
-        self,
-        record: ConsumerRecord[bytes, bytes],
-        message: tuple[str, bytes | None, bytes | None, Headers],
-    ) -> None:
-        await self._stage_all(record, [message])
-
-    async def _stage_all(
-        self,
-        record: ConsumerRecord[bytes, bytes],
-        messages: list[tuple[str, bytes | None, bytes | None, Headers]],
-    ) -> None:
-        tp = TopicPartition(record.topic, record.partition)
-        state = self._partitions.get(tp)
-        if state is None:
-            raise PartitionRevoked(str(tp))
-        assert record.offset not in state.staged
-        staged = _Staged(messages, asyncio.get_running_loop().create_future())
-        state.staged[record.offset] = staged
-        await staged.committed
-
-    # -- commits --------------------------------------------------------------------
-
-    async def flush(self, only: set[TopicPartition] | None = None) -> None:
-        """Commit each partition's staged done prefix with its offset, one transaction each."""
-        for tp, state in list(self._partitions.items()):
-            if only is None or tp in only:
-                await self._flush_partition(tp, state)
-
-    async def _flush_partition(self, tp: TopicPartition, state: _PartitionTxn) -> None:
-        async with state.lock:
-            point = self._offsets.commit_point(tp)
-            ready = sorted(o for o in state.staged if point is not None and o < point)
-            if not ready:
-                return
-            assert point is not None
-            producer = state.producer
-            try:
-                await producer.begin_transaction()
-                sent = [
-                    await producer.send(topic, value=value, key=key, headers=list(headers))
-                    for offset in ready
-                    for topic, value, key, headers in state.staged[offset].messages
-                ]
-                # Every message must be acknowledged inside the transaction before it
-                # commits: aiokafka's commit does not wait for batches still queued.
-                await asyncio.gather(*sent)
-                await producer.send_offsets_to_transaction(
-                    {tp: OffsetAndMetadata(point, "")}, self._settings.kafka.group_id
-                )
-                await producer.commit_transaction()
-            except KafkaError as exc:
-                log.warning("transaction_failed", partition=str(tp), error=repr(exc))
-                self._metrics.commit_failures_total.inc()
-                if in_transaction(producer):
-                    await producer.abort_transaction()
-                return  # staged outcomes stay; the next flush tries again
-            for offset in ready:
-                staged = state.staged.pop(offset)
-                if not staged.committed.done():
-                    staged.committed.set_result(None)
-            self._offsets.mark_committed({tp: point})
-            self._metrics.transactions_total.inc()
-            self._metrics.commits_total.inc()
+        for tp, part in list(self._partitions.items()):
+            async with part.producer.lock:
+                await part.producer.stop()
+            self._drop(tp, part, "closing")

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import OrderedDict, deque
-from collections.abc import Callable, Collection, Hashable
+from collections.abc import Callable, Hashable
 
 __all__ = ["DiscardedError", "Window"]
 
@@ -156,9 +156,13 @@ class Window:
         else:
             await self._wait_until(lambda: not self.full_for(key))
 
-    async def wait_for_room_any(self, keys: Collection[Hashable]) -> None:
-        """Return once some key of ``keys`` could take a slot (its own and the global limit)."""
-        await self._wait_until(lambda: any(not self.full_for(key) for key in keys))
+    async def wait_until(self, predicate: Callable[[], bool]) -> None:
+        """Return once ``predicate`` holds; it is checked again after every release.
+
+        For conditions that only a finished record can make true (room for some
+        partition, a commit point that moved).
+        """
+        await self._wait_until(predicate)
 
     async def wait_empty(self, key: Hashable | None = None) -> None:
         """Return once nothing is in flight (for ``key``, if given): the drain."""

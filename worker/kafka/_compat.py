@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["in_transaction"]
+__all__ = ["fetch_committed", "in_transaction", "rebalancing"]
 
 
 def in_transaction(producer: Any) -> bool:
@@ -12,3 +12,15 @@ def in_transaction(producer: Any) -> bool:
     way to ask, and ``abort_transaction`` outside one raises)."""
     manager = producer._txn_manager
     return manager is not None and bool(manager.is_in_transaction())
+
+
+async def fetch_committed(consumer: Any, partitions: list[Any]) -> dict[Any, Any]:
+    """Committed offsets with their metadata (``consumer.committed`` keeps only the offset)."""
+    found: dict[Any, Any] = await consumer._coordinator.fetch_committed_offsets(partitions)
+    return found
+
+
+def rebalancing(consumer: Any) -> bool:
+    """True when the consumer knows its group is rebalancing (its assignment may be stale)."""
+    coordinator = consumer._coordinator
+    return coordinator is None or bool(coordinator.need_rejoin(consumer._subscription))

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
 import structlog
@@ -21,6 +21,7 @@ from aiokafka.structs import ConsumerRecord, OffsetAndMetadata, TopicPartition
 
 from worker.flow.breaker import CircuitBreaker
 from worker.flow.window import Window
+from worker.kafka._compat import fetch_committed, rebalancing
 from worker.observability import Metrics
 from worker.settings import KafkaSettings
 
@@ -57,6 +58,7 @@ class Intake(ConsumerRebalanceListener):  # type: ignore[misc]
         metrics: Metrics,
         dispatch: Dispatch,
         rebalance: Rebalance,
+        admits: Callable[[TopicPartition], bool] = lambda _: True,
     ) -> None:
         self._topics = list(topics)
         self._window = window
@@ -64,6 +66,8 @@ class Intake(ConsumerRebalanceListener):  # type: ignore[misc]
         self._breaker = breaker
         self._dispatch = dispatch
         self._rebalance = rebalance
+        # False while the partition may not run further past its commit point.
+        self._admits = admits
         self._backlog: dict[TopicPartition, deque[ConsumerRecord[bytes, bytes]]] = {}
         self._stopping = asyncio.Event()
         self.running = False
@@ -120,7 +124,7 @@ class Intake(ConsumerRebalanceListener):  # type: ignore[misc]
         room = (
             self._breaker.wait_closed()
             if self._breaker.is_open
-            else self._window.wait_for_room_any(assigned)
+            else self._window.wait_until(lambda: any(self._can_take(tp) for tp in assigned))
         )
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(_POLL_TIMEOUT_MS / 1000):
@@ -130,8 +134,12 @@ class Intake(ConsumerRebalanceListener):  # type: ignore[misc]
         if self._breaker.is_open:
             return  # Triton is out: records stay in the backlog and in Kafka.
         for tp, queue in self._backlog.items():
-            while queue and self._window.try_acquire(tp):
+            while queue and self._admits(tp) and self._window.try_acquire(tp):
                 self._dispatch(queue.popleft())
+
+    def _can_take(self, tp: TopicPartition) -> bool:
+        """A record of ``tp`` could be dispatched now: a slot is free and delivery admits it."""
+        return not self._window.full_for(tp) and self._admits(tp)
 
     def _sync_pauses(self) -> None:
         consumer = self.consumer
@@ -139,7 +147,7 @@ class Intake(ConsumerRebalanceListener):  # type: ignore[misc]
         if self._breaker.is_open:
             full = set(assigned)
         else:
-            full = {tp for tp in assigned if self._backlog.get(tp) or self._window.full_for(tp)}
+            full = {tp for tp in assigned if self._backlog.get(tp) or not self._can_take(tp)}
         paused = consumer.paused()
         if to_pause := full - paused:
             consumer.pause(*to_pause)
@@ -162,6 +170,21 @@ class Intake(ConsumerRebalanceListener):  # type: ignore[misc]
     async def commit(self, offsets: Mapping[TopicPartition, OffsetAndMetadata]) -> None:
         """Commit these offsets for the group (raises the client's errors)."""
         await self.consumer.commit(dict(offsets))
+
+    async def fetch_committed(
+        self, partitions: Iterable[TopicPartition]
+    ) -> dict[TopicPartition, OffsetAndMetadata]:
+        """The group's committed offsets with their metadata, asked of the coordinator now."""
+        return await fetch_committed(self.consumer, list(partitions))
+
+    def owns(self, tp: TopicPartition) -> bool:
+        """True while ``tp`` is assigned and the consumer knows of no rebalance."""
+        return tp in self.consumer.assignment() and not rebalancing(self.consumer)
+
+    def seek(self, tp: TopicPartition, offset: int) -> None:
+        """Fetch ``tp`` from ``offset``; records fetched before from elsewhere are dropped."""
+        self.consumer.seek(tp, offset)
+        self._backlog.pop(tp, None)
 
     # -- rebalance listener ----------------------------------------------------
 

@@ -67,6 +67,12 @@ METRICS_SPEC: tuple[MetricSpec, ...] = (
                (), "1 while the Triton circuit breaker is open (no new work dispatched)."),
     MetricSpec("transactions_total", "worker_transactions_total", "counter",
                (), "Kafka transactions committed (exactly_once delivery)."),
+    MetricSpec("records_skipped_total", "worker_records_skipped_total", "counter",
+               (), "Records found done in the commit metadata when a partition was assigned "
+               "(done before a crash or hand-over): skipped, not processed again."),
+    MetricSpec("commit_metadata_overflows_total", "worker_commit_metadata_overflows_total",
+               "counter", (), "Commits made without the done offsets beyond the commit point, "
+               "because their encoding was too long."),
     MetricSpec("internal_errors_total", "worker_internal_errors_total", "counter",
                (), "Records that met a bug in the worker (dead-lettered INTERNAL_ERROR)."),
     MetricSpec("dead_letter_values_omitted_total", "worker_dead_letter_values_omitted_total",
@@ -112,6 +118,8 @@ class Metrics:
     triton_up: Gauge
     breaker_open: Gauge
     transactions_total: Counter
+    records_skipped_total: Counter
+    commit_metadata_overflows_total: Counter
     internal_errors_total: Counter
     dead_letter_values_omitted_total: Counter
     models_not_ready: Gauge

@@ -6,7 +6,7 @@ test can make a commit fail on demand, which a real broker will not do when aske
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import pytest
@@ -25,9 +25,22 @@ TP = TopicPartition("in", 0)
 class Edge:
     """The consumer as delivery sees it: commits are recorded, or fail when told."""
 
-    def __init__(self) -> None:
+    def __init__(self, committed: dict[TopicPartition, OffsetAndMetadata] | None = None) -> None:
         self.commits: list[dict[TopicPartition, int]] = []
+        self.metadata: list[dict[TopicPartition, str]] = []
+        self.committed = dict(committed or {})
         self.fail_next = False
+
+    async def fetch_committed(
+        self, partitions: Iterable[TopicPartition]
+    ) -> dict[TopicPartition, OffsetAndMetadata]:
+        return {tp: self.committed[tp] for tp in partitions if tp in self.committed}
+
+    def seek(self, tp: TopicPartition, offset: int) -> None:
+        raise AssertionError("at_least_once never seeks")
+
+    def owns(self, tp: TopicPartition) -> bool:
+        return True
 
     def assignment(self) -> set[TopicPartition]:
         return {TP}
@@ -40,16 +53,30 @@ class Edge:
             self.fail_next = False
             raise CommitFailedError("rebalancing")
         self.commits.append({tp: meta.offset for tp, meta in offsets.items()})
+        self.metadata.append({tp: meta.metadata for tp, meta in offsets.items()})
 
 
 def record(offset: int) -> ConsumerRecord[bytes, bytes]:
     return ConsumerRecord("in", 0, offset, 0, 0, b"k", b"v", None, 1, 1, [])
 
 
-def delivery() -> tuple[AtLeastOnce, Edge, Metrics]:
-    edge, metrics = Edge(), Metrics(version="test")
+def delivery(
+    edge: Edge | None = None, max_uncommitted: int = 1000
+) -> tuple[AtLeastOnce, Edge, Metrics]:
+    edge, metrics = edge or Edge(), Metrics(version="test")
     sink: Any = None  # outcomes are delivered by the callables the tests pass
-    return AtLeastOnce(sink, OffsetTracker(), edge, metrics, interval_s=1.0), edge, metrics
+    built = AtLeastOnce(
+        sink, OffsetTracker(), edge, metrics, interval_s=1.0, max_uncommitted=max_uncommitted
+    )
+    return built, edge, metrics
+
+
+def nothing() -> None:
+    """An on_safe callback with nothing to release."""
+
+
+async def delivered() -> None:
+    """A delivery that succeeds (the broker acknowledged)."""
 
 
 async def test_a_record_is_done_only_after_its_outcome_is_delivered() -> None:
@@ -61,13 +88,13 @@ async def test_a_record_is_done_only_after_its_outcome_is_delivered() -> None:
         raise RuntimeError("broker gone")
 
     with pytest.raises(RuntimeError):
-        await d.complete(record(5), tickets[0], broken)
+        await d.complete(record(5), tickets[0], broken, nothing)
     delivered: list[int] = []
 
     async def ok() -> None:
         delivered.append(6)
 
-    await d.complete(record(6), tickets[1], ok)
+    await d.complete(record(6), tickets[1], ok, nothing)
     await d.commit()
     assert delivered == [6]
     assert edge.commits == [{TP: 5}]  # 5 is not done: the commit stops there
@@ -78,15 +105,12 @@ async def test_commits_follow_the_done_prefix_and_only_when_it_moves() -> None:
     d, edge, metrics = delivery()
     tickets = {o: d.track(record(o)) for o in range(10, 14)}
 
-    async def nothing() -> None:
-        return None
-
     for offset in (11, 10, 13):
-        await d.complete(record(offset), tickets[offset], nothing)
+        await d.complete(record(offset), tickets[offset], delivered, nothing)
     await d.commit()
     await d.commit()
     assert edge.commits == [{TP: 12}]
-    await d.complete(record(12), tickets[12], nothing)
+    await d.complete(record(12), tickets[12], delivered, nothing)
     await d.commit()
     assert edge.commits[-1] == {TP: 14}
     assert metrics.registry.get_sample_value("worker_commits_total") == 2
@@ -97,10 +121,7 @@ async def test_a_failed_commit_is_counted_and_retried_by_the_next_one() -> None:
     d, edge, metrics = delivery()
     ticket = d.track(record(0))
 
-    async def nothing() -> None:
-        return None
-
-    await d.complete(record(0), ticket, nothing)
+    await d.complete(record(0), ticket, delivered, nothing)
     edge.fail_next = True
     await d.commit()
     assert edge.commits == []
@@ -114,13 +135,10 @@ async def test_revocation_commits_what_is_done_and_drops_late_completions() -> N
     d, edge, _ = delivery()
     first, late = d.track(record(0)), d.track(record(1))
 
-    async def nothing() -> None:
-        return None
-
-    await d.complete(record(0), first, nothing)
+    await d.complete(record(0), first, delivered, nothing)
     await d.revoked({TP})
     assert edge.commits == [{TP: 1}]
-    await d.complete(record(1), late, nothing)  # stale: ignored, no error
+    await d.complete(record(1), late, delivered, nothing)  # stale: ignored, no error
     again = d.track(record(1))  # the next assignment starts where the commit left off
     assert again != late
     assert d.offsets.commit_point(TP) == 1
@@ -133,3 +151,45 @@ async def test_lag_is_the_distance_from_the_commit_point_to_the_end() -> None:
     d._update_lag()
     labels: dict[str, Any] = {"topic": "in", "partition": "0"}
     assert metrics.registry.get_sample_value("worker_consumer_lag", labels) == 60
+
+
+async def test_done_runs_beyond_the_point_travel_in_the_commit_metadata() -> None:
+    """One record stuck at the head: the commit stays there, the later done ones are listed."""
+    d, edge, _ = delivery()
+    tickets = {o: d.track(record(o)) for o in range(100, 110)}
+    for offset in range(101, 110):
+        await d.complete(record(offset), tickets[offset], delivered, nothing)
+    await d.commit()
+    assert edge.commits == [{TP: 100}]
+    assert edge.metadata == [{TP: "d1:1+8"}]  # 101..109 done beyond the commit point
+    await d.commit()
+    assert len(edge.commits) == 1  # nothing moved: no second commit
+
+
+async def test_a_member_starting_from_that_commit_skips_the_listed_records() -> None:
+    """The next owner reads the metadata on assignment and settles the listed records at once."""
+    edge = Edge({TP: OffsetAndMetadata(100, "d1:2+1,5+0")})  # 102, 103, 105 done
+    d, _, metrics = delivery(edge)
+    await d.assigned({TP})
+    settled = [o for o in range(100, 107) if d.settle_if_done(record(o), d.track(record(o)))]
+    assert settled == [102, 103, 105]
+    assert metrics.registry.get_sample_value("worker_records_skipped_total") == 3
+    assert d.offsets.pending(TP) == 4  # 100, 101, 104, 106 are processed
+
+
+async def test_metadata_of_another_start_is_not_used() -> None:
+    """A partition starting elsewhere than the commit (offset reset) skips nothing."""
+    edge = Edge({TP: OffsetAndMetadata(100, "d1:2+1")})
+    d, _, _ = delivery(edge)
+    await d.assigned({TP})
+    assert not d.settle_if_done(record(150), d.track(record(150)))
+    assert not d.settle_if_done(record(152), d.track(record(152)))
+
+
+async def test_a_partition_may_not_run_past_its_uncommitted_bound() -> None:
+    """With a bound of 3, a stuck head record lets 2 more be dispatched, then it pauses."""
+    d, _, _ = delivery(max_uncommitted=3)
+    tickets = {o: d.track(record(o)) for o in (0, 1, 2)}
+    assert not d.admits(TP)
+    await d.complete(record(0), tickets[0], delivered, nothing)
+    assert d.admits(TP)
