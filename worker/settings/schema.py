@@ -234,7 +234,7 @@ class DeliverySettings(_Section, frozen=True, kw_only=True):
         "partition).")] = "kafka-triton-worker"
     max_uncommitted_per_partition: Annotated[int, Meta(ge=1), Doc(
         "How far past its commit point a partition may dispatch; beyond it the partition "
-        "pauses. Bounds the work a crash can redo behind a record stuck in retries.")] = 5000
+        "pauses. Bounds the work a crash can redo behind a record stuck in retries.")] = 10_000
 
 
 class LimitSettings(_Section, frozen=True, kw_only=True):
