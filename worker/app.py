@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Mapping
+from collections.abc import Awaitable, Mapping
+from typing import Any
 
 import structlog
 from aiokafka.structs import ConsumerRecord, TopicPartition
@@ -33,6 +34,13 @@ from worker.triton import TritonPool
 from worker.window import Window
 
 log = structlog.get_logger(__name__)
+
+#: Bound on each last step of a shutdown (the final commit, closing the producer, closing
+#: the consumer): an unreachable broker must not keep the process alive. Offsets not
+#: committed then are consumed again by the partition's next owner (at-least-once).
+CLOSE_TIMEOUT_S = 5.0
+#: The same bound once a second signal has asked to exit now.
+FORCED_CLOSE_TIMEOUT_S = 1.0
 
 
 class Worker:
@@ -123,6 +131,7 @@ class Worker:
         self._tasks: asyncio.TaskGroup | None = None
         self._records: set[asyncio.Task[None]] = set()
         self._stop = asyncio.Event()
+        self._forced = asyncio.Event()
         self._stopped = False
         # Read at scrape time rather than set on every record.
         self.metrics.window_limit.set_function(lambda: self.window.limit)
@@ -179,8 +188,13 @@ class Worker:
         self._stop.set()
 
     def force_stop(self) -> None:
-        """Abandon in-flight records (second signal); they stay uncommitted."""
+        """Abandon in-flight records (second signal); they stay uncommitted.
+
+        A final commit or a client close still waiting (on an unreachable broker) is
+        abandoned too, so that the process ends now.
+        """
         self._stop.set()
+        self._forced.set()
         for task in list(self._records):
             task.cancel()
 
@@ -194,7 +208,7 @@ class Worker:
             for task in list(self._records):
                 task.cancel()
         await asyncio.gather(*self._records, return_exceptions=True)
-        await self.intake.commit()
+        await bounded_step(self.intake.commit(), "final_commit", self._forced)
 
     async def stop(self) -> None:
         """Close Triton streams, the producer, the consumer, the HTTP server. Idempotent."""
@@ -204,9 +218,9 @@ class Worker:
         await self.batcher.close()
         await self.pool.close(drain_timeout_s=5.0)
         if self.txn is not None:
-            await self.txn.close()
-        await self.publisher.stop()
-        await self.intake.stop()
+            await bounded_step(self.txn.close(), "transactions_close", self._forced)
+        await bounded_step(self.publisher.stop(), "producer_close", self._forced)
+        await bounded_step(self.intake.stop(), "consumer_close", self._forced)
         if self.health is not None:
             await self.health.stop()
         log.info("worker_stopped")
@@ -294,6 +308,37 @@ class Worker:
             detail["models_not_ready"] = held
         ready = self.intake.running and self.triton_up and not self.breaker.is_open
         return ready, detail
+
+
+async def bounded_step(step: Awaitable[None], what: str, forced: asyncio.Event) -> None:
+    """Await a shutdown step for at most CLOSE_TIMEOUT_S, or until ``forced`` is set.
+
+    aiokafka retries a commit, a flush or a group leave for as long as the broker is
+    unreachable: without a bound, SIGTERM (and even a second one) during a broker
+    outage would never end the process. A step still running then is cancelled and
+    logged; a step that finishes in time returns (or raises) as it would have.
+    """
+    task = asyncio.ensure_future(step)
+    # After a second signal a step still gets a moment: a reachable broker commits
+    # what is done in milliseconds, and fewer records are redone.
+    forced_already = forced.is_set()
+    timeout_s = FORCED_CLOSE_TIMEOUT_S if forced_already else CLOSE_TIMEOUT_S
+    forcing = asyncio.ensure_future(forced.wait())
+    waiting: set[asyncio.Future[Any]] = {task} if forced_already else {task, forcing}
+    try:
+        done, _ = await asyncio.wait(
+            waiting, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED
+        )
+    finally:
+        forcing.cancel()
+    if task in done:
+        task.result()
+        return
+    reason = "second signal" if forced.is_set() else f"{timeout_s} s passed"
+    log.warning("shutdown_step_abandoned", step=what, reason=reason)
+    task.cancel()
+    # A client that does not even honour the cancellation is left to the process exit.
+    await asyncio.wait({task}, timeout=1.0)
 
 
 async def serve(settings: Settings, worker: Worker | None = None) -> int:
