@@ -298,6 +298,7 @@ async def test_seeded_chaos_soak(
                 first_round_done = len(chaos.applied) >= len(FAULT_KINDS)
                 if first_round_done and time.monotonic() + fault.gap_s >= ends_at:
                     break
+                # The schedule's quiet time between two faults (traffic flows meanwhile).
                 await chaos.tripwire.guard(asyncio.sleep(fault.gap_s), fault.gap_s + 5, "quiet")
                 await chaos.tripwire.guard(chaos.apply(fault), 2 * STEP_TIMEOUT_S, fault.kind)
                 await chaos.recovered(fault.kind)
@@ -316,7 +317,13 @@ async def test_seeded_chaos_soak(
                 missing = {s for s in missing if s not in collector.by_source}
                 return not missing
 
-            await chaos.tripwire.guard(collector.wait_for(all_answered), 120, "final drain")
+            try:
+                await chaos.tripwire.guard(collector.wait_for(all_answered), 120, "final drain")
+            except AssertionError as exc:
+                unanswered = _describe(sorted(missing), accepted)
+                raise AssertionError(
+                    f"seed {seed}: {len(missing)} unanswered, e.g. {unanswered}"
+                ) from exc
             await chaos.stop_worker(signal.SIGTERM)
             assert final.returncode == 0
             outcome_ends = await _end_offsets(
