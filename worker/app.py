@@ -21,6 +21,7 @@ from worker.audit import Audit
 from worker.checks.startup import run_startup_checks
 from worker.delivery import build_delivery
 from worker.errors import ExitCode
+from worker.flow.bounded import bounded_step
 from worker.flow.breaker import CircuitBreaker
 from worker.flow.holds import ModelGate
 from worker.flow.limiter import AdaptiveLimiter
@@ -124,6 +125,7 @@ class Worker:
         self._tasks: asyncio.TaskGroup | None = None
         self._records: set[asyncio.Task[None]] = set()
         self._stop = asyncio.Event()
+        self._forced = asyncio.Event()
         self._stopped = False
         # Read at scrape time rather than set on every record.
         self.metrics.window_limit.set_function(lambda: self.window.limit)
@@ -180,8 +182,13 @@ class Worker:
         self._stop.set()
 
     def force_stop(self) -> None:
-        """Abandon in-flight records (second signal); they stay uncommitted."""
+        """Abandon in-flight records (second signal); they stay uncommitted.
+
+        A final commit or a client close still waiting (on an unreachable broker) is
+        abandoned too, so that the process ends now.
+        """
         self._stop.set()
+        self._forced.set()
         for task in list(self._records):
             task.cancel()
 
@@ -195,7 +202,7 @@ class Worker:
             for task in list(self._records):
                 task.cancel()
         await asyncio.gather(*self._records, return_exceptions=True)
-        await self.delivery.commit()
+        await bounded_step(self.delivery.commit(), "final_commit", self._forced)
 
     async def stop(self) -> None:
         """Close Triton streams, the producer, the consumer, the HTTP server. Idempotent."""
@@ -204,9 +211,9 @@ class Worker:
         self._stopped = True
         await self.batcher.close()
         await self.pool.close(drain_timeout_s=5.0)
-        await self.delivery.close()
-        await self.publisher.stop()
-        await self.intake.stop()
+        await bounded_step(self.delivery.close(), "transactions_close", self._forced)
+        await bounded_step(self.publisher.stop(), "producer_close", self._forced)
+        await bounded_step(self.intake.stop(), "consumer_close", self._forced)
         if self.health is not None:
             await self.health.stop()
         log.info("worker_stopped")

@@ -14,7 +14,7 @@ import pytest
 
 from devtools import samples
 from devtools.devstack.kafka import KafkaCluster
-from devtools.devstack.process import free_port
+from devtools.devstack.process import free_port, tail
 from tests.support import (
     Topics,
     collect,
@@ -28,6 +28,7 @@ from tests.support import (
     wait_ready,
     worker_env,
 )
+from worker.flow.bounded import CLOSE_TIMEOUT_S, FORCED_CLOSE_TIMEOUT_S
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -130,3 +131,57 @@ async def test_group_scales_one_three_one_mid_stream(
     # commit and a revocation may be redone.
     report("group scaled 1 → 3 → 1 mid-stream", len(requests), got)
     assert got.duplicates <= 3 * 64
+
+
+@pytest.mark.parametrize("signals", [1, 2])
+async def test_sigterm_while_the_broker_is_down_ends_the_worker(
+    own_kafka: KafkaCluster, triton: Any, unique: str, tmp_path: Path, signals: int
+) -> None:
+    """SIGTERM while the only broker is down: exit 0 within its bounds; a second one: exit 1 now."""
+    topics = Topics.fresh(unique)
+    await create(own_kafka, topics, partitions=2)
+    await send(own_kafka.bootstrap_servers, topics.input, samples.good_requests(3000, seed=64))
+    port = free_port()
+    env = worker_env(
+        own_kafka,
+        triton,
+        topics,
+        metrics_port=str(port),
+        shutdown_timeout_s="3",
+        max_in_flight="32",
+        batch_max_size="1",
+    )
+    proc = spawn_worker(env, tmp_path / "worker.log")
+    try:
+        await wait_ready(port, proc)
+        await collect(own_kafka.bootstrap_servers, topics, 100)
+        await asyncio.to_thread(own_kafka.stop_node, 1)
+        proc.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        if signals == 2:
+            # Once the first signal's drain waits on the broker, the second one ends it.
+            log = tmp_path / "worker.log"
+            deadline = time.monotonic() + 30
+            while b'"shutdown_requested"' not in log.read_bytes():
+                assert time.monotonic() < deadline, "the first SIGTERM was not handled"
+                await asyncio.sleep(0.05)  # polling another process's log: nothing to await
+            proc.send_signal(signal.SIGTERM)
+            signalled = time.monotonic()
+        # The drain (3 s), then the final commit, the producer and the consumer close,
+        # each bounded by CLOSE_TIMEOUT_S; after a second signal, FORCED_CLOSE_TIMEOUT_S each.
+        bound_s = 3 + 3 * CLOSE_TIMEOUT_S if signals == 1 else 3 * FORCED_CLOSE_TIMEOUT_S
+        try:
+            code = await asyncio.to_thread(proc.wait, bound_s + 10)
+        except subprocess.TimeoutExpired:
+            pytest.fail(
+                f"worker still running {bound_s + 10:.0f} s after SIGTERM x{signals} with the "
+                f"broker down:\n{tail(tmp_path / 'worker.log', 30)}"
+            )
+        took_s = time.monotonic() - signalled
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        await asyncio.to_thread(own_kafka.start_node, 1)
+    assert code == (0 if signals == 1 else 1), tail(tmp_path / "worker.log", 30)
+    assert took_s <= bound_s + 3, f"exit {took_s:.1f} s after the signal (bound {bound_s} s)"
