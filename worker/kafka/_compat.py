@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Awaitable
 from typing import Any
 
-__all__ = ["in_transaction"]
+__all__ = ["in_transaction", "send_to_some_broker"]
 
 
 def in_transaction(producer: Any) -> bool:
@@ -12,3 +13,10 @@ def in_transaction(producer: Any) -> bool:
     way to ask, and ``abort_transaction`` outside one raises)."""
     manager = producer._txn_manager
     return manager is not None and bool(manager.is_in_transaction())
+
+
+def send_to_some_broker(client_owner: Any, request: Any) -> Awaitable[Any]:
+    """Send one protocol request through a started consumer's (or admin's) client to any
+    broker: neither has a public call for a request of one's own."""
+    client = client_owner._client
+    return client.send(client.get_random_node(), request)  # type: ignore[no-any-return]
