@@ -379,6 +379,37 @@ async def test_transactional_dead_letters_are_read_to_the_snapshots_end(
         _assert_replay_of(record, by_id[request_id_of(record)], count=1)
 
 
+async def test_a_record_the_destination_refuses_fails_alone(
+    kafka: Any, triton: Any, unique: str
+) -> None:
+    """--to a topic of 2 KiB records: tried again alone, the small one lands, the 3 KiB one fails.
+
+    The two usually leave in one batch, which the broker refuses whole for the large
+    record's size; either way the retry sends each record alone.
+    """
+    topics = Topics.fresh(unique)
+    narrow = f"narrow-{unique}"
+    await create(kafka, topics)
+    await kafka.create_topics([narrow], partitions=1, configs={"max.message.bytes": "2048"})
+    bootstrap = kafka.bootstrap_servers
+    small = SampleRequest(b'{"inputs": [', [("x-request-id", b"small")], "-", "json", "small")
+    large = SampleRequest(b"{" + b" " * 3072, [("x-request-id", b"large")], "-", "json", "large")
+    async with running_worker(settings_for(kafka, triton, topics)):
+        await send(bootstrap, topics.input, [large, small])
+        letters = await _dead_letters(kafka, topics, 2)
+
+    run = await _cli(kafka, topics.dlq, "--to", narrow)
+
+    assert run.code == ExitCode.INCOMPLETE
+    (landed,) = await _read(bootstrap, narrow, 1)
+    _assert_replay_of(landed, letters["small"], count=1)
+    assert await _end(bootstrap, narrow) == 1
+    refused = f"{topics.dlq}/0/{letters['large'].offset}"
+    (line,) = [line for line in run.stdout.splitlines() if line.startswith("not sent 1:")]
+    assert "MessageSizeTooLargeError" in line
+    assert line.endswith(f": {refused}")
+
+
 async def test_an_empty_dead_letter_topic(kafka: Any, unique: str) -> None:
     """Nothing to replay: an empty plan and exit 0; a missing topic is an error, not created."""
     dlq = f"dlq-{unique}"
