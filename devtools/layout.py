@@ -24,6 +24,7 @@ FLOW = (
     ("delivery", "when a record is done and what is committed"),
     ("observability", "logs, metrics, health endpoints"),
     ("checks", "start-up checks and the check command"),
+    ("replay", "the replay command: dead letters back to their source topics"),
 )
 #: Top-level modules of worker/, around the packages.
 TOP_LEVEL = ("app", "record", "errors", "audit", "cli", "produce")

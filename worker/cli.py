@@ -1,4 +1,4 @@
-"""Command line: ``run``, ``check``, ``produce``. Nothing imports this module."""
+"""Command line: ``run``, ``check``, ``produce``, ``replay``. Nothing imports this module."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from worker import __version__
 from worker.checks.report import add_check_parser
 from worker.errors import ExitCode
 from worker.produce import add_produce_parser
+from worker.replay import add_replay_parser
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -30,6 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.set_defaults(handler=run_worker)
     add_check_parser(commands)
     add_produce_parser(commands)
+    add_replay_parser(commands)
     return parser
 
 

@@ -169,6 +169,9 @@ class ExitCode(enum.IntEnum):
     CONFIG = 2
     #: An outcome can never be written, or too many records in a row met a bug.
     FATAL = 3
+    #: ``replay``: some selected dead letters were not re-produced (refused, or the broker
+    #: did not take them; the summary says which), or the dead-letter topic cannot be read.
+    INCOMPLETE = 4
 
 
 class Fatal(RuntimeError):

@@ -35,14 +35,15 @@ class Outgoing:
     headers: list[tuple[str, bytes]] = field(default_factory=list)
 
 
-def progress_bar(console: Console) -> Progress:
-    """The progress bar of long sends and collections."""
+def progress_bar(console: Console, *, disable: bool = False) -> Progress:
+    """The progress bar of long sends and collections (``disable``: shown nowhere)."""
     return Progress(
         TextColumn("{task.description:<22}"),
         BarColumn(),
         MofNCompleteColumn(),
         TimeElapsedColumn(),
         console=console,
+        disable=disable,
     )
 
 

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 #: The variants, in the order they run (names in worker.benchmarks.report.VARIANTS).
 VARIANT_KEYS = ("sync", "naive", "worker", "worker_tuned", "triton", "kafka")
 #: Measurements beyond the table (worker.benchmarks.extras, worker.benchmarks.scaleout).
-EXTRA_KEYS = ("batching", "windows", "compression", "shm", "scale_out")
+EXTRA_KEYS = ("batching", "windows", "compression", "commits", "shm", "scale_out")
 MODELS = ("double", "mlp", "echo_bytes")
 
 #: Settings of the tuned worker, beyond the defaults.
@@ -251,6 +251,13 @@ async def _extras(
                 model=args.model,
                 records=args.records,
                 base=tuned,
+            )
+    if "commits" in wanted:
+        from devtools.bench import commits
+
+        with console.status("commit intervals: SIGKILL mid-drain, duplicates and commits/s..."):
+            out["commits"] = await commits.commit_intervals(
+                servers.bootstrap, servers.triton, args.out, records=args.records, settings={}
             )
     if "shm" in wanted:
         with console.status("shared memory: 4 MiB tensors with and without..."):

@@ -350,6 +350,23 @@ def extras_markdown(extras: dict[str, Any]) -> str:
             lines.append(
                 f"| {codec} | {run.records_per_s:,.0f} | {run.cpu_s_per_1k:.3f} | {size} |"
             )
+    commits = extras.get("commits")
+    if commits:
+        lines += [
+            "",
+            "Commit interval (default settings otherwise): one worker draining a backlog is "
+            "SIGKILLed after a third, a second one finishes:",
+            "",
+            "| interval ms | records/s | commits/s per worker | a fleet of 100 | "
+            "duplicates after the SIGKILL |",
+            "| ---: | ---: | ---: | ---: | ---: |",
+        ]
+        for point in commits:
+            lines.append(
+                f"| {point.interval_ms} | {point.records_per_s:,.0f} | "
+                f"{point.commits_per_s:.1f} | {point.commits_per_s * 100:,.0f} | "
+                f"{point.duplicates:,} |"
+            )
     shm = extras.get("shm")
     if shm:
         lines += [

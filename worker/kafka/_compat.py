@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Awaitable
 from typing import Any
 
-__all__ = ["fetch_committed", "in_transaction", "rebalancing"]
+__all__ = ["fetch_committed", "in_transaction", "rebalancing", "send_to_some_broker"]
 
 
 def in_transaction(producer: Any) -> bool:
@@ -24,3 +25,10 @@ def rebalancing(consumer: Any) -> bool:
     """True when the consumer knows its group is rebalancing (its assignment may be stale)."""
     coordinator = consumer._coordinator
     return coordinator is None or bool(coordinator.need_rejoin(consumer._subscription))
+
+
+def send_to_some_broker(client_owner: Any, request: Any) -> Awaitable[Any]:
+    """Send one protocol request through a started consumer's (or admin's) client to any
+    broker: neither has a public call for a request of one's own."""
+    client = client_owner._client
+    return client.send(client.get_random_node(), request)  # type: ignore[no-any-return]

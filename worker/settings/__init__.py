@@ -19,7 +19,9 @@ from worker.settings.schema import (
 )
 from worker.settings.sources import (
     add_run_arguments,
+    add_setting_arguments,
     load_settings,
+    read_settings,
     settings_env_names,
     settings_from_args,
 )
@@ -40,7 +42,9 @@ __all__ = [
     "TopicSettings",
     "TritonSettings",
     "add_run_arguments",
+    "add_setting_arguments",
     "load_settings",
+    "read_settings",
     "reference_table_markdown",
     "settings_env_names",
     "settings_from_args",

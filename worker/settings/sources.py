@@ -9,12 +9,19 @@ from __future__ import annotations
 
 import argparse
 import difflib
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NoReturn
 
-from worker.settings.schema import ENV_PREFIX, SETTINGS_SPEC, ConfigError, Settings
+from worker.settings.schema import ENV_PREFIX, SETTINGS_SPEC, ConfigError, Settings, SettingSpec
 
-__all__ = ["add_run_arguments", "load_settings", "settings_env_names", "settings_from_args"]
+__all__ = [
+    "add_run_arguments",
+    "add_setting_arguments",
+    "load_settings",
+    "read_settings",
+    "settings_env_names",
+    "settings_from_args",
+]
 
 
 def settings_env_names() -> frozenset[str]:
@@ -27,8 +34,13 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
 
     Flags default to "absent" so that the environment applies unless a flag is given.
     """
+    add_setting_arguments(parser, SETTINGS_SPEC)
+
+
+def add_setting_arguments(parser: argparse.ArgumentParser, specs: Iterable[SettingSpec]) -> None:
+    """Add the flags of ``specs`` only (for a command that needs a few settings)."""
     group = parser.add_argument_group("settings (flags override WORKER_* environment variables)")
-    for spec in SETTINGS_SPEC:
+    for spec in specs:
         help_text = f"{spec.help} [env {spec.env}; default: {spec.default_doc()}]"
         group.add_argument(
             spec.flag,
@@ -65,9 +77,26 @@ def settings_from_args(
 
     For a CLI that parses its own arguments; `load_settings` is the usual entry point.
     """
+    sections = read_settings(env, flags, SETTINGS_SPEC, isatty=isatty)
+    built: dict[str, Any] = {name: cls(**sections[name]) for name, cls in Settings.SECTIONS.items()}
+    return Settings(**built)
+
+
+def read_settings(
+    env: Mapping[str, str],
+    flags: argparse.Namespace,
+    specs: Iterable[SettingSpec],
+    *,
+    isatty: bool = False,
+) -> dict[str, dict[str, Any]]:
+    """The values of ``specs`` from ``env`` and ``flags`` (flags win), by section and field.
+
+    Settings left unset are absent (their section's default applies). Raises
+    ConfigError naming the setting, and for any unknown ``WORKER_*`` variable.
+    """
     _check_unknown_env(env)
     sections: dict[str, dict[str, Any]] = {name: {} for name in Settings.SECTIONS}
-    for spec in SETTINGS_SPEC:
+    for spec in specs:
         flag_value: str | None = getattr(flags, spec.field, None)
         if flag_value is not None:
             source, raw = spec.flag, flag_value
@@ -84,8 +113,7 @@ def settings_from_args(
         except ValueError as exc:
             shown = "***" if spec.secret else repr(raw)
             raise ConfigError(spec.env, f"{source}: {exc}, got {shown}") from None
-    built: dict[str, Any] = {name: cls(**sections[name]) for name, cls in Settings.SECTIONS.items()}
-    return Settings(**built)
+    return sections
 
 
 def load_settings(

@@ -12,9 +12,17 @@ from worker.wire.headers import (
     header_text,
     header_value,
     omitted_value_headers,
+    replay_count,
+    replay_headers,
     rfc3339_utc,
 )
-from worker.wire.requests import DecodedRequest, DecodeLimits, Encoding, decode_request
+from worker.wire.requests import (
+    DecodedRequest,
+    DecodeLimits,
+    Encoding,
+    decode_request,
+    request_names,
+)
 from worker.wire.results import encode_result, result_headers
 
 __all__ = [
@@ -34,6 +42,9 @@ __all__ = [
     "header_text",
     "header_value",
     "omitted_value_headers",
+    "replay_count",
+    "replay_headers",
+    "request_names",
     "result_headers",
     "rfc3339_utc",
 ]

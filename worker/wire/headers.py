@@ -19,6 +19,7 @@ __all__ = [
     "CONTENT_TYPE_BINARY",
     "CONTENT_TYPE_JSON",
     "CONTENT_TYPE_PROTOBUF",
+    "DEAD_LETTER_HEADERS",
     "INFERENCE_HEADER_CONTENT_LENGTH",
     "MAX_ERROR_MESSAGE_BYTES",
     "Headers",
@@ -28,6 +29,8 @@ __all__ = [
     "header_value",
     "merge_headers",
     "omitted_value_headers",
+    "replay_count",
+    "replay_headers",
     "rfc3339_utc",
     "source_headers",
     "truncate_utf8",
@@ -58,6 +61,34 @@ X_ORIGINAL_VALUE_SHA256: Final = "x-original-value-sha256"
 X_KEY_OMITTED: Final = "x-key-omitted"
 X_ORIGINAL_KEY_BYTES: Final = "x-original-key-bytes"
 X_ORIGINAL_KEY_SHA256: Final = "x-original-key-sha256"
+#: A request re-produced from the dead-letter topic by ``replay``: which dead letter
+#: (``dlq-topic/partition/offset``), and how many times its request has been replayed.
+X_REPLAYED_FROM: Final = "x-replayed-from"
+X_REPLAY_COUNT: Final = "x-replay-count"
+
+#: Every header the worker adds to a dead letter (and every ``x-error-*``): a replay
+#: removes them, so that the request goes back as its producer sent it.
+DEAD_LETTER_HEADERS: Final = frozenset(
+    {
+        X_ERROR_CODE,
+        X_ERROR_MESSAGE,
+        X_ERROR_RETRYABLE,
+        X_ATTEMPTS,
+        X_SOURCE_TOPIC,
+        X_SOURCE_PARTITION,
+        X_SOURCE_OFFSET,
+        X_SOURCE_TIMESTAMP,
+        X_CONSUMER_GROUP,
+        X_FAILED_AT,
+        X_VALUE_OMITTED,
+        X_ORIGINAL_VALUE_BYTES,
+        X_ORIGINAL_VALUE_SHA256,
+        X_KEY_OMITTED,
+        X_ORIGINAL_KEY_BYTES,
+        X_ORIGINAL_KEY_SHA256,
+    }
+)
+_ERROR_PREFIX: Final = "x-error-"
 
 CONTENT_TYPE_JSON: Final = "application/json"
 CONTENT_TYPE_BINARY: Final = "application/octet-stream"
@@ -193,3 +224,29 @@ def omitted_value_headers(
             (X_ORIGINAL_KEY_SHA256, hashlib.sha256(key or b"").hexdigest().encode()),
         ]
     return [*headers, *added]
+
+
+def replay_count(headers: Headers) -> int:
+    """How many times this record's request has been replayed (``x-replay-count``; 0 if
+    absent or not a count)."""
+    raw = header_value(headers, X_REPLAY_COUNT)
+    text = bytes(raw).decode("ascii", errors="replace").strip() if raw is not None else ""
+    return int(text) if text.isdigit() else 0
+
+
+def replay_headers(
+    headers: Headers, replayed_from: str, count: int
+) -> list[tuple[str, bytes | None]]:
+    """A dead letter's headers as its replay carries them.
+
+    The request's own headers, in order (null values and repeated names as they
+    came), without those the worker added to the dead letter or an earlier replay
+    set; then ``x-replayed-from`` (``dlq-topic/partition/offset``) and ``x-replay-count``.
+    """
+    ours = DEAD_LETTER_HEADERS | {X_REPLAYED_FROM, X_REPLAY_COUNT}
+    kept: list[tuple[str, bytes | None]] = [
+        (name, None if value is None else bytes(value))
+        for name, value in headers
+        if name.lower() not in ours and not name.lower().startswith(_ERROR_PREFIX)
+    ]
+    return [*kept, (X_REPLAYED_FROM, replayed_from.encode()), (X_REPLAY_COUNT, str(count).encode())]

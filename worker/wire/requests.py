@@ -46,7 +46,7 @@ from worker.wire.messages import (
     set_parameters,
 )
 
-__all__ = ["DecodeLimits", "DecodedRequest", "Encoding", "decode_request"]
+__all__ = ["DecodeLimits", "DecodedRequest", "Encoding", "decode_request", "request_names"]
 
 Encoding = Literal["json", "binary", "protobuf"]
 
@@ -335,3 +335,45 @@ def decode_request(
         binary_outputs=encoding == "binary",
         payload_bytes=len(value),
     )
+
+
+class _Names(msgspec.Struct):
+    """The two fields of a request body that name it; every other field is skipped."""
+
+    id: str | None = None
+    model_name: str | None = None
+
+
+_names_decoder: Final = msgspec.json.Decoder(_Names)
+
+
+def request_names(value: bytes | None, headers: Headers) -> tuple[str, str]:
+    """The model and the request id a record names, ``""`` for what it does not name.
+
+    Chosen as `decode_request` chooses them (model: header ``x-model-name``, else
+    the body's ``model_name``; id: the body's ``id``, else header ``x-request-id``),
+    but never raising: for reports on records that may not decode at all.
+    """
+    body = _Names()
+    try:
+        encoding = _encoding_of(headers)
+        raw = bytes(value or b"")
+        if encoding == "protobuf" and raw:
+            request = service_pb2.ModelInferRequest()
+            request.ParseFromString(raw)
+            body = _Names(request.id or None, request.model_name or None)
+        elif raw:
+            end = _binary_header_length(headers, raw) if encoding == "binary" else len(raw)
+            start = len(_UTF8_BOM) if raw.startswith(_UTF8_BOM) else 0
+            body = _names_decoder.decode(memoryview(raw)[start:end])
+    except Exception:
+        pass  # an unreadable body names nothing; the headers still may
+    model = _header(headers, X_MODEL_NAME) or body.model_name or ""
+    return model, body.id or _header(headers, X_REQUEST_ID)
+
+
+def _header(headers: Headers, name: str) -> str:
+    try:
+        return header_text(headers, name) or ""
+    except DecodeError:
+        return ""

@@ -17,6 +17,7 @@ from worker.settings import (
     TritonSettings,
     add_run_arguments,
     load_settings,
+    read_settings,
     reference_table_markdown,
     settings_env_names,
     settings_from_args,
@@ -335,3 +336,20 @@ def test_settings_from_a_cli_namespace() -> None:
     settings = settings_from_args(_env(WORKER_LINGER_MS="1"), namespace)
     assert settings.kafka.linger_ms == 9
     assert not hasattr(namespace, "max_in_flight")
+
+
+def test_a_subset_of_the_settings_is_read_alone() -> None:
+    """read_settings reads only the specs asked for: others are not judged, unknown names are."""
+    wanted = [s for s in SETTINGS_SPEC if s.field in ("dlq_topic", "bootstrap_servers")]
+    env = {"WORKER_DLQ_TOPIC": "dead", "WORKER_MAX_IN_FLIGHT": "abc"}
+    flags = argparse.Namespace(bootstrap_servers="k1:9092,k2:9092")
+
+    values = read_settings(env, flags, wanted)
+
+    assert values["topics"] == {"dlq_topic": "dead"}
+    assert values["kafka"] == {"bootstrap_servers": "k1:9092,k2:9092"}
+    assert values["flow"] == {}
+    with pytest.raises(ConfigError, match="WORKER_DLQ_TOPIC: required"):
+        read_settings({}, argparse.Namespace(), wanted)
+    with pytest.raises(ConfigError, match="WORKER_MAX_INFLIGHT: unknown setting"):
+        read_settings({**env, "WORKER_MAX_INFLIGHT": "8"}, flags, wanted)

@@ -1,0 +1,281 @@
+"""Reading a dead-letter topic up to a snapshot, and re-producing the selected dead letters.
+
+The dead-letter topic is read up to the end offsets it has when the command starts
+(``read_committed``), so the command ends even when replayed records fail again and
+land behind that snapshot. It is read twice: once to judge every dead letter
+(`worker.replay.plan`), once to send the selected ones, so that memory holds what the
+dead letters say, not their values. Each is re-produced with its value, key and
+headers, less those the worker added (``x-error-*``, ``x-source-*``, ...), plus
+``x-replayed-from`` and ``x-replay-count``, by an idempotent producer (``acks=all``)
+that waits for every ack. Records the broker refused are tried once more, one at a
+time, each on a producer that has not failed: a refused batch takes its innocent
+neighbours with it, and a size refusal leaves an idempotent producer unable to write
+to that partition again. Destinations are looked up without creating topics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
+
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka.errors import KafkaError
+from rich.progress import Progress
+
+from worker.checks import probes
+from worker.kafka import PRODUCER_HEADROOM_BYTES, kafka_client_kwargs
+from worker.kafka._compat import send_to_some_broker
+from worker.kafka.publisher import kafka_compression
+from worker.replay.plan import DeadLetter, Entry, Outcome, Planner, ReplayPlan
+from worker.settings import KafkaAuthSettings, KafkaSettings
+from worker.wire import replay_headers
+
+__all__ = ["ReplayError", "replay"]
+
+#: Reading stops with an error when no partition moves for this long (a broker gone).
+_STALL_S = 60.0
+_KAFKA_ERRORS = {3: "does not exist", 29: "not authorized to describe it"}
+
+
+class ReplayError(Exception):
+    """The dead-letter topic cannot be read: nothing was sent."""
+
+
+async def replay(
+    planner: Planner,
+    kafka: KafkaSettings,
+    auth: KafkaAuthSettings,
+    progress: Progress | None = None,
+) -> ReplayPlan:
+    """Judge the snapshot's dead letters, then (unless a dry run) send the selected ones.
+
+    Returns the plan with every entry's outcome; raises ReplayError when the
+    dead-letter topic cannot be read, ConfigError for unusable security settings.
+    """
+    client_kwargs = kafka_client_kwargs(auth)
+    consumer = AIOKafkaConsumer(
+        bootstrap_servers=kafka.bootstrap_servers,
+        client_id=f"{kafka.client_id}-replay",
+        group_id=None,
+        enable_auto_commit=False,
+        auto_offset_reset="earliest",
+        isolation_level="read_committed",
+        **client_kwargs,
+    )
+    dlq_topic = planner.dlq_topic
+    try:
+        await consumer.start()
+    except KafkaError as exc:
+        await consumer.stop()
+        raise ReplayError(f"Kafka {kafka.bootstrap_servers}: {probes.reason(exc)}") from None
+    try:
+        try:
+            ranges = await _snapshot(consumer, dlq_topic)
+            async for record in _read(consumer, ranges, progress, f"reading {dlq_topic}"):
+                planner.add(DeadLetter.of(record))
+            plan = planner.plan()
+            await _check_destinations(consumer, plan)
+        except KafkaError as exc:
+            raise ReplayError(f"reading {dlq_topic!r}: {probes.reason(exc)}") from None
+        if not plan.dry_run and plan.having(Outcome.SEND):
+            producer_kwargs = _producer_kwargs(kafka, client_kwargs, plan)
+            await _send(consumer, plan, producer_kwargs, progress)
+        return plan
+    finally:
+        await consumer.stop()
+
+
+async def _snapshot(consumer: AIOKafkaConsumer, topic: str) -> dict[TopicPartition, range]:
+    """The offsets of every partition of ``topic`` from its start to its end, now."""
+    answer = await probes.describe_topics(
+        lambda request: send_to_some_broker(consumer, request), [topic]
+    )
+    by_name: dict[str, Any] = {t["topic"]: t for t in answer["topics"]}
+    found = by_name.get(topic, {"error_code": 3})
+    code = int(found["error_code"])
+    if code:
+        reason = _KAFKA_ERRORS.get(code, f"Kafka error code {code}")
+        raise ReplayError(f"dead-letter topic {topic!r} {reason}")
+    if probes.may(int(found["topic_authorized_operations"]), probes.READ) is False:
+        raise ReplayError(f"dead-letter topic {topic!r}: no read permission")
+    partitions = [TopicPartition(topic, p["partition"]) for p in found["partitions"]]
+    consumer.assign(partitions)
+    starts = await consumer.beginning_offsets(partitions)
+    ends = await consumer.end_offsets(partitions)
+    return {tp: range(starts[tp], ends[tp]) for tp in sorted(partitions)}
+
+
+async def _read(
+    consumer: AIOKafkaConsumer,
+    ranges: dict[TopicPartition, range],
+    progress: Progress | None,
+    description: str,
+) -> AsyncIterator[Any]:
+    """Every record inside ``ranges``; ends when each partition's position reaches its end."""
+    pending = {tp: span for tp, span in ranges.items() if span}
+    total = sum(len(span) for span in pending.values())
+    task = progress.add_task(description, total=total) if progress is not None else None
+    for tp, span in pending.items():
+        consumer.seek(tp, span.start)
+    positions: dict[TopicPartition, int] = {}
+    moved_at = time.monotonic()
+    while pending:
+        batch = await consumer.getmany(*pending, timeout_ms=500)
+        for tp, records in batch.items():
+            wanted = pending.get(tp, range(0))
+            for record in records:
+                if record.offset in wanted:
+                    yield record
+            if progress is not None and task is not None:
+                progress.advance(task, len(records))
+        now_at = {tp: await consumer.position(tp) for tp in pending}
+        # Control records and aborted transactions move the position without a record.
+        if now_at != positions:
+            positions, moved_at = now_at, time.monotonic()
+        for tp, position in now_at.items():
+            if position >= pending[tp].stop:
+                del pending[tp]
+        if pending and time.monotonic() - moved_at > _STALL_S:
+            raise ReplayError(f"no progress reading {sorted(map(str, pending))} for {_STALL_S} s")
+    if progress is not None and task is not None:
+        progress.update(task, completed=total)
+
+
+async def _check_destinations(consumer: AIOKafkaConsumer, plan: ReplayPlan) -> None:
+    """Entries whose topic does not exist (or may not be written) get NO_DESTINATION."""
+    sending = plan.having(Outcome.SEND)
+    topics = sorted({entry.destination for entry in sending})
+    if not topics:
+        return
+    answer = await probes.describe_topics(
+        lambda request: send_to_some_broker(consumer, request), topics
+    )
+    problems: dict[str, str] = {}
+    for found in answer["topics"]:
+        code = int(found["error_code"])
+        if code:
+            problems[found["topic"]] = _KAFKA_ERRORS.get(code, f"Kafka error code {code}")
+        elif probes.may(int(found["topic_authorized_operations"]), probes.WRITE) is False:
+            problems[found["topic"]] = "no write permission"
+    for entry in sending:
+        if entry.destination in problems:
+            entry.outcome = Outcome.NO_DESTINATION
+            entry.detail = f"topic {entry.destination!r} {problems[entry.destination]}"
+
+
+def _producer_kwargs(
+    kafka: KafkaSettings, client_kwargs: dict[str, Any], plan: ReplayPlan
+) -> dict[str, Any]:
+    largest = max(entry.letter.size for entry in plan.having(Outcome.SEND))
+    max_request = max(1 << 20, largest + PRODUCER_HEADROOM_BYTES)
+    return dict(
+        bootstrap_servers=kafka.bootstrap_servers,
+        client_id=f"{kafka.client_id}-replay",
+        acks="all",
+        enable_idempotence=True,
+        linger_ms=kafka.linger_ms,
+        compression_type=kafka_compression(kafka.compression_type),
+        max_request_size=max_request,
+        max_batch_size=min(512 * 1024, max_request),
+        **client_kwargs,
+    )
+
+
+def _outgoing(entry: Entry, record: Any) -> tuple[Any, ...]:
+    headers = replay_headers(record.headers, entry.letter.at, entry.letter.replay_count + 1)
+    return entry.destination, record.value, record.key, headers
+
+
+async def _send(
+    consumer: AIOKafkaConsumer,
+    plan: ReplayPlan,
+    producer_kwargs: dict[str, Any],
+    progress: Progress | None,
+) -> None:
+    """Re-produce every SEND entry; each ends SENT or FAILED."""
+    todo = {(e.letter.partition, e.letter.offset): e for e in plan.having(Outcome.SEND)}
+    task = None
+    if progress is not None:
+        destinations = ", ".join(sorted({e.destination for e in todo.values()}))
+        task = progress.add_task(f"replaying to {destinations}", total=len(todo))
+
+    def settle(entry: Entry, error: BaseException | None) -> None:
+        entry.outcome = Outcome.SENT if error is None else Outcome.FAILED
+        entry.detail = "" if error is None else probes.reason(error)
+        if progress is not None and task is not None and error is None:
+            progress.advance(task)
+
+    ranges: dict[TopicPartition, range] = {}
+    for partition, offset in todo:
+        tp = TopicPartition(plan.dlq_topic, partition)
+        span = ranges.get(tp, range(offset, offset + 1))
+        ranges[tp] = range(min(span.start, offset), max(span.stop, offset + 1))
+    retry: list[tuple[Entry, Any]] = []
+    inflight: dict[asyncio.Future[Any], tuple[Entry, Any]] = {}
+
+    def acked(future: asyncio.Future[Any]) -> None:
+        entry, record = inflight.pop(future)
+        error = asyncio.CancelledError() if future.cancelled() else future.exception()
+        if error is not None:
+            retry.append((entry, record))
+        settle(entry, error)
+
+    lost = "no longer in the dead-letter topic (deleted by retention since it was read)"
+    producer = AIOKafkaProducer(**producer_kwargs)
+    try:
+        await producer.start()
+    except KafkaError as exc:
+        await producer.stop()
+        for entry in todo.values():
+            settle(entry, exc)
+        return
+    try:
+        async for record in _read(consumer, dict(sorted(ranges.items())), None, ""):
+            selected = todo.pop((record.partition, record.offset), None)
+            if selected is None:
+                continue
+            topic, value, key, headers = _outgoing(selected, record)
+            try:
+                future = await producer.send(topic, value, key=key, headers=headers)
+            except KafkaError as exc:
+                retry.append((selected, record))
+                settle(selected, exc)
+                continue
+            inflight[future] = (selected, record)
+            future.add_done_callback(acked)
+    except (KafkaError, ReplayError) as exc:
+        lost = f"not read again: {probes.reason(exc)}"
+    finally:
+        await asyncio.gather(*list(inflight), return_exceptions=True)
+        await producer.stop()
+    for entry in todo.values():
+        settle(entry, ReplayError(lost))
+    await _send_again(retry, producer_kwargs, settle)
+
+
+async def _send_again(
+    retry: Sequence[tuple[Entry, Any]],
+    producer_kwargs: dict[str, Any],
+    settle: Callable[[Entry, BaseException | None], None],
+) -> None:
+    """Each refused record once more, alone, on a producer that has not failed yet."""
+    producer: AIOKafkaProducer | None = None
+    try:
+        for entry, record in retry:
+            if producer is None:
+                producer = AIOKafkaProducer(**producer_kwargs)
+                await producer.start()
+            topic, value, key, headers = _outgoing(entry, record)
+            try:
+                await (await producer.send(topic, value, key=key, headers=headers))
+            except KafkaError as exc:
+                settle(entry, exc)
+                await producer.stop()
+                producer = None
+            else:
+                settle(entry, None)
+    finally:
+        if producer is not None:
+            await producer.stop()
