@@ -93,7 +93,7 @@ async def _one(
     first = _spawn([_python(), "-m", "worker", "run"], env, out_dir / f"{run}-first.log")
     started, metrics, done = time.monotonic(), {}, 0
     try:
-        while done < records // 3:
+        while done < records // 2:
             await asyncio.sleep(0.2)  # sampling the worker's metrics, not synchronisation
             if first.poll() is not None:
                 raise RuntimeError(f"the worker exited with {first.returncode}")

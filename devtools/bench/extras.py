@@ -53,9 +53,15 @@ class Drain:
 
 
 async def produce_backlog(
-    bootstrap: str, topic: str, request: samples.SampleRequest, count: int, partitions: int
+    bootstrap: str,
+    topic: str,
+    request: samples.SampleRequest | Sequence[samples.SampleRequest],
+    count: int,
+    partitions: int,
 ) -> None:
-    """``count`` copies of ``request``, written in large batches round-robin over partitions."""
+    """``count`` records cycling over ``request`` (one or several), written in large batches
+    round-robin over partitions."""
+    cycle = [request] if isinstance(request, samples.SampleRequest) else list(request)
     producer = AIOKafkaProducer(
         bootstrap_servers=bootstrap, acks=1, max_request_size=4 << 20, max_batch_size=1 << 20
     )
@@ -65,8 +71,9 @@ async def produce_backlog(
         while sent < count:
             batch = producer.create_batch()
             while sent < count:
-                headers = list(request.headers)
-                if batch.append(key=None, value=request.value, timestamp=None, headers=headers):
+                one = cycle[sent % len(cycle)]
+                headers = list(one.headers)
+                if batch.append(key=None, value=one.value, timestamp=None, headers=headers):
                     sent += 1
                 else:
                     break
@@ -131,13 +138,15 @@ async def drain(
     until_results: int | None = None,
     sample_s: float = 1.0,
     timeout_s: float = 600.0,
+    distinct: int = 1,
 ) -> Drain:
     """Produce ``backlog`` records, start one worker, sample it until ``until_results``."""
     run = f"drain-{uuid.uuid4().hex[:8]}"
     topic_in, topic_out, topic_dlq = f"{run}-in", f"{run}-out", f"{run}-dlq"
     await create_topics(bootstrap, [topic_in, topic_out, topic_dlq], partitions)
-    request = samples.good_requests(1, seed=5, models=(model,))[0]
-    await produce_backlog(bootstrap, topic_in, request, backlog, partitions)
+    # One request repeated, or ``distinct`` different ones (for what compression saves).
+    requests = samples.good_requests(distinct, seed=5, models=(model,))
+    await produce_backlog(bootstrap, topic_in, requests, backlog, partitions)
     port = free_port()
     env = {
         "WORKER_BOOTSTRAP_SERVERS": bootstrap,
@@ -326,6 +335,7 @@ async def compression(
             backlog=records,
             settings={**base, "COMPRESSION_TYPE": codec},
             sample_s=0.5,
+            distinct=1000,
         )
         for codec in ("none", "lz4", "zstd")
     ]

@@ -346,7 +346,7 @@ def extras_markdown(extras: dict[str, Any]) -> str:
         ]
         for run in compression["runs"]:
             codec = run.settings["COMPRESSION_TYPE"]
-            size = "100 %" if codec == "none" else f"{ratios[codec] * 100:.0f} %"
+            size = "100 %" if codec == "none" else f"{ratios[codec] * 100:.1f} %"
             lines.append(
                 f"| {codec} | {run.records_per_s:,.0f} | {run.cpu_s_per_1k:.3f} | {size} |"
             )
@@ -355,7 +355,7 @@ def extras_markdown(extras: dict[str, Any]) -> str:
         lines += [
             "",
             "Commit interval (default settings otherwise): one worker draining a backlog is "
-            "SIGKILLed after a third, a second one finishes:",
+            "SIGKILLed after half, a second one finishes:",
             "",
             "| interval ms | records/s | commits/s per worker | a fleet of 100 | "
             "duplicates after the SIGKILL |",
