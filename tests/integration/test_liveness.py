@@ -171,9 +171,9 @@ async def test_fetch_loop_sleeps_while_its_partition_is_at_its_limit(
         triton,
         topics,
         metrics_port=str(port),
-        commit_interval_ms="1000",
         shutdown_timeout_s="1",
     )
+    del env["WORKER_COMMIT_INTERVAL_MS"]  # the default
     proc = spawn_worker(env, log)
     try:
         await _first_result(consumer, proc, port, log)

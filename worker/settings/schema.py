@@ -121,7 +121,7 @@ class KafkaSettings(_Section, frozen=True, kw_only=True):
         "Where a group without committed offsets starts reading.")] = "earliest"
     max_poll_records: Annotated[int, Meta(ge=1), Doc("Most records returned by one fetch.")] = 500
     commit_interval_ms: Annotated[int, Meta(ge=10), Doc(
-        "How often done offsets are committed.")] = 1000
+        "How often done offsets are committed (only when a commit point or done run moved).")] = 250
     linger_ms: Annotated[int, Meta(ge=0), Doc(
         "Producer linger: time spent filling a batch.")] = 5
     compression_type: Annotated[Compression, Doc(

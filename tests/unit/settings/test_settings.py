@@ -53,7 +53,7 @@ def test_defaults() -> None:
     assert settings.flow.max_in_flight == 256
     assert settings.flow.max_in_flight_per_partition == 64
     assert settings.triton.triton_streams == 2
-    assert settings.kafka.commit_interval_ms == 1000
+    assert settings.kafka.commit_interval_ms == 250
     assert settings.ops.shutdown_timeout_s == 30.0
     assert settings.ops.metrics_port == 9400
     assert settings.ops.log_level == "info"
