@@ -7,6 +7,7 @@ from tests.support.kafka import (
     create,
     headers_dict,
     local_kafka,
+    read_all,
     request_id_of,
     send,
 )
@@ -30,6 +31,7 @@ __all__ = [
     "headers_dict",
     "local_kafka",
     "mlp_reference",
+    "read_all",
     "report",
     "request_id_of",
     "result_outputs",

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
-from aiokafka.structs import ConsumerRecord
+from aiokafka.structs import ConsumerRecord, TopicPartition
 
 from devtools.devstack.kafka import KafkaCluster, ensure_kafka_jars
 from devtools.samples import SampleRequest
@@ -79,6 +79,18 @@ class Collected:
     def __len__(self) -> int:
         return len(self.results) + len(self.dead_letters)
 
+    def add(self, record: ConsumerRecord[bytes, bytes], output_topic: str) -> None:
+        """Count one record read from the output or dead-letter topic (once per position)."""
+        position = (record.topic, record.partition, record.offset)
+        if position in self.seen:
+            return
+        self.seen.add(position)
+        target = self.results if record.topic == output_topic else self.dead_letters
+        rid = request_id_of(record)
+        if rid in self.results or rid in self.dead_letters:
+            self.duplicates += 1
+        target[rid] = record
+
 
 def request_id_of(record: ConsumerRecord[bytes, bytes]) -> str:
     found = header_value(record.headers, "x-request-id")
@@ -112,15 +124,33 @@ async def collect(
             batch = await consumer.getmany(timeout_ms=500)
             for records in batch.values():
                 for record in records:
-                    position = (record.topic, record.partition, record.offset)
-                    if position in got.seen:
-                        continue
-                    got.seen.add(position)
-                    target = got.results if record.topic == topics.output else got.dead_letters
-                    rid = request_id_of(record)
-                    if rid in got.results or rid in got.dead_letters:
-                        got.duplicates += 1
-                    target[rid] = record
+                    got.add(record, topics.output)
+    finally:
+        await consumer.stop()
+    return got
+
+
+async def read_all(bootstrap: str, topics: Topics, timeout_s: float = 30.0) -> Collected:
+    """Every committed result and dead letter there is now: both topics read to their end
+    (the last stable offset, for this ``read_committed`` reader), so duplicates show."""
+    got = Collected()
+    consumer = AIOKafkaConsumer(
+        bootstrap_servers=bootstrap, enable_auto_commit=False, isolation_level="read_committed"
+    )
+    await consumer.start()
+    deadline = time.monotonic() + timeout_s
+    try:
+        # One partition each, as create() makes them.
+        parts = [TopicPartition(topics.output, 0), TopicPartition(topics.dlq, 0)]
+        consumer.assign(parts)
+        await consumer.seek_to_beginning(*parts)
+        ends = await consumer.end_offsets(parts)
+        while any([await consumer.position(tp) < ends[tp] for tp in parts]):
+            assert time.monotonic() < deadline, f"{topics.output}/{topics.dlq} not read in time"
+            batch = await consumer.getmany(timeout_ms=500)
+            for records in batch.values():
+                for record in records:
+                    got.add(record, topics.output)
     finally:
         await consumer.stop()
     return got

@@ -156,7 +156,8 @@ class PartitionProducer:
         return TransactionOutcome(committed=True)
 
     async def _abandon(self, why: str) -> None:
-        """Abort if possible; a producer that cannot abort is replaced by a fresh one."""
+        """Abort if possible (readers move on at once), then close the producer: the next
+        transaction starts a fresh one."""
         log.warning("transaction_failed", partition=str(self.tp), error=why)
         producer = self._producer
         if producer is None:
@@ -164,9 +165,10 @@ class PartitionProducer:
         with contextlib.suppress(KafkaError, AssertionError, OSError):
             if in_transaction(producer):
                 await producer.abort_transaction()
-                return
-        # A refused batch keeps its sequence numbers and a failed transaction its
-        # state: neither is reusable. A new producer with the same id starts clean.
+        # Even after a clean abort the producer is not reusable: aiokafka neither takes
+        # back a refused batch's sequence numbers nor resets them on abort, so every later
+        # batch to that partition would be refused (OutOfOrderSequenceNumber). A new
+        # producer with the same id starts clean.
         await self.stop()
 
     async def replace(self) -> None:

@@ -24,7 +24,11 @@ async def fetch_committed(consumer: Any, partitions: list[Any]) -> dict[Any, Any
 def rebalancing(consumer: Any) -> bool:
     """True when the consumer knows its group is rebalancing (its assignment may be stale)."""
     coordinator = consumer._coordinator
-    return coordinator is None or bool(coordinator.need_rejoin(consumer._subscription))
+    # need_rejoin takes the Subscription (what the consumer follows), not the state holder.
+    subscription = consumer._subscription.subscription
+    return (
+        coordinator is None or subscription is None or bool(coordinator.need_rejoin(subscription))
+    )
 
 
 def send_to_some_broker(client_owner: Any, request: Any) -> Awaitable[Any]:
