@@ -26,7 +26,7 @@ FLOW = (
     ("checks", "start-up checks and the check command"),
 )
 #: Top-level modules of worker/, around the packages.
-TOP_LEVEL = ("app", "record", "errors", "audit", "cli", "produce")
+TOP_LEVEL = ("app", "record", "streaming", "errors", "audit", "cli", "produce")
 
 
 def module_name(path: Path) -> str:

@@ -335,3 +335,12 @@ def test_settings_from_a_cli_namespace() -> None:
     settings = settings_from_args(_env(WORKER_LINGER_MS="1"), namespace)
     assert settings.kafka.linger_ms == 9
     assert not hasattr(namespace, "max_in_flight")
+
+
+def test_joined_bytes_need_the_final_stream_output() -> None:
+    """WORKER_STREAM_JOIN_BYTES joins one result's pieces: refused with each-mode output."""
+    error = _error(_env(WORKER_STREAM_OUTPUT="each", WORKER_STREAM_JOIN_BYTES="true"))
+    assert error.setting == "WORKER_STREAM_JOIN_BYTES"
+    assert "WORKER_STREAM_OUTPUT final" in error.message
+    joined = load_settings(_env(WORKER_STREAM_JOIN_BYTES="true"))
+    assert (joined.delivery.stream_output, joined.delivery.stream_join_bytes) == ("final", True)
