@@ -36,6 +36,15 @@ TOKENS = 20
 REQUESTS = 16
 
 
+def _report(scenario: str, got: Streams, repeated: int) -> None:
+    """A line of the README's reliability table (visible with ``pytest -s``)."""
+    results = sum(map(len, got.results.values()))
+    print(
+        f"\nRELIABILITY | {scenario} | {REQUESTS} x {TOKENS} | 0 | {results - REQUESTS * TOKENS} "
+        f"results ({repeated} requests redone) | {len(got.dead_letters)} | - |"
+    )
+
+
 def _index(record: Any) -> int:
     return int(headers_dict(record.headers)["x-response-index"])
 
@@ -120,6 +129,7 @@ async def test_sigkill_mid_stream_loses_no_response_and_redoes_only_unfinished_r
     assert repeated <= set(range(committed_upto, REQUESTS))
     assert {int(rid[1:]) for rid in partial_at_kill} <= repeated
     assert got.dead_letters == {}
+    _report("token streams, `each`, worker SIGKILL mid-stream", got, len(repeated))
 
 
 async def test_exactly_once_sigkill_mid_stream_never_shows_a_partial_stream(
@@ -150,3 +160,4 @@ async def test_exactly_once_sigkill_mid_stream_never_shows_a_partial_stream(
         assert [_index(r) for r in records] == list(range(TOKENS)), f"s{i}"
         assert [_token(r) for r in records] == expected
     assert got.dead_letters == {}
+    _report("token streams, `each`, `exactly_once`, SIGKILL (`read_committed`)", got, 0)

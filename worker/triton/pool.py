@@ -143,21 +143,24 @@ class TritonPool:
         """Per-call gRPC metadata (authentication), read afresh for each call or stream."""
         return dict(self._auth.headers()) if self._auth is not None else {}
 
-    def _pick(self, request: service_pb2.ModelInferRequest) -> Stream:
-        """The least-loaded live stream, avoiding streams stuck behind a slow request.
+    def _pick(self, request: service_pb2.ModelInferRequest, decoupled: bool = False) -> Stream:
+        """The least-loaded live stream of its group, avoiding streams stuck behind a slow
+        request.
 
         Triton answers a stream in request order, so a request queued behind a
         slow one waits for it; streams whose oldest request is older than
-        ``_STUCK_AFTER_S`` are used only when every stream is. A decoupled request
-        of a sequence (``sequence_id``) goes on the stream its id names while that
-        one is live, so one sequence's requests all travel on one stream.
+        ``_STUCK_AFTER_S`` are used only when every stream is. Decoupled requests
+        have streams of their own (see ``infer_stream``); one of a sequence
+        (``sequence_id``) goes on the stream its id names while that one is live,
+        so one sequence's requests all travel on one stream.
         """
-        if len(request.parameters) and "sequence_id" in request.parameters:
+        group = self._streams[self._size :] if decoupled else self._streams[: self._size]
+        if decoupled and "sequence_id" in request.parameters:
             named = request.parameters["sequence_id"].SerializeToString()
-            pinned = self._streams[zlib.crc32(named) % len(self._streams)]
+            pinned = group[zlib.crc32(named) % len(group)]
             if pinned.broken is None:
                 return pinned
-        live = [s for s in self._streams if s.broken is None] or self._streams
+        live = [s for s in group if s.broken is None] or group
         now = time.monotonic()
         return min(live, key=lambda s: (s.oldest_age_s(now) > _STUCK_AFTER_S, s.load()))
 
@@ -222,16 +225,24 @@ class TritonPool:
         return response
 
     def infer_stream(self, request: service_pb2.ModelInferRequest) -> ResponseStream:
-        """Send a decoupled model's request on the least-loaded stream; read its responses
-        from the returned ResponseStream (and close it when done with them).
+        """Send a decoupled model's request; read its responses from the returned
+        ResponseStream (and close it when done with them).
 
-        Its ``id`` is replaced by a correlation id, and it asks Triton to mark the last
-        response (``triton_enable_empty_final_response``). Tensors go as gRPC bytes, never
-        through shared memory: a region would be held for the whole stream.
+        Decoupled requests travel on streams of their own, as many as the ordinary
+        ones, opened with the first of them: tritonserver 2.51 aborts (a gRPC
+        assertion, ``!byte_buffer->Valid()``) when one stream carries decoupled and
+        ordinary requests under load, while streams of either kind alone held.
+        The ``id`` is replaced by a correlation id, and the request asks Triton to
+        mark its last response (``triton_enable_empty_final_response``). Tensors go
+        as gRPC bytes, never through shared memory: a region would be held for the
+        whole stream.
         """
         if self._closing:
             raise errors.TritonUnavailable("the worker is shutting down")
-        stream = self._pick(request)
+        if len(self._streams) == self._size:
+            for index in range(self._size, 2 * self._size):
+                self._open(index)
+        stream = self._pick(request, decoupled=True)
         if stream.broken is not None:
             raise stream.broken
         request.id = str(next(self._ids))

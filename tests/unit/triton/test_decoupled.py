@@ -147,3 +147,28 @@ async def test_closing_a_request_releases_its_place_on_the_stream() -> None:
     assert stream.load() == 0
     stream._deliver(_response("d"))  # late: dropped, not an error
     assert not responses.queued()
+
+
+async def test_decoupled_requests_get_streams_of_their_own(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The first decoupled request opens a second group of streams; ordinary ones stay put."""
+    from worker.triton import pool as pool_module
+
+    stub = _Stub()
+    monkeypatch.setattr(pool_module, "grpc_stub", lambda client: stub)
+    pool = pool_module.TritonPool("127.0.0.1:1", 2)
+    await pool.start()
+    try:
+        ordinary = service_pb2.ModelInferRequest(model_name="double")
+        assert pool._pick(ordinary).index in (0, 1) and len(pool._streams) == 2
+        responses = pool.infer_stream(service_pb2.ModelInferRequest(model_name="tokens"))
+        assert len(pool._streams) == 4
+        owner = next(s for s in pool._streams if responses.correlation in s.streams)
+        assert owner.index in (2, 3)
+        assert pool.in_flight() == 1
+        assert pool._pick(ordinary).index in (0, 1)
+        responses.close()
+        assert pool.in_flight() == 0
+    finally:
+        await pool.close(drain_timeout_s=0.1)
