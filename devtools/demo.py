@@ -23,6 +23,9 @@ from worker.wire import header_value
 
 #: Small enough that the "oversized" sample still fits a default broker message.
 DEMO_MAX_REQUEST_BYTES = samples.BAD_SAMPLES_MAX_REQUEST_BYTES
+#: What the decoupled ``tokens`` model is asked to stream, one response per token.
+DEMO_PROMPT = "every token of this sentence travels as its own Triton response"
+DEMO_STREAMS = 3
 
 
 def add_demo_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -133,18 +136,28 @@ async def _demo(stack: Any, args: argparse.Namespace, console: Console, workdir:
     running = asyncio.create_task(worker.run())
     await worker.started.wait()
 
-    requests = samples.good_requests(args.requests) + samples.bad_requests(DEMO_MAX_REQUEST_BYTES)
+    burst = samples.good_requests(args.requests) + samples.bad_requests(DEMO_MAX_REQUEST_BYTES)
+    words = len(DEMO_PROMPT.split())
+    streams = [
+        samples.token_request(f"demo-tokens-{i}", DEMO_PROMPT, words) for i in range(DEMO_STREAMS)
+    ]
+    requests = burst + streams
+    sent_at: dict[str, float] = {}
+    answers: dict[str, tuple[str, str | None, Any]] = {}
     with progress_bar(console) as progress:
-        times = await send_all(
-            stack.kafka.bootstrap_servers, topics["input"], outgoing(requests), progress
-        )
-        sent_at = {r.request_id: t for r, t in zip(requests, times, strict=True)}
-        answers = await collect(
-            stack.kafka.bootstrap_servers,
-            [topics["output"], topics["dlq"]],
-            {r.request_id for r in requests},
-            progress,
-        )
+        # The token streams go after the burst is answered: tritonserver 2.51 was seen
+        # to abort when decoupled and ordinary requests meet under a burst (README).
+        for phase in (burst, streams):
+            times = await send_all(
+                stack.kafka.bootstrap_servers, topics["input"], outgoing(phase), progress
+            )
+            sent_at.update((r.request_id, t) for r, t in zip(phase, times, strict=True))
+            answers |= await collect(
+                stack.kafka.bootstrap_servers,
+                [topics["output"], topics["dlq"]],
+                {r.request_id for r in phase},
+                progress,
+            )
     worker.request_stop()
     await running
     log_file.close()
@@ -213,6 +226,7 @@ def _summary(
         table.add_row("latency p50", f"{statistics.median(latencies) * 1000:.1f} ms")
         table.add_row("latency p99", f"{latencies[int(0.99 * (len(latencies) - 1))] * 1000:.1f} ms")
     console.print(table)
+    _show_stream(console, requests, answers)
     shown: set[str] = set()
     for request in requests:
         answer = answers.get(request.request_id)
@@ -220,3 +234,25 @@ def _summary(
             continue
         shown.add(request.model)
         console.print(f"[bold]{request.model}[/bold] result: {answer[2][1][:200].decode()}")
+
+
+def _show_stream(
+    console: Console,
+    requests: Sequence[samples.SampleRequest],
+    answers: dict[str, tuple[str, str | None, Any]],
+) -> None:
+    """The first token stream's result: how many responses it joined, and their text."""
+    import json
+
+    for request in requests:
+        answer = answers.get(request.request_id)
+        if request.model != "tokens" or answer is None or answer[1]:
+            continue
+        _, value, headers = answer[2]
+        count = (header_value(headers, "x-response-count") or b"?").decode()
+        pieces = [p for output in json.loads(value)["outputs"] for p in output["data"]]
+        console.print(
+            f"[bold]tokens[/bold] (decoupled) stream: {count} responses joined into one "
+            f"result, text_output = {pieces[:4]!r}... = {''.join(pieces)!r}"
+        )
+        return

@@ -153,6 +153,59 @@ def faulty_request(
     return SampleRequest(value, headers, "faulty", "json", request_id)
 
 
+def token_request(
+    request_id: str,
+    text: str,
+    max_tokens: int,
+    encoding: Encoding = "json",
+    *,
+    fail_after: int | None = None,
+    delay_ms: int | None = None,
+    separate_final: bool | None = None,
+) -> SampleRequest:
+    """A request for the decoupled ``tokens`` model: ``max_tokens`` responses of one token."""
+    tensors = [
+        Tensor("text_input", "BYTES", (1,), [text]),
+        Tensor("max_tokens", "INT32", (1,), np.array([max_tokens], dtype=np.int32)),
+    ]
+    for name, number in (("fail_after", fail_after), ("delay_ms", delay_ms)):
+        if number is not None:
+            tensors.append(Tensor(name, "INT32", (1,), np.array([number], dtype=np.int32)))
+    if separate_final is not None:
+        tensors.append(
+            Tensor("separate_final", "BOOL", (1,), np.array([separate_final], dtype=np.bool_))
+        )
+    value, headers = encode_request("tokens", tensors, encoding, request_id)
+    return SampleRequest(value, headers, "tokens", encoding, request_id)
+
+
+def expected_tokens(text: str, max_tokens: int) -> list[str]:
+    """The tokens the ``tokens`` model streams for ``text``: its words, cycled, LLM-style."""
+    words = text.split()
+    return [(" " if i else "") + words[i % len(words)] for i in range(max_tokens)] if words else []
+
+
+def running_sum_request(
+    request_id: str,
+    value: int,
+    encoding: Encoding = "json",
+    *,
+    start: bool = False,
+    end: bool = False,
+) -> SampleRequest:
+    """A request for the stateful ``running_sum`` model; the record's key names the sequence."""
+    tensors = [Tensor("INPUT", "INT32", (1, 1), np.array([[value]], dtype=np.int32))]
+    body, headers = encode_request("running_sum", tensors, encoding, request_id)
+    # The key names the sequence, so the request id travels in a header of its own
+    # (a dead letter carries the request's headers, not its decoded id).
+    headers.append(("x-request-id", request_id.encode()))
+    if start:
+        headers.append(("x-sequence-start", b"true"))
+    if end:
+        headers.append(("x-sequence-end", b"true"))
+    return SampleRequest(body, headers, "running_sum", encoding, request_id)
+
+
 MODEL_INPUTS: dict[str, Callable[[np.random.Generator], list[Tensor]]] = {
     "double": double_inputs,
     "mlp": mlp_inputs,

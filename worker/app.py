@@ -229,10 +229,13 @@ class Worker:
             self.window.release(tp)
             return
         # Tickets are taken here, synchronously, because dispatch runs in offset order.
+        # With sequences keyed by Kafka key every keyed record takes one: its model, known
+        # only once decoded, says whether it waits its turn (see RecordHandler.evaluate).
         mode = self.settings.delivery.ordering
         key_turn = (
             self._turns.ticket((tp, record.key))
-            if mode == "key" and record.key is not None
+            if (mode == "key" or self.settings.delivery.sequence_from_key)
+            and record.key is not None
             else None
         )
         publish_turn = self._turns.ticket(tp) if mode == "partition" else None
@@ -252,9 +255,10 @@ class Worker:
             topic=record.topic, partition=record.partition, offset=record.offset
         )
         try:
-            if key_turn is not None:
+            key_mode = self.settings.delivery.ordering == "key"
+            if key_turn is not None and key_mode:
                 await key_turn.wait()
-            outcome = await self.handler.evaluate(record)
+            outcome = await self.handler.evaluate(record, None if key_mode else key_turn)
             if publish_turn is not None:
                 await publish_turn.wait()
 

@@ -48,6 +48,9 @@ class WorkerError(Exception):
     def __init__(self, message: str) -> None:
         super().__init__(message)
         self.message = message
+        #: Facts about this failure for the dead letter's headers (name, value), e.g. how
+        #: many responses of a stream had arrived; the wire module names them.
+        self.facts: tuple[tuple[str, bytes], ...] = ()
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.message!r})"
@@ -94,7 +97,11 @@ class RetriesExhausted(WorkerError):
     @classmethod
     def after(cls, last_error: WorkerError, attempts: int) -> RetriesExhausted:
         """Build the error that closes a record after `attempts` failed tries."""
-        return cls(f"gave up after {attempts} attempts; last error {last_error.code}: {last_error}")
+        error = cls(
+            f"gave up after {attempts} attempts; last error {last_error.code}: {last_error}"
+        )
+        error.facts = last_error.facts
+        return error
 
 
 class OutputTooLarge(WorkerError):

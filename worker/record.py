@@ -1,19 +1,18 @@
 """One record, start to end: decode, validate, infer (with retries), publish the outcome.
 
-Every record ends in exactly one of: a result, or a dead letter. ``evaluate``
-computes it; ``deliver`` publishes it through the sink and returns once the
-broker has acknowledged it (or the transaction holding it has committed). The
-caller marks the record done only then.
+Every record ends in exactly one of: a result (for a decoupled model in ``each``
+mode, an ordered series of them), or a dead letter. ``evaluate`` computes it;
+``deliver`` publishes it through the sink and returns once the broker has
+acknowledged it (or the transaction holding it has committed). The caller marks
+the record done only then.
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any, TypeVar
+from typing import Any
 
 import structlog
 from aiokafka.structs import ConsumerRecord
@@ -24,17 +23,18 @@ from worker.delivery.base import Sink
 from worker.flow.breaker import CircuitBreaker
 from worker.flow.holds import ModelGate
 from worker.flow.limiter import AdaptiveLimiter
-from worker.flow.retry import Backoff, Budget, RetryPolicy
+from worker.flow.ordering import Ticket
+from worker.flow.retry import Backoff, Budget, Retrier, RetryPolicy
 from worker.observability import Metrics
 from worker.settings import Settings
+from worker.streaming import StreamCalls, Streamed, StreamRules
 from worker.triton.batching import MicroBatcher
 from worker.triton.pool import TritonPool
 from worker.wire import Source
+from worker.wire.sequences import apply_sequence
 from worker.wire.validation import ModelSpec, check_request
 
 log = structlog.get_logger(__name__)
-
-_T = TypeVar("_T")
 
 
 Allowlist = tuple[tuple[str, tuple[str, ...]], ...]
@@ -51,6 +51,8 @@ class RecordRules:
     group_id: str
     retry: RetryPolicy
     max_consecutive_internal_errors: int
+    streams: StreamRules
+    sequence_from_key: bool
 
     @classmethod
     def from_settings(cls, settings: Settings) -> RecordRules:
@@ -70,6 +72,8 @@ class RecordRules:
                 try_timeout_s=settings.triton.request_timeout_ms / 1000,
             ),
             max_consecutive_internal_errors=retry.max_consecutive_internal_errors,
+            streams=StreamRules.from_settings(settings),
+            sequence_from_key=settings.delivery.sequence_from_key,
         )
 
     def check_model_allowed(self, topic: str, model: str) -> None:
@@ -91,6 +95,7 @@ class Outcome:
     headers: list[tuple[str, bytes | None]] = field(default_factory=list)
     error: errors.WorkerError | None = None
     served_version: str | None = None
+    streamed: Streamed | None = None  # a decoupled model's results (or live stream)
 
 
 #: Exceptions that are not a record's failure: they end the record's task as they are.
@@ -142,21 +147,31 @@ class RecordHandler:
         self._breaker = breaker
         self._batcher = batcher
         self._limiter = limiter
-        self._models = models
+        self._retrier = Retrier(
+            rules.retry,
+            breaker,
+            models,
+            lambda code: metrics.retries_total.labels(reason=code).inc(),
+        )
+        self._streams = StreamCalls(rules.streams, pool, self._retrier, metrics)
         self._guard = _InternalErrorGuard(rules.max_consecutive_internal_errors)
         # Per-model metric children: labels() is a locked dict lookup, too dear per record.
         self._model_metrics: dict[str, tuple[Any, Any]] = {}
 
-    async def evaluate(self, record: ConsumerRecord[bytes, bytes]) -> Outcome:
+    async def evaluate(
+        self, record: ConsumerRecord[bytes, bytes], turn: Ticket | None = None
+    ) -> Outcome:
         """Decode, validate and infer: the record's result, or why it must be dead-lettered.
 
+        ``turn``: the record's place among its key's records, taken only if its
+        model keeps sequences (WORKER_SEQUENCE_FROM_KEY), handed on at once otherwise.
         Never raises for the record's sake: a bug met on the way (any unexpected
         exception) makes the record an INTERNAL_ERROR dead letter.
         """
         outcome = Outcome(record, Source.of(record), time.monotonic())
         budget = Budget(outcome.started + self._rules.retry.record_deadline_s)
         try:
-            await self._evaluate(outcome, budget)
+            await self._evaluate(outcome, budget, turn)
         except errors.WorkerError as error:
             # Retries exhausted: every try failed. Otherwise the last try was the fatal one.
             exhausted = isinstance(error, errors.RetriesExhausted)
@@ -167,7 +182,7 @@ class RecordHandler:
             self._internal(outcome, exc, budget.failures + 1)
         return outcome
 
-    async def _evaluate(self, outcome: Outcome, budget: Budget) -> None:
+    async def _evaluate(self, outcome: Outcome, budget: Budget, turn: Ticket | None) -> None:
         record = outcome.record
         if record.value is None and record.key is None:
             raise errors.DecodeError(
@@ -180,12 +195,22 @@ class RecordHandler:
         outcome.request = request
         structlog.contextvars.bind_contextvars(request_id=request.request_id)
         rules.check_model_allowed(record.topic, request.model_name)
-        spec = await self._retrying(
-            request,
+        spec = await self._retrier.run(
+            (request.model_name, request.model_version),
             budget,
             lambda _: self._pool.model_spec(request.model_name, request.model_version),
         )
         check_request(spec, request)
+        if spec.sequence and rules.sequence_from_key:
+            apply_sequence(request, record.key, record.headers, string_ids=spec.string_sequence_ids)
+        if turn is not None:
+            await self._take_turn(turn, spec.sequence and rules.sequence_from_key, budget)
+        if spec.decoupled:
+            outcome.streamed = await self._streams.evaluate(
+                request, budget, outcome.source, record.headers
+            )
+            outcome.served_version = outcome.streamed.model_version
+            return
         response = await self._infer(request, spec, budget)
         outcome.served_version = response.model_version
         outcome.value, encoding_headers = wire.encode_result(
@@ -198,6 +223,16 @@ class RecordHandler:
             outcome.source,
             served_model_version=response.model_version,
         )
+
+    @staticmethod
+    async def _take_turn(turn: Ticket, needed: bool, budget: Budget) -> None:
+        """Wait for the key's earlier records if ``needed`` (its deadline paused), else pass."""
+        if not needed:
+            turn.done()
+            return
+        started = time.monotonic()
+        await turn.wait()
+        budget.pause(time.monotonic() - started)
 
     def _internal(self, outcome: Outcome, exc: BaseException, attempts: int) -> None:
         """A bug met while handling this record: log it once, dead-letter the record."""
@@ -237,11 +272,15 @@ class RecordHandler:
         when too many records in a row met a bug, and WriteFailed when the dead
         letter can never be written.
         """
-        if outcome.value is not None:
+        streamed = outcome.streamed
+        if outcome.value is not None or streamed is not None:
             try:
-                await self._sink.publish_result(outcome.record, outcome.value, outcome.headers)
-            except errors.OutputTooLarge as error:
-                self._fail(outcome, error, 1)
+                if streamed is not None:
+                    await self._streams.publish(streamed, outcome.record, self._sink)
+                elif outcome.value is not None:
+                    await self._sink.publish_result(outcome.record, outcome.value, outcome.headers)
+            except errors.WorkerError as error:  # OUTPUT_TOO_LARGE, or a stream failing midway
+                self._fail(outcome, error, streamed.attempts if streamed is not None else 1)
             except _CONTROL_FLOW:
                 raise
             except Exception as exc:
@@ -250,7 +289,7 @@ class RecordHandler:
         if outcome.error is not None:
             await self._publish_dead_letter(outcome)
             self._metrics.dead_letters_total.labels(code=outcome.error.code).inc()
-        else:
+        elif streamed is None:  # a stream's results are counted as they are published
             assert outcome.request is not None
             self._metrics_for(outcome.request.model_name)[0].inc()
         await self._audit.record(
@@ -328,59 +367,4 @@ class RecordHandler:
                 self._limiter.on_success(latency_s)
             return response
 
-        return await self._retrying(request, budget, once)
-
-    async def _held(self, request: wire.DecodedRequest, error: errors.WorkerError) -> bool:
-        """True when ``error`` means the model is being (re)loaded: the record should wait."""
-        if self._models is None or not isinstance(
-            error, (errors.ModelNotReady, errors.ModelNotFound)
-        ):
-            return False
-        return await self._models.should_hold(request.model_name, request.model_version)
-
-    async def _retrying(
-        self,
-        request: wire.DecodedRequest,
-        budget: Budget,
-        call: Callable[[float], Awaitable[_T]],
-    ) -> _T:
-        """Call with the remaining time; retry retryable failures with full-jitter backoff.
-
-        An outage (Triton unreachable) is not the record's fault: it feeds the
-        circuit breaker, never counts as a try, and while the breaker is open
-        the record waits for it to close with its deadline paused. A model
-        being (re)loaded is an outage of that model: the record waits for it
-        the same way (see ModelGate).
-        """
-        models, policy = self._models, self._rules.retry
-        while True:
-            model = (request.model_name, request.model_version)
-            if models is not None and models.is_held(*model):
-                budget.pause(await models.wait_ready(*model))
-            try:
-                result = await call(max(0.001, budget.remaining_s()))
-            except errors.WorkerError as error:
-                if await self._held(request, error):
-                    continue
-                if not error.retryable:
-                    raise
-                if isinstance(error, errors.TritonUnavailable):
-                    self._breaker.record_failure()
-                    if self._breaker.is_open:
-                        budget.pause(await self._breaker.wait_closed())
-                        continue
-                    if budget.remaining_s() <= 0:
-                        raise errors.RetriesExhausted.after(error, budget.failures + 1) from error
-                    # An outage is not a try: wait as after a first failure.
-                    self._metrics.retries_total.labels(reason=error.code).inc()
-                    await asyncio.sleep(policy.backoff.delay_s(1))
-                    continue
-                budget.failures += 1
-                backoff_s = policy.backoff.delay_s(budget.failures)
-                if budget.failures >= policy.max_attempts or backoff_s >= budget.remaining_s():
-                    raise errors.RetriesExhausted.after(error, budget.failures) from error
-                self._metrics.retries_total.labels(reason=error.code).inc()
-                await asyncio.sleep(backoff_s)
-            else:
-                self._breaker.record_success()
-                return result
+        return await self._retrier.run((request.model_name, request.model_version), budget, once)

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 #: The variants, in the order they run (names in worker.benchmarks.report.VARIANTS).
 VARIANT_KEYS = ("sync", "naive", "worker", "worker_tuned", "triton", "kafka")
 #: Measurements beyond the table (worker.benchmarks.extras, worker.benchmarks.scaleout).
-EXTRA_KEYS = ("batching", "windows", "compression", "commits", "shm", "scale_out")
+EXTRA_KEYS = ("batching", "windows", "compression", "commits", "shm", "scale_out", "decoupled")
 MODELS = ("double", "mlp", "echo_bytes")
 
 #: Settings of the tuned worker, beyond the defaults.
@@ -115,8 +115,9 @@ def run_bench(args: argparse.Namespace) -> int:
         # A fresh stack each run: old data would carry another cluster id.
         shutil.rmtree(workdir, ignore_errors=True)
         with console.status("starting a local Kafka broker and Triton server..."):
-            # double: the shared-memory measurement; faulty: the scale-out one.
-            models = sorted({args.model, "double", "faulty"})
+            # double: the shared-memory measurement; faulty: the scale-out one;
+            # tokens: the decoupled one.
+            models = sorted({args.model, "double", "faulty", "tokens"})
             stack = LocalStack.create(workdir, models=models, log=console.print)
             stack.start()
         kafka_pids = tuple(n["pid"] for n in stack.kafka.to_state()["nodes"] if n["pid"])
@@ -133,7 +134,7 @@ def run_bench(args: argparse.Namespace) -> int:
 async def _bench(args: argparse.Namespace, servers: Servers, console: Console) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from devtools.bench import report
+    from devtools.bench import decoupled, report
     from devtools.bench.runner import Runner
 
     wanted = [v for v in args.variants.split(",") if v]
@@ -186,6 +187,7 @@ async def _bench(args: argparse.Namespace, servers: Servers, console: Console) -
     }
     report.print_tables(console, results, targets)
     table = report.markdown(results, sweep, targets, meta) + report.extras_markdown(extras)
+    table += decoupled.markdown(extras.get("decoupled"))  # type: ignore[arg-type]
     (args.out / "bench.md").write_text(table)
     report.write_json(
         args.out / "bench.json",
@@ -213,8 +215,8 @@ async def _extras(
     tuned: dict[str, str],
     console: Console,
 ) -> dict[str, object]:
-    """Scale-out, adaptive window, shared memory and backlog memory, as asked for."""
-    from devtools.bench import extras, scaleout
+    """Scale-out, adaptive window, shared memory, decoupled and backlog memory, as asked for."""
+    from devtools.bench import decoupled, extras, scaleout
 
     out: dict[str, object] = {}
     if "batching" in wanted:
@@ -273,6 +275,11 @@ async def _extras(
                 for n in (1, 3)
             ]
         out["scale_out"] = points
+    if "decoupled" in wanted:
+        with console.status("decoupled: token streams, Triton alone, then the worker..."):
+            out["decoupled"] = await decoupled.measure(
+                servers.bootstrap, servers.triton, args.out, requests=args.records
+            )
     if args.backlog:
         with console.status(f"backlog: producing {args.backlog:,} records, then draining..."):
             out["backlog"] = await extras.drain(

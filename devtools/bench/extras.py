@@ -50,6 +50,8 @@ class Drain:
     cpu_s_per_1k: float = 0.0
     #: Where the results went, for measurements that read them back.
     output_topic: str = ""
+    #: Decoupled models: time to the first response, p50 and p99 ms (worker's histogram).
+    first_response_ms: tuple[float, float] = (0.0, 0.0)
 
 
 async def produce_backlog(
@@ -98,22 +100,26 @@ def _scrape(port: int) -> dict[str, float]:
             continue
         name_labels, _, value = line.rpartition(" ")
         name = name_labels.split("{", 1)[0]
-        if name == "worker_inference_latency_seconds_bucket":
+        if name.endswith("_bucket"):
             le = name_labels.split('le="', 1)[1].split('"', 1)[0]
             name = f"{name}:{le}"
         out[name] = out.get(name, 0.0) + float(value)
     return out
 
 
-def _p99_ms(metrics: Mapping[str, float]) -> float:
-    prefix = "worker_inference_latency_seconds_bucket:"
+_INFERENCE = "worker_inference_latency_seconds"
+_FIRST_RESPONSE = "worker_stream_first_response_seconds"
+
+
+def _quantile_ms(metrics: Mapping[str, float], histogram: str, q: float = 0.99) -> float:
+    prefix = f"{histogram}_bucket:"
     buckets = sorted(
         (float(k.removeprefix(prefix)), v) for k, v in metrics.items() if k.startswith(prefix)
     )
     if not buckets or buckets[-1][1] == 0:
         return 0.0
     # Linear interpolation inside the bucket, as Prometheus' histogram_quantile does.
-    rank = 0.99 * buckets[-1][1]
+    rank = q * buckets[-1][1]
     lower_s, below = 0.0, 0.0
     for upper_s, count in buckets:
         if count >= rank:
@@ -139,13 +145,15 @@ async def drain(
     sample_s: float = 1.0,
     timeout_s: float = 600.0,
     distinct: int = 1,
+    request: samples.SampleRequest | None = None,
 ) -> Drain:
-    """Produce ``backlog`` records, start one worker, sample it until ``until_results``."""
+    """Produce ``backlog`` records (copies of ``request``, else ``distinct`` samples for
+    ``model``), start one worker, sample it until ``until_results``."""
     run = f"drain-{uuid.uuid4().hex[:8]}"
     topic_in, topic_out, topic_dlq = f"{run}-in", f"{run}-out", f"{run}-dlq"
     await create_topics(bootstrap, [topic_in, topic_out, topic_dlq], partitions)
-    # One request repeated, or ``distinct`` different ones (for what compression saves).
-    requests = samples.good_requests(distinct, seed=5, models=(model,))
+    # Copies of ``request``, or ``distinct`` different samples (for what compression saves).
+    requests = [request] if request else samples.good_requests(distinct, seed=5, models=(model,))
     await produce_backlog(bootstrap, topic_in, requests, backlog, partitions)
     port = free_port()
     env = {
@@ -188,11 +196,15 @@ async def drain(
         dict(settings),
         backlog,
         _slope(points),
-        _p99_ms(metrics),
+        _quantile_ms(metrics, _INFERENCE),
         points,
         peak_rss_mib=peak,
         cpu_s_per_1k=cpu / results * 1000 if results else 0.0,
         output_topic=topic_out,
+        first_response_ms=(
+            _quantile_ms(metrics, _FIRST_RESPONSE, 0.5),
+            _quantile_ms(metrics, _FIRST_RESPONSE, 0.99),
+        ),
     )
 
 

@@ -86,3 +86,33 @@ async def test_writes_to_a_partition_go_on_after_the_broker_refuses_one_for_its_
     assert [r.value for r in letters] == [b"d-before", b"", b"d-after"]
     assert header_value(letters[1].headers, "x-value-omitted") == b"true"
     assert header_value(letters[1].headers, "x-original-value-bytes") == str(len(TOO_BIG)).encode()
+
+
+async def test_several_results_of_one_record_land_in_order_and_a_refused_one_stops_them(
+    kafka: Any, unique: str
+) -> None:
+    """publish_results: 20 results in order; in [a, too big, b], a lands, then OUTPUT_TOO_LARGE."""
+    topics = Topics.fresh(unique)
+    await kafka.create_topics(
+        [topics.output, topics.dlq], partitions=1, configs={"max.message.bytes": str(LIMIT)}
+    )
+    publisher = Publisher(
+        kafka.bootstrap_servers,
+        output_topic=topics.output,
+        dlq_topic=topics.dlq,
+        client_id=f"publisher-{unique}",
+        linger_ms=5,
+        max_request_bytes=8 * 1024 * 1024,
+        client_kwargs={},
+    )
+    record = ConsumerRecord("in", 0, 0, 0, 0, b"k", b"", None, 1, 0, [])
+    await publisher.start()
+    try:
+        await publisher.publish_results(record, [(f"r-{i}".encode(), []) for i in range(20)])
+        with pytest.raises(errors.OutputTooLarge):
+            await publisher.publish_results(record, [(b"a", []), (TOO_BIG, []), (b"b", [])])
+    finally:
+        await publisher.stop()
+
+    values = [r.value for r in await read_all(kafka.bootstrap_servers, topics.output)]
+    assert values == [f"r-{i}".encode() for i in range(20)] + [b"a"]

@@ -256,7 +256,7 @@ async def test_produce_command_sends_generated_and_bad_requests(
 
 
 def test_demo_answers_every_request_and_exits_zero() -> None:
-    """`python -m devtools demo` (what `make demo` runs) answers every request and stops all."""
+    """`python -m devtools demo` (`make demo`) answers all, shows a token stream, stops all."""
     done = subprocess.run(
         [sys.executable, "-m", "devtools", "demo", "--requests", "90"],
         capture_output=True,
@@ -270,6 +270,8 @@ def test_demo_answers_every_request_and_exits_zero() -> None:
     assert "unanswered" in done.stdout
     row = next(line for line in done.stdout.splitlines() if "unanswered" in line)
     assert row.split("│")[2].strip() == "0"
+    # The decoupled token model's stream, joined into one result of 11 responses.
+    assert "tokens (decoupled) stream: 11 responses joined into one result" in done.stdout
 
 
 async def test_worker_produce_sends_ndjson_from_stdin(kafka: Any, unique: str) -> None:

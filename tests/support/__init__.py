@@ -2,8 +2,10 @@
 
 from tests.support.kafka import (
     Collected,
+    Streams,
     Topics,
     collect,
+    collect_streams,
     create,
     headers_dict,
     local_kafka,
@@ -24,8 +26,10 @@ from tests.support.worker import (
 
 __all__ = [
     "Collected",
+    "Streams",
     "Topics",
     "collect",
+    "collect_streams",
     "create",
     "decode_sample",
     "headers_dict",

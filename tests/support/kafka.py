@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -50,17 +50,25 @@ async def create(kafka: Any, topics: Topics, partitions: int = 1) -> None:
 
 
 async def send(
-    bootstrap: str, topic: str, requests: Sequence[SampleRequest], partition: int | None = None
+    bootstrap: str,
+    topic: str,
+    requests: Sequence[SampleRequest],
+    partition: int | None = None,
+    keys: Sequence[bytes | None] | None = None,
 ) -> None:
-    """Produce requests keyed by request id and wait for every ack."""
+    """Produce requests keyed by request id (or by ``keys``) and wait for every ack."""
     producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=5)
     await producer.start()
     try:
         futures = [
             await producer.send(
-                topic, r.value, key=r.request_id.encode(), headers=r.headers, partition=partition
+                topic,
+                r.value,
+                key=r.request_id.encode() if keys is None else keys[i],
+                headers=r.headers,
+                partition=partition,
             )
-            for r in requests
+            for i, r in enumerate(requests)
         ]
         await asyncio.gather(*futures)
     finally:
@@ -151,6 +159,63 @@ async def read_all(bootstrap: str, topics: Topics, timeout_s: float = 30.0) -> C
             for records in batch.values():
                 for record in records:
                     got.add(record, topics.output)
+    finally:
+        await consumer.stop()
+    return got
+
+
+@dataclass
+class Streams:
+    """Every result and dead letter read, in topic order, grouped by request id."""
+
+    results: dict[str, list[ConsumerRecord[bytes, bytes]]] = field(default_factory=dict)
+    dead_letters: dict[str, list[ConsumerRecord[bytes, bytes]]] = field(default_factory=dict)
+
+    def finished(self, request_id: str) -> bool:
+        """A result that is final (each mode) or whole (final mode), or a dead letter
+        after the results it says were published."""
+        if request_id in self.dead_letters:
+            letter = self.dead_letters[request_id][-1]
+            published = int(header_value(letter.headers, "x-responses-published") or b"0")
+            return len(self.results.get(request_id, [])) >= published
+        last = (self.results.get(request_id) or [None])[-1]
+        return last is not None and header_value(last.headers, "x-response-final") != b"false"
+
+
+async def collect_streams(
+    bootstrap: str,
+    topics: Topics,
+    request_ids: Collection[str],
+    timeout_s: float = 60.0,
+    isolation_level: str = "read_committed",
+    until: Callable[[Streams], bool] | None = None,
+) -> Streams:
+    """Read results and dead letters until every request in ``request_ids`` is finished
+    (or, with ``until``, until it says enough was read)."""
+    got = Streams()
+
+    def enough() -> bool:
+        return until(got) if until is not None else all(got.finished(r) for r in request_ids)
+
+    consumer = AIOKafkaConsumer(
+        topics.output,
+        topics.dlq,
+        bootstrap_servers=bootstrap,
+        auto_offset_reset="earliest",
+        enable_auto_commit=False,
+        isolation_level=isolation_level,
+    )
+    await consumer.start()
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not enough():
+            missing = [rid for rid in request_ids if not got.finished(rid)]
+            assert time.monotonic() < deadline, f"unfinished after {timeout_s} s: {missing[:5]}"
+            batch = await consumer.getmany(timeout_ms=500)
+            for tp in sorted(batch):
+                for record in batch[tp]:
+                    target = got.results if record.topic == topics.output else got.dead_letters
+                    target.setdefault(request_id_of(record), []).append(record)
     finally:
         await consumer.stop()
     return got

@@ -4,7 +4,7 @@ from worker.flow.breaker import CircuitBreaker
 from worker.flow.holds import ModelGate
 from worker.flow.limiter import AdaptiveLimiter
 from worker.flow.ordering import Ticket, Turns
-from worker.flow.retry import Backoff, Budget, RetryPolicy
+from worker.flow.retry import Backoff, Budget, Retrier, RetryPolicy
 from worker.flow.window import Window
 
 __all__ = [
@@ -13,6 +13,7 @@ __all__ = [
     "Budget",
     "CircuitBreaker",
     "ModelGate",
+    "Retrier",
     "RetryPolicy",
     "Ticket",
     "Turns",

@@ -36,7 +36,19 @@ class Ticket:
             await asyncio.shield(self._previous)
 
     def done(self) -> None:
-        """Hand the turn to the next ticket. Idempotent; call it even on failure."""
+        """Hand the turn to the next ticket. Idempotent; call it even on failure.
+
+        A holder may give up its turn without having waited for it (a record that
+        turned out not to need ordering): the next ticket still waits for every
+        earlier one, so the turn passes on only once the previous ticket is done.
+        """
+        previous = self._previous
+        if previous is None or previous.done():
+            self._finish()
+        else:
+            previous.add_done_callback(lambda _: self._finish())
+
+    def _finish(self) -> None:
         if not self._mine.done():
             self._mine.set_result(None)
         self._owner._release(self._key, self._mine)

@@ -1,16 +1,26 @@
-"""Retry timing, once: exponential backoff with full jitter, and a record's deadline budget.
+"""Retries, once: exponential backoff with full jitter, a record's deadline budget, the loop.
 
 Every retry loop of the worker (a record's inference, a Kafka write, re-opening a
-Triton stream) waits with a ``Backoff``; a record's tries share one ``Budget``.
+Triton stream) waits with a ``Backoff``; a record's tries share one ``Budget``; a
+record's calls to Triton are retried by one ``Retrier``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import random
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
-__all__ = ["Backoff", "Budget", "RetryPolicy"]
+from worker import errors
+from worker.flow.breaker import CircuitBreaker
+from worker.flow.holds import ModelGate
+
+__all__ = ["Backoff", "Budget", "Retrier", "RetryPolicy"]
+
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,3 +71,71 @@ class RetryPolicy:
     backoff: Backoff
     record_deadline_s: float  # all tries of a record
     try_timeout_s: float  # one try on a Triton stream
+
+
+class Retrier:
+    """Runs a record's calls to Triton: retryable failures retried, outages waited out."""
+
+    def __init__(
+        self,
+        policy: RetryPolicy,
+        breaker: CircuitBreaker,
+        models: ModelGate | None,
+        on_retry: Callable[[str], None],
+    ) -> None:
+        """``on_retry(code)`` is told of each retry, by the code of the failure."""
+        self.policy = policy
+        self._breaker = breaker
+        self._models = models
+        self._on_retry = on_retry
+
+    async def run(
+        self, model: tuple[str, str], budget: Budget, call: Callable[[float], Awaitable[_T]]
+    ) -> _T:
+        """Call with the remaining time; retry retryable failures with full-jitter backoff.
+
+        An outage (Triton unreachable) is not the record's fault: it feeds the
+        circuit breaker, never counts as a try, and while the breaker is open
+        the record waits for it to close with its deadline paused. A model
+        being (re)loaded is an outage of that model: the record waits for it
+        the same way (see ModelGate). ``model`` is (name, version).
+        """
+        models, policy = self._models, self.policy
+        while True:
+            if models is not None and models.is_held(*model):
+                budget.pause(await models.wait_ready(*model))
+            try:
+                result = await call(max(0.001, budget.remaining_s()))
+            except errors.WorkerError as error:
+                if await self._held(model, error):
+                    continue
+                if not error.retryable:
+                    raise
+                if isinstance(error, errors.TritonUnavailable):
+                    self._breaker.record_failure()
+                    if self._breaker.is_open:
+                        budget.pause(await self._breaker.wait_closed())
+                        continue
+                    if budget.remaining_s() <= 0:
+                        raise errors.RetriesExhausted.after(error, budget.failures + 1) from error
+                    # An outage is not a try: wait as after a first failure.
+                    self._on_retry(error.code)
+                    await asyncio.sleep(policy.backoff.delay_s(1))
+                    continue
+                budget.failures += 1
+                backoff_s = policy.backoff.delay_s(budget.failures)
+                if budget.failures >= policy.max_attempts or backoff_s >= budget.remaining_s():
+                    raise errors.RetriesExhausted.after(error, budget.failures) from error
+                self._on_retry(error.code)
+                await asyncio.sleep(backoff_s)
+            else:
+                self._breaker.record_success()
+                return result
+
+    async def _held(self, model: tuple[str, str], error: errors.WorkerError) -> bool:
+        """True when ``error`` means the model is being (re)loaded: the record should wait."""
+        if self._models is None or not isinstance(
+            error, (errors.ModelNotReady, errors.ModelNotFound)
+        ):
+            return False
+        return await self._models.should_hold(*model)

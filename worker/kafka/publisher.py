@@ -223,8 +223,32 @@ class Publisher:
     async def publish_results(
         self, record: ConsumerRecord[bytes, bytes], results: Sequence[tuple[bytes, Headers]]
     ) -> None:
-        # One after the other: the same key and partition keep them in order.
-        for value, headers in results:
+        """Several results of one record, in order: sent together, then acknowledged.
+
+        One task appends them to the producer in order (same key, same partition),
+        so they travel in order, mostly in one batch, for one ack. If any is not
+        acknowledged, it and every later one are written again one by one, in
+        order, with write_result's retries and size handling (a later one that
+        had landed appears twice: at-least-once).
+        """
+        if len(results) == 1:
+            await self.write_result(results[0][0], record.key, results[0][1])
+            return
+        generation, producer, sent = self._generation, self._producer, []
+        with contextlib.suppress(KafkaError):
+            for value, headers in results:
+                sent.append(
+                    await producer.send(
+                        self.output_topic, value=value, key=record.key, headers=list(headers)
+                    )
+                )
+        acks = await asyncio.gather(
+            *(self._acked(generation, future) for future in sent), return_exceptions=True
+        )
+        failed = next(
+            (i for i, ack in enumerate(acks) if isinstance(ack, BaseException)), len(sent)
+        )
+        for value, headers in results[failed:]:
             await self.write_result(value, record.key, headers)
 
     async def publish_dead_letter(

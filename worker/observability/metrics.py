@@ -22,6 +22,8 @@ INFERENCE_BUCKETS_S = (
 )  # fmt: skip
 # End to end includes time spent in Kafka, which a backlog stretches to minutes.
 END_TO_END_BUCKETS_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
+# Responses of one decoupled request: none, one, a few tokens, a long generation.
+STREAM_RESPONSES_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +87,15 @@ METRICS_SPEC: tuple[MetricSpec, ...] = (
     MetricSpec("inference_latency_seconds", "worker_inference_latency_seconds", "histogram",
                ("model",), "Time from sending a request to Triton to its response.",
                INFERENCE_BUCKETS_S),
+    MetricSpec("stream_responses", "worker_stream_responses", "histogram",
+               ("model",), "Responses with outputs per request of a decoupled model "
+               "(complete streams).", STREAM_RESPONSES_BUCKETS),
+    MetricSpec("stream_first_response_seconds", "worker_stream_first_response_seconds",
+               "histogram", ("model",), "Decoupled models: time from sending a request to its "
+               "first response.", INFERENCE_BUCKETS_S),
+    MetricSpec("stream_response_gap_seconds", "worker_stream_response_gap_seconds",
+               "histogram", ("model",), "Decoupled models: time between two responses of one "
+               "request.", INFERENCE_BUCKETS_S),
     MetricSpec("end_to_end_latency_seconds", "worker_end_to_end_latency_seconds", "histogram",
                (), "Time from the record's timestamp to the broker's ack of its outcome.",
                END_TO_END_BUCKETS_S),
@@ -125,6 +136,9 @@ class Metrics:
     models_not_ready: Gauge
     worker_info: Gauge
     inference_latency_seconds: Histogram
+    stream_responses: Histogram
+    stream_first_response_seconds: Histogram
+    stream_response_gap_seconds: Histogram
     end_to_end_latency_seconds: Histogram
 
     def __init__(self, *, version: str | None = None) -> None:

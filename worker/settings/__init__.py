@@ -14,6 +14,7 @@ from worker.settings.schema import (
     RetrySettings,
     Settings,
     SettingSpec,
+    StreamOutput,
     TopicSettings,
     TritonSettings,
 )
@@ -39,6 +40,7 @@ __all__ = [
     "RetrySettings",
     "SettingSpec",
     "Settings",
+    "StreamOutput",
     "TopicSettings",
     "TritonSettings",
     "add_run_arguments",

@@ -21,6 +21,7 @@ __all__ = [
     "SaslMechanism",
     "SecurityProtocol",
     "ShmMode",
+    "StreamOutput",
     "WindowMode",
     "default_client_id",
     "log_format_for",
@@ -37,6 +38,7 @@ WindowMode = Literal["fixed", "adaptive"]
 ShmMode = Literal["none", "system"]
 AuditMode = Literal["none", "log", "topic", "both"]
 Compression = Literal["none", "gzip", "snappy", "lz4", "zstd"]
+StreamOutput = Literal["final", "each"]
 
 
 class ConfigError(Exception):

@@ -29,6 +29,7 @@ from worker.settings.fields import (
     SaslMechanism,
     SecurityProtocol,
     ShmMode,
+    StreamOutput,
     WindowMode,
     default_client_id,
     log_format_for,
@@ -61,6 +62,7 @@ __all__ = [
     "RetrySettings",
     "SettingSpec",
     "Settings",
+    "StreamOutput",
     "TopicSettings",
     "TritonSettings",
 ]
@@ -142,7 +144,10 @@ class TritonSettings(_Section, frozen=True, kw_only=True):
     triton_streams: Annotated[int, Meta(ge=1, le=64), Doc(
         "Number of stream_infer streams to Triton.")] = 2
     request_timeout_ms: Annotated[int, Meta(ge=1), Doc(
-        "Client-side deadline of one try on a Triton stream.")] = 30_000
+        "Client-side deadline of one try on a Triton stream (for a decoupled model: of "
+        "its first response).")] = 30_000
+    stream_idle_timeout_ms: Annotated[int, Meta(ge=1), Doc(
+        "Decoupled models: longest wait between two responses of one request.")] = 30_000
     triton_shm: Annotated[ShmMode, Doc(
         "system: send large tensors through system shared memory (Triton on the same "
         "host).")] = "none"
@@ -235,6 +240,21 @@ class DeliverySettings(_Section, frozen=True, kw_only=True):
     max_uncommitted_per_partition: Annotated[int, Meta(ge=1), Doc(
         "How far past its commit point a partition may dispatch; beyond it the partition "
         "pauses. Bounds the work a crash can redo behind a record stuck in retries.")] = 10_000
+    stream_output: Annotated[StreamOutput, Doc(
+        "Decoupled models: final publishes one result per request after its last response "
+        "(outputs concatenated); each publishes every response as its own result.")] = "final"
+    stream_join_bytes: Annotated[bool, Doc(
+        "stream_output final: join each BYTES output's pieces into one string (a token "
+        "stream's text) instead of a list of them.")] = False
+    sequence_from_key: Annotated[bool, Doc(
+        "Models with a sequence batcher: the record's key is the sequence id (key ordering "
+        "for them, whatever WORKER_ORDERING says).")] = False
+
+    def _check_combinations(self) -> None:
+        self._refuse([
+            ("WORKER_STREAM_JOIN_BYTES", self.stream_join_bytes and self.stream_output != "final",
+             "joins the pieces of one result: needs WORKER_STREAM_OUTPUT final"),
+        ])
 
 
 class LimitSettings(_Section, frozen=True, kw_only=True):

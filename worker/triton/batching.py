@@ -48,9 +48,12 @@ def batchable(spec: ModelSpec, request: DecodedRequest) -> bool:
 
     The model must batch, every input must carry raw contents with the same
     batch dimension, and nothing may refer to per-request server state
-    (sequence ids, shared-memory regions given as input parameters).
+    (sequence ids, shared-memory regions given as input parameters). Requests to
+    decoupled models and to models with a sequence batcher never are.
     """
-    if spec.max_batch_size <= 0 or any(t.is_shape_tensor for t in spec.inputs):
+    if spec.max_batch_size <= 0 or spec.decoupled or spec.sequence:
+        return False
+    if any(t.is_shape_tensor for t in spec.inputs):
         return False
     infer = request.infer_request
     inputs = infer.inputs

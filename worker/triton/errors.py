@@ -64,6 +64,9 @@ _INVALID_TEXTS: Final = (
     "unexpected number of string elements",
     "unexpected explicit tensor data",
 )
+#: A request of a sequence Triton does not hold (never started, dropped when idle, or lost
+#: in a restart): the sequence's state is gone, so no retry can fix it.
+_SEQUENCE_GONE_TEXTS: Final = ("must specify the start flag",)
 _SENT_TOO_LARGE_TEXTS: Final = ("sent message larger than max",)
 _RECEIVED_TOO_LARGE_TEXTS: Final = ("received message larger than max",)
 
@@ -76,7 +79,7 @@ def from_stream_error(message: str) -> WorkerError:
     """Map the `error_message` of a ModelStreamInferResponse to a WorkerError."""
     text = message.lower()
     detail = f"Triton: {message}"
-    if _contains(text, _MODEL_RAISED_TEXTS):
+    if _contains(text, _MODEL_RAISED_TEXTS + _SEQUENCE_GONE_TEXTS):
         return InferenceError(detail)
     if _contains(text, _OVERLOADED_TEXTS):
         return TritonOverloaded(detail)
@@ -106,6 +109,8 @@ def from_grpc(status_code: grpc.StatusCode | None, message: str) -> WorkerError:
     text = message.lower()
     if status_code is None:
         return TritonUnavailable(detail)
+    if _contains(text, _SEQUENCE_GONE_TEXTS):
+        return InferenceError(detail)
     if status_code == grpc.StatusCode.UNAVAILABLE:
         # Triton uses UNAVAILABLE for full queues, queue timeouts and models
         # not ready as well as for a server that cannot be reached.

@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import itertools
 import time
+import zlib
 from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +32,7 @@ from worker.flow.retry import Backoff
 from worker.triton import errors as triton_errors
 from worker.triton._compat import channel_args, grpc_stub
 from worker.triton.auth import TritonAuth
+from worker.triton.decoupled import ENABLE_EMPTY_FINAL, ResponseStream
 from worker.triton.shm import ShmPool
 from worker.triton.stream import Stream
 from worker.wire.validation import ModelSpec
@@ -141,27 +143,43 @@ class TritonPool:
         """Per-call gRPC metadata (authentication), read afresh for each call or stream."""
         return dict(self._auth.headers()) if self._auth is not None else {}
 
-    def _pick(self) -> Stream:
-        """The least-loaded live stream, avoiding streams stuck behind a slow request.
+    def _pick(self, request: service_pb2.ModelInferRequest, decoupled: bool = False) -> Stream:
+        """The least-loaded live stream of its group, avoiding streams stuck behind a slow
+        request.
 
         Triton answers a stream in request order, so a request queued behind a
         slow one waits for it; streams whose oldest request is older than
-        ``_STUCK_AFTER_S`` are used only when every stream is.
+        ``_STUCK_AFTER_S`` are used only when every stream is. Decoupled requests
+        have streams of their own (see ``infer_stream``); one of a sequence
+        (``sequence_id``) goes on the stream its id names while that one is live,
+        so one sequence's requests all travel on one stream.
         """
-        live = [s for s in self._streams if s.broken is None] or self._streams
+        group = self._streams[self._size :] if decoupled else self._streams[: self._size]
+        if decoupled and "sequence_id" in request.parameters:
+            named = request.parameters["sequence_id"].SerializeToString()
+            pinned = group[zlib.crc32(named) % len(group)]
+            if pinned.broken is None:
+                return pinned
+        live = [s for s in group if s.broken is None] or group
         now = time.monotonic()
-        return min(live, key=lambda s: (s.oldest_age_s(now) > _STUCK_AFTER_S, len(s.pending)))
+        return min(live, key=lambda s: (s.oldest_age_s(now) > _STUCK_AFTER_S, s.load()))
 
     async def infer(
         self, request: service_pb2.ModelInferRequest, timeout_s: float
     ) -> service_pb2.ModelInferResponse:
         """Send one request on the least-loaded stream; its response, or a WorkerError.
 
-        The request's ``id`` is replaced by a correlation id unique to this pool.
+        The request's ``id`` is replaced by a correlation id unique to this pool. A
+        request of a sequence (``sequence_id``) goes as a unary call instead: Triton
+        answers a stream's requests to ordinary models in order, and one waiting for a
+        free sequence slot would hold back every response behind it, including those
+        of the sequences that would free the slot.
         """
         if self._closing:
             raise errors.TritonUnavailable("the worker is shutting down")
-        stream = self._pick()
+        if len(request.parameters) and "sequence_id" in request.parameters:
+            return await self._infer_unary(request, timeout_s)
+        stream = self._pick(request)
         if stream.broken is not None:
             raise stream.broken
         correlation = str(next(self._ids))
@@ -191,6 +209,45 @@ class TritonPool:
                 self.shm.release(lease, reusable=answered)
         self._reopen_failures = 0
         return response
+
+    async def _infer_unary(
+        self, request: service_pb2.ModelInferRequest, timeout_s: float
+    ) -> service_pb2.ModelInferResponse:
+        assert self._client is not None
+        call = grpc_stub(self._client).ModelInfer
+        try:
+            response: service_pb2.ModelInferResponse = await call(
+                request, timeout=timeout_s, metadata=tuple(self._headers().items()) or None
+            )
+        except grpc.aio.AioRpcError as exc:
+            raise triton_errors.from_grpc(exc.code(), exc.details() or "") from None
+        self._reopen_failures = 0
+        return response
+
+    def infer_stream(self, request: service_pb2.ModelInferRequest) -> ResponseStream:
+        """Send a decoupled model's request; read its responses from the returned
+        ResponseStream (and close it when done with them).
+
+        Decoupled requests travel on streams of their own, as many as the ordinary
+        ones, opened with the first of them: tritonserver 2.51 aborts (a gRPC
+        assertion, ``!byte_buffer->Valid()``) when one stream carries decoupled and
+        ordinary requests under load, while streams of either kind alone held.
+        The ``id`` is replaced by a correlation id, and the request asks Triton to
+        mark its last response (``triton_enable_empty_final_response``). Tensors go
+        as gRPC bytes, never through shared memory: a region would be held for the
+        whole stream.
+        """
+        if self._closing:
+            raise errors.TritonUnavailable("the worker is shutting down")
+        if len(self._streams) == self._size:
+            for index in range(self._size, 2 * self._size):
+                self._open(index)
+        stream = self._pick(request, decoupled=True)
+        if stream.broken is not None:
+            raise stream.broken
+        request.id = str(next(self._ids))
+        request.parameters[ENABLE_EMPTY_FINAL].bool_param = True
+        return stream.submit_stream(request)
 
     async def model_spec(self, name: str, version: str) -> ModelSpec:
         """The model's inputs, outputs and batching, fetched once and cached."""
@@ -296,7 +353,7 @@ class TritonPool:
         return await _answers_true(self._client.is_server_live(headers=self._headers()), timeout_s)
 
     def in_flight(self) -> int:
-        return sum(len(s.pending) for s in self._streams)
+        return sum(s.load() for s in self._streams)
 
     async def close(self, drain_timeout_s: float = 10.0) -> None:
         """Drain every stream (bounded), end them, close the channel. Idempotent."""

@@ -21,6 +21,7 @@ from tritonclient.grpc import service_pb2
 
 from worker import errors
 from worker.triton import errors as triton_errors
+from worker.triton.decoupled import ResponseStream
 
 __all__ = ["Stream"]
 
@@ -40,6 +41,8 @@ class Stream:
         # Insertion-ordered: the first entry is the oldest request still owed.
         self.pending: dict[str, asyncio.Future[service_pb2.ModelInferResponse]] = {}
         self._sent_at: dict[str, float] = {}
+        # Decoupled requests still owed responses (until their final one).
+        self.streams: dict[str, ResponseStream] = {}
         self.broken: errors.WorkerError | None = None
         self._idle = asyncio.Event()
         self._idle.set()
@@ -83,33 +86,48 @@ class Stream:
             # End the request iterator so gRPC's task feeding it finishes too.
             self._outbox.put_nowait(None)
 
+    def load(self) -> int:
+        """Requests still owed a response: single ones and decoupled streams."""
+        return len(self.pending) + len(self.streams)
+
     def oldest_age_s(self, now: float) -> float:
-        """How long the oldest owed response has been waiting (0 when none)."""
+        """How long the oldest owed single response has been waiting (0 when none).
+
+        Decoupled requests are left out: they are long by nature, and Triton
+        answers other requests on the stream meanwhile.
+        """
         for correlation in self.pending:
             return now - self._sent_at[correlation]
         return 0.0
 
     def _deliver(self, response: service_pb2.ModelStreamInferResponse) -> None:
         correlation = response.infer_response.id
-        self._sent_at.pop(correlation, None)
         future = self.pending.pop(correlation, None)
-        if future is None:
+        if future is not None:
+            self._sent_at.pop(correlation, None)
+            if not future.done():
+                if response.error_message:
+                    future.set_exception(triton_errors.from_stream_error(response.error_message))
+                else:
+                    future.set_result(response.infer_response)
+        elif (responses := self.streams.get(correlation)) is not None:
+            if responses.push(response):
+                del self.streams[correlation]
+        else:
             # A response for a request already timed out (or unknown): never used twice.
             log.debug("late_response_dropped", correlation=correlation, stream=self.index)
-        elif not future.done():
-            if response.error_message:
-                future.set_exception(triton_errors.from_stream_error(response.error_message))
-            else:
-                future.set_result(response.infer_response)
-        if not self.pending:
+        if not self.pending and not self.streams:
             self._idle.set()
 
     def _fail_pending(self, error: errors.WorkerError) -> None:
         pending, self.pending = self.pending, {}
+        streams, self.streams = self.streams, {}
         self._sent_at.clear()
         for future in pending.values():
             if not future.done():
                 future.set_exception(error)
+        for responses in streams.values():
+            responses.fail(error)
         self._idle.set()
 
     def submit(
@@ -124,10 +142,19 @@ class Stream:
         self._outbox.put_nowait(request)
         return future
 
+    def submit_stream(self, request: service_pb2.ModelInferRequest) -> ResponseStream:
+        """Send a decoupled model's request; its responses arrive on the returned queue."""
+        responses = ResponseStream(request.id, self.forget)
+        self.streams[request.id] = responses
+        self._idle.clear()
+        self._outbox.put_nowait(request)
+        return responses
+
     def forget(self, correlation: str) -> None:
         self.pending.pop(correlation, None)
         self._sent_at.pop(correlation, None)
-        if not self.pending:
+        self.streams.pop(correlation, None)
+        if not self.pending and not self.streams:
             self._idle.set()
 
     async def close(self, drain_timeout_s: float) -> None:

@@ -61,6 +61,18 @@ X_ORIGINAL_VALUE_SHA256: Final = "x-original-value-sha256"
 X_KEY_OMITTED: Final = "x-key-omitted"
 X_ORIGINAL_KEY_BYTES: Final = "x-original-key-bytes"
 X_ORIGINAL_KEY_SHA256: Final = "x-original-key-sha256"
+#: Results of a decoupled model's request (WORKER_STREAM_OUTPUT): the place of a
+#: response in its stream, whether it is the last, and how many carried outputs.
+X_RESPONSE_INDEX: Final = "x-response-index"
+X_RESPONSE_FINAL: Final = "x-response-final"
+X_RESPONSE_COUNT: Final = "x-response-count"
+#: Dead letters of a stream that failed midway: responses received, results published.
+X_RESPONSES_RECEIVED: Final = "x-responses-received"
+X_RESPONSES_PUBLISHED: Final = "x-responses-published"
+#: Requests to a sequence model (WORKER_SEQUENCE_FROM_KEY): the sequence's first and last.
+X_SEQUENCE_START: Final = "x-sequence-start"
+X_SEQUENCE_END: Final = "x-sequence-end"
+
 #: A request re-produced from the dead-letter topic by ``replay``: which dead letter
 #: (``dlq-topic/partition/offset``), and how many times its request has been replayed.
 X_REPLAYED_FROM: Final = "x-replayed-from"
@@ -86,6 +98,8 @@ DEAD_LETTER_HEADERS: Final = frozenset(
         X_KEY_OMITTED,
         X_ORIGINAL_KEY_BYTES,
         X_ORIGINAL_KEY_SHA256,
+        X_RESPONSES_RECEIVED,
+        X_RESPONSES_PUBLISHED,
     }
 )
 _ERROR_PREFIX: Final = "x-error-"
@@ -181,7 +195,8 @@ def dead_letter_headers(
     A retryable error is reported as RETRIES_EXHAUSTED naming it, so that
     x-error-code is always one of the dead-letter codes. x-error-retryable
     tells whether the cause was transient, i.e. whether replaying the record
-    later may succeed: true exactly for RETRIES_EXHAUSTED.
+    later may succeed: true exactly for RETRIES_EXHAUSTED. The error's facts
+    (e.g. x-responses-received) follow.
     """
     if error.retryable:
         error = RetriesExhausted.after(error, attempts)
@@ -195,6 +210,7 @@ def dead_letter_headers(
         (X_SOURCE_TIMESTAMP, str(source.timestamp_ms).encode()),
         (X_CONSUMER_GROUP, group_id.encode()),
         (X_FAILED_AT, rfc3339_utc(failed_at).encode()),
+        *error.facts,
     ]
     return merge_headers(original_headers, added)
 

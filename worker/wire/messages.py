@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Final, Literal, get_args
 import msgspec
 
 from worker.errors import ERROR_CODES, InvalidRequest
+from worker.wire.header_schemas import RequestHeaders, ResultHeaders
 
 __all__ = [
     "BINARY_DATA_SIZE",
@@ -291,6 +292,21 @@ class DeadLetterHeaders(msgspec.Struct, frozen=True):
         _Sha256 | msgspec.UnsetType,
         msgspec.Meta(description="With x-key-omitted: SHA-256 of the original key, hex."),
     ] = msgspec.field(default=msgspec.UNSET, name="x-original-key-sha256")
+    responses_received: Annotated[
+        _Digits | msgspec.UnsetType,
+        msgspec.Meta(
+            description="A decoupled model's stream that failed: responses received before."
+        ),
+    ] = msgspec.field(default=msgspec.UNSET, name="x-responses-received")
+    responses_published: Annotated[
+        _Digits | msgspec.UnsetType,
+        msgspec.Meta(
+            description=(
+                "WORKER_STREAM_OUTPUT=each under at_least_once: results of the stream already "
+                "published (x-response-index 0 to this - 1); the request was not retried."
+            )
+        ),
+    ] = msgspec.field(default=msgspec.UNSET, name="x-responses-published")
 
 
 _SCHEMA_DIALECT: Final = "https://json-schema.org/draft/2020-12/schema"
@@ -313,6 +329,17 @@ def generate_schemas() -> dict[str, dict[str, Any]]:
             InferResponseJSON,
             "Inference result",
             "JSON inference result published to the output topic (Open Inference Protocol).",
+        ),
+        "request-headers.schema.json": _schema(
+            RequestHeaders,
+            "Request headers",
+            "Headers of a request record that the worker reads, as a JSON object of header "
+            "name to UTF-8 value. Other headers are passed through to the result.",
+        ),
+        "result-headers.schema.json": _schema(
+            ResultHeaders,
+            "Result headers",
+            "Headers of a result record, as a JSON object of header name to UTF-8 value.",
         ),
         "dead-letter.schema.json": _schema(
             DeadLetterHeaders,

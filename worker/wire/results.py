@@ -26,7 +26,7 @@ from worker.wire.headers import (
 from worker.wire.messages import BINARY_DATA_SIZE, BYTES_ENCODING, parameters_to_json
 from worker.wire.requests import DecodedRequest, Encoding
 
-__all__ = ["encode_result", "result_headers"]
+__all__ = ["encode_result", "response_tensors", "result_headers"]
 
 _RESULT_CONTENT_TYPES: Final[dict[Encoding, bytes]] = {
     "json": CONTENT_TYPE_JSON.encode(),
@@ -38,7 +38,8 @@ _RESULT_CONTENT_TYPES: Final[dict[Encoding, bytes]] = {
 _STREAM_PARAMETERS: Final = frozenset({"triton_final_response"})
 
 
-def _response_tensors(response: Any) -> list[tuple[Any, bytes]]:
+def response_tensors(response: Any) -> list[tuple[Any, bytes]]:
+    """(output, raw bytes) of each output of a ModelInferResponse; InferenceError if malformed."""
     outputs = response.outputs
     raws = response.raw_output_contents
     if len(raws) == len(outputs):
@@ -130,7 +131,7 @@ def encode_result(
                     del response.parameters[key]
             value: bytes = response.SerializeToString()
         else:
-            pairs = _response_tensors(response)
+            pairs = response_tensors(response)
             if request.binary_outputs:
                 value, header_length = _encode_binary(request, response, pairs)
                 encoding_headers.append(
@@ -157,10 +158,12 @@ def result_headers(
     source: Source,
     *,
     served_model_version: str = "",
+    extra: Sequence[tuple[str, bytes]] = (),
 ) -> list[tuple[str, bytes | None]]:
     """Headers of a result: the request's, then the worker's (which replace same names).
 
-    `served_model_version` is the version Triton reports having used, when known.
+    `served_model_version` is the version Triton reports having used, when known;
+    `extra` are further headers of the worker's (a stream's x-response-*).
     """
     added = [
         (X_REQUEST_ID, request.request_id.encode()),
@@ -168,6 +171,7 @@ def result_headers(
         (X_MODEL_VERSION, (served_model_version or request.model_version).encode()),
         *source_headers(source),
         *((name.lower(), bytes(value)) for name, value in encoding_headers),
+        *extra,
     ]
     # A request's binary header length never describes the result.
     return merge_headers(request_headers, added, frozenset({INFERENCE_HEADER_CONTENT_LENGTH}))

@@ -11,6 +11,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from tritonclient.grpc import model_config_pb2
+
 from worker.errors import InvalidRequest
 
 if TYPE_CHECKING:
@@ -39,6 +41,12 @@ class ModelSpec:
     inputs: tuple[TensorSpec, ...]
     outputs: tuple[TensorSpec, ...]
     max_batch_size: int
+    #: Decoupled (model_transaction_policy): any number of responses per request.
+    decoupled: bool = False
+    #: Has a sequence batcher: keeps state per sequence (correlation) id.
+    sequence: bool = False
+    #: The sequence batcher takes string correlation ids (else 64-bit integers).
+    string_sequence_ids: bool = False
 
     @classmethod
     def from_triton(cls, metadata: Any, config: Any) -> ModelSpec:
@@ -70,11 +78,24 @@ class ModelSpec:
             inputs=tuple(spec(tensor, True) for tensor in metadata.inputs),
             outputs=tuple(spec(tensor, False) for tensor in metadata.outputs),
             max_batch_size=max_batch_size,
+            decoupled=bool(model_config.model_transaction_policy.decoupled),
+            sequence=model_config.HasField("sequence_batching"),
+            string_sequence_ids=_string_sequence_ids(model_config),
         )
 
     def input(self, name: str) -> TensorSpec | None:
         """The input called `name`, if the model has one."""
         return next((tensor for tensor in self.inputs if tensor.name == name), None)
+
+
+def _string_sequence_ids(model_config: Any) -> bool:
+    """True when the sequence batcher's correlation-id control is a string."""
+    corrid = model_config_pb2.ModelSequenceBatching.Control.CONTROL_SEQUENCE_CORRID
+    return any(
+        control.kind == corrid and control.data_type == model_config_pb2.TYPE_STRING
+        for control_input in model_config.sequence_batching.control_input
+        for control in control_input.control
+    )
 
 
 def _dims_match(expected: Sequence[int], actual: Sequence[int]) -> bool:

@@ -55,3 +55,18 @@ async def test_a_failed_holder_still_hands_the_turn_on() -> None:
     await asyncio.wait_for(second.wait(), 1)
     second.done()
     assert len(turns) == 0
+
+
+async def test_a_ticket_given_up_unwaited_still_holds_the_next_back() -> None:
+    """B passes (its record needs no turn) while A holds: C still waits for A, not for B."""
+    turns = Turns()
+    a, b, c = turns.ticket("k"), turns.ticket("k"), turns.ticket("k")
+    await asyncio.wait_for(a.wait(), 1)
+    b.done()  # given up without waiting: the turn passes on only once A's is done
+    waiting = asyncio.create_task(c.wait())
+    await asyncio.sleep(0)  # one turn of the loop: the waiter has run up to its await
+    assert not waiting.done()
+    a.done()
+    await asyncio.wait_for(waiting, 1)
+    c.done()
+    assert len(turns) == 0

@@ -353,3 +353,12 @@ def test_a_subset_of_the_settings_is_read_alone() -> None:
         read_settings({}, argparse.Namespace(), wanted)
     with pytest.raises(ConfigError, match="WORKER_MAX_INFLIGHT: unknown setting"):
         read_settings({**env, "WORKER_MAX_INFLIGHT": "8"}, flags, wanted)
+
+
+def test_joined_bytes_need_the_final_stream_output() -> None:
+    """WORKER_STREAM_JOIN_BYTES joins one result's pieces: refused with each-mode output."""
+    error = _error(_env(WORKER_STREAM_OUTPUT="each", WORKER_STREAM_JOIN_BYTES="true"))
+    assert error.setting == "WORKER_STREAM_JOIN_BYTES"
+    assert "WORKER_STREAM_OUTPUT final" in error.message
+    joined = load_settings(_env(WORKER_STREAM_JOIN_BYTES="true"))
+    assert (joined.delivery.stream_output, joined.delivery.stream_join_bytes) == ("final", True)

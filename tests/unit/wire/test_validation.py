@@ -156,3 +156,31 @@ def test_unknown_requested_output() -> None:
     assert message_of(fixed_spec(), request) == (
         "outputs[0]: model 'fixed' has no output 'PROBS'; its outputs are SCORES"
     )
+
+
+def _config_spec(config: Any) -> ModelSpec:
+    metadata = service_pb2.ModelMetadataResponse(name="m", versions=["1"])
+    metadata.inputs.add(name="X", datatype="INT32", shape=[1])
+    return ModelSpec.from_triton(metadata, service_pb2.ModelConfigResponse(config=config))
+
+
+def test_from_triton_reads_decoupled_and_sequence_batching() -> None:
+    """The configuration says decoupled, sequence batcher, and the correlation id's type."""
+    control = model_config_pb2.ModelSequenceBatching.Control
+    plain = _config_spec(model_config_pb2.ModelConfig(name="m"))
+    assert (plain.decoupled, plain.sequence, plain.string_sequence_ids) == (False, False, False)
+
+    decoupled = model_config_pb2.ModelConfig(name="m")
+    decoupled.model_transaction_policy.decoupled = True
+    assert _config_spec(decoupled).decoupled
+
+    numbered = model_config_pb2.ModelConfig(name="m")
+    numbered.sequence_batching.max_sequence_idle_microseconds = 1000
+    spec = _config_spec(numbered)
+    assert (spec.sequence, spec.string_sequence_ids) == (True, False)
+
+    named = model_config_pb2.ModelConfig(name="m")
+    corrid = named.sequence_batching.control_input.add(name="CORRID")
+    corrid.control.add(kind=control.CONTROL_SEQUENCE_CORRID, data_type=model_config_pb2.TYPE_STRING)
+    spec = _config_spec(named)
+    assert (spec.sequence, spec.string_sequence_ids) == (True, True)

@@ -1,0 +1,117 @@
+"""Sequences keyed by Kafka key: the stateful ``running_sum`` model through the worker.
+
+Real Kafka, real Triton: ``running_sum`` sits behind Triton's sequence batcher
+(at most 8 sequences at once) and answers each request with the running sum of
+its sequence, so a sum is right only if every earlier request of the sequence
+reached Triton first, in order, under the same correlation id.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import pytest
+
+from devtools.samples import ENCODINGS, SampleRequest, running_sum_request
+from tests.support import (
+    Topics,
+    collect_streams,
+    create,
+    headers_dict,
+    result_outputs,
+    running_worker,
+    send,
+    settings_for,
+)
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _sum(record: Any) -> int:
+    return int(result_outputs(record)["SUM"].reshape(-1)[0])
+
+
+async def test_sums_are_right_per_key_with_many_keys_in_flight(
+    kafka: Any, triton: Any, unique: str
+) -> None:
+    """12 keys (more than Triton's 8 sequence slots) interleaved on 2 partitions: every sum."""
+    topics = Topics.fresh(unique)
+    await create(kafka, topics, partitions=2)
+    keys = [f"user-{k}" for k in range(12)]
+    steps = 5
+    requests: list[SampleRequest] = []
+    record_keys: list[bytes | None] = []
+    expected: dict[str, int] = {}
+    # Round-robin over keys, so records of every key are in flight together.
+    for step, (k, key) in itertools.product(range(steps), enumerate(keys)):
+        rid = f"{key}-{step}"
+        value = (k + 1) * 10 + step
+        encoding = ENCODINGS[(k + step) % len(ENCODINGS)]
+        requests.append(
+            running_sum_request(rid, value, encoding, start=step == 0, end=step == steps - 1)
+        )
+        record_keys.append(key.encode())
+        expected[rid] = sum((k + 1) * 10 + s for s in range(step + 1))
+
+    settings = settings_for(kafka, triton, topics, sequence_from_key="true")
+    async with running_worker(settings):
+        await send(kafka.bootstrap_servers, topics.input, requests, keys=record_keys)
+        got = await collect_streams(kafka.bootstrap_servers, topics, list(expected))
+
+    assert got.dead_letters == {}
+    assert {rid: _sum(records[0]) for rid, records in got.results.items()} == expected
+
+
+async def test_start_and_end_bound_a_sequence_and_a_key_can_start_again(
+    kafka: Any, triton: Any, unique: str
+) -> None:
+    """One key, two sequences back to back: the sum restarts at x-sequence-start."""
+    topics = Topics.fresh(unique)
+    await create(kafka, topics)
+    values = [(1, True, False), (2, False, False), (3, False, True), (10, True, False)]
+    values += [(20, False, True)]
+    requests = [
+        running_sum_request(f"again-{i}", v, start=start, end=end)
+        for i, (v, start, end) in enumerate(values)
+    ]
+    settings = settings_for(kafka, triton, topics, sequence_from_key="true")
+    async with running_worker(settings):
+        await send(kafka.bootstrap_servers, topics.input, requests, keys=[b"same"] * len(values))
+        got = await collect_streams(
+            kafka.bootstrap_servers, topics, [r.request_id for r in requests]
+        )
+
+    assert [_sum(got.results[r.request_id][0]) for r in requests] == [1, 3, 6, 10, 30]
+
+
+async def test_keyless_and_unstarted_sequences_are_dead_lettered_not_retried(
+    kafka: Any, triton: Any, unique: str
+) -> None:
+    """No key: INVALID_REQUEST saying why; a key Triton has no sequence for: INFERENCE_ERROR."""
+    topics = Topics.fresh(unique)
+    await create(kafka, topics)
+    keyless = running_sum_request("keyless", 5, start=True)
+    # Triton answers a sequence it dropped (idle timeout, restart) as one never started.
+    unstarted = running_sum_request("unstarted", 5)
+    good = running_sum_request("good", 7, start=True, end=True)
+    settings = settings_for(kafka, triton, topics, sequence_from_key="true")
+    async with running_worker(settings):
+        await send(
+            kafka.bootstrap_servers,
+            topics.input,
+            [keyless, unstarted, good],
+            keys=[None, b"never-started", b"fine"],
+        )
+        got = await collect_streams(
+            kafka.bootstrap_servers, topics, ["keyless", "unstarted", "good"]
+        )
+
+    assert _sum(got.results["good"][0]) == 7
+    headers = headers_dict(got.dead_letters["keyless"][0].headers)
+    assert headers["x-error-code"] == b"INVALID_REQUEST"
+    assert b"needs a key" in headers["x-error-message"]
+    headers = headers_dict(got.dead_letters["unstarted"][0].headers)
+    assert headers["x-error-code"] == b"INFERENCE_ERROR"
+    assert headers["x-attempts"] == b"1"
+    assert b"must specify the START flag" in headers["x-error-message"]
