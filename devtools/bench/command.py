@@ -11,6 +11,11 @@ model) and runs as its own process, measured in turn:
 
 The tuned worker is then fed at fixed rates to draw latency against offered
 load, and Triton alone is driven at half that peak for the latency target.
+"Triton alone, batched" drives Triton through the worker's own client path
+(stream pool and micro-batcher) with the tuned settings; with Kafka alone it
+makes the ceiling the tuned worker is compared with. Last, every variant that
+can be fed at a fixed rate (both workers, Triton alone both ways, Kafka alone)
+is fed one common rate, each on fresh topics, for latencies side by side.
 """
 
 from __future__ import annotations
@@ -23,12 +28,13 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from rich.console import Console
+    from rich.progress import Progress
 
-    from devtools.bench.report import LoadPoint, VariantResult
-    from devtools.bench.runner import Servers
+    from devtools.bench.report import CommonRate, LoadPoint, VariantResult
+    from devtools.bench.runner import Runner, Servers
 
 #: The variants, in the order they run (names in worker.benchmarks.report.VARIANTS).
-VARIANT_KEYS = ("sync", "naive", "worker", "worker_tuned", "triton", "kafka")
+VARIANT_KEYS = ("sync", "naive", "worker", "worker_tuned", "triton", "triton_batched", "kafka")
 #: Measurements beyond the table (worker.benchmarks.extras, worker.benchmarks.scaleout).
 EXTRA_KEYS = ("batching", "windows", "compression", "commits", "shm", "scale_out", "decoupled")
 MODELS = ("double", "mlp", "echo_bytes")
@@ -58,6 +64,14 @@ def add_bench_parser(commands: argparse._SubParsersAction[argparse.ArgumentParse
     bench.add_argument("--partitions", type=int, default=4, help="input topic partitions")
     bench.add_argument("--out", type=Path, default=Path(".devstack/bench"), help="output folder")
     bench.add_argument("--sweep-s", type=float, default=4.0, help="seconds per offered load")
+    bench.add_argument(
+        "--common-rate",
+        type=float,
+        default=0.0,
+        metavar="PER_S",
+        help="the common offered rate for the side-by-side latencies "
+        "(default: half the slowest peak of the fixed-rate variants)",
+    )
     bench.add_argument(
         "--variants",
         default=",".join(VARIANT_KEYS + EXTRA_KEYS),
@@ -162,8 +176,9 @@ async def _bench(args: argparse.Namespace, servers: Servers, console: Console) -
             if key not in wanted:
                 continue
             name = report.VARIANTS[key]
-            if key == "triton":
-                results[key] = await runner.triton(name, progress)
+            if key in ("triton", "triton_batched"):
+                client = tuned if key == "triton_batched" else None
+                results[key] = await runner.triton(name, progress, client)
                 continue
             count = args.sync_records if key == "sync" else args.records
             command, env, settings = runner.command(key, tuned)
@@ -174,6 +189,7 @@ async def _bench(args: argparse.Namespace, servers: Servers, console: Console) -
         if sweep and "triton" in wanted:
             half_rate = results["worker_tuned"].records_per_s / 2
             triton_half = await runner.triton_at(half_rate, progress)
+        common = await _common_rate(args, runner, results, tuned, progress)
     extras = await _extras(args, servers, wanted, tuned, console)
     targets = report.ratios(results, sweep, triton_half) + report.extra_ratios(extras)
     meta = {
@@ -185,8 +201,9 @@ async def _bench(args: argparse.Namespace, servers: Servers, console: Console) -
         "command": "python -m devtools bench " + " ".join(sys.argv[2:]),
         "tuned_settings": {f"WORKER_{k}": v for k, v in tuned.items()},
     }
-    report.print_tables(console, results, targets)
-    table = report.markdown(results, sweep, targets, meta) + report.extras_markdown(extras)
+    report.print_tables(console, results, targets, common)
+    table = report.markdown(results, sweep, targets, meta, common)
+    table += report.extras_markdown(extras)
     table += decoupled.markdown(extras.get("decoupled"))  # type: ignore[arg-type]
     (args.out / "bench.md").write_text(table)
     report.write_json(
@@ -196,16 +213,45 @@ async def _bench(args: argparse.Namespace, servers: Servers, console: Console) -
             "variants": results,
             "worker_tuned_latency_vs_load": sweep,
             "triton_at_half_worker_peak": triton_half,
+            "ceiling": report.ceiling(results),
+            "at_common_rate": common,
             "targets": targets,
             "extras": extras,
         },
     )
-    plotted = report.plot(args.out / "bench.png", results, sweep, extras.get("backlog"))
+    plotted = report.plot(args.out / "bench.png", results, sweep, extras.get("backlog"), common)
     console.print(
         f"written: {args.out / 'bench.json'}, {args.out / 'bench.md'}"
         + (f", {args.out / 'bench.png'}" if plotted else " (no matplotlib: no plot)")
     )
     return 0
+
+
+async def _common_rate(
+    args: argparse.Namespace,
+    runner: Runner,
+    results: dict[str, VariantResult],
+    tuned: dict[str, str],
+    progress: Progress,
+) -> CommonRate | None:
+    """Every fixed-rate variant measured fed the same rate, in the table's order."""
+    from devtools.bench import report
+
+    chosen = report.common_rate(results, args.common_rate)
+    if chosen is None:
+        return None
+    rate, how = chosen
+    points: dict[str, LoadPoint] = {}
+    for key in report.COMMON_RATE_KEYS:
+        if key not in results:
+            continue
+        if key in ("triton", "triton_batched"):
+            client = tuned if key == "triton_batched" else None
+            points[key] = await runner.triton_at(rate, progress, client)
+        else:
+            command, env, _ = runner.command(key, tuned)
+            points[key] = await runner.kafka_at(key, command, env, rate, progress)
+    return report.at_common_rate(rate, how, points)
 
 
 async def _extras(

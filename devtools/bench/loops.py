@@ -8,7 +8,11 @@
 - ``kafka``: consume and produce the same records, decoding and encoding the
   JSON, no inference (the Kafka ceiling);
 - ``triton``: unary infers of the same payloads driven at saturation (or at a
-  fixed rate), no Kafka (the Triton ceiling); prints its measurement as JSON.
+  fixed rate), no Kafka (the Triton ceiling); prints its measurement as JSON;
+- ``triton_batched``: the same payloads through the worker's own client path
+  (``TritonPool`` streams and ``MicroBatcher``) with the tuned worker's batch
+  size, streams and in-flight window, no Kafka (the Triton ceiling comparable
+  with the tuned worker); prints its measurement, in rows, as JSON.
 
 Each is written as its users would write it (JSON with orjson, inputs through
 ``InferInput``), and runs on the same event loop as the worker (uvloop).
@@ -18,11 +22,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import resource
 import sys
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import orjson
@@ -31,6 +36,9 @@ from tritonclient.grpc.aio import InferenceServerClient, InferInput
 from tritonclient.utils import triton_to_np_dtype
 
 from devtools import samples
+
+if TYPE_CHECKING:
+    from worker.wire.requests import DecodedRequest
 
 
 def _inputs(doc: dict[str, Any]) -> list[InferInput]:
@@ -154,37 +162,87 @@ async def run_triton(args: argparse.Namespace) -> None:
     prepared = [_inputs(doc) for doc in docs]
     client = InferenceServerClient(args.triton)
     await client.infer(args.model, prepared[0])  # warm-up: channel and model
+
+    async def one(inputs: list[InferInput]) -> int:
+        await client.infer(args.model, inputs)
+        return 1
+
+    try:
+        await _drive(args, [functools.partial(one, inputs) for inputs in prepared])
+    finally:
+        await client.close()
+
+
+async def run_triton_batched(args: argparse.Namespace) -> None:
+    """The worker's own client path without Kafka: its stream pool and micro-batcher.
+
+    The records are decoded as the worker decodes them, before the clock starts
+    (as the unbatched loop prepares its inputs), then sent through
+    ``MicroBatcher.infer`` with ``--concurrency`` requests in flight; prints a
+    JSON measurement counting rows.
+    """
+    from worker.triton.batching import MicroBatcher
+    from worker.triton.pool import TritonPool
+    from worker.wire.headers import Source
+    from worker.wire.requests import DecodeLimits, decode_request
+
+    limits = DecodeLimits(max_request_bytes=8 << 20)
+    requests = samples_for(args.model, args.records + 1, args.seed)
+    decoded = [
+        decode_request(r.value, r.headers, Source("bench", 0, i), limits)
+        for i, r in enumerate(requests)
+    ]
+    pool = TritonPool(args.triton, args.streams)
+    await pool.start()
+    batcher = MicroBatcher(pool, args.batch_size, args.batch_delay_ms / 1000)
+    spec = await pool.model_spec(args.model, "")
+    await batcher.infer(decoded.pop(), spec, 60)  # warm-up: channel, streams and model
+
+    async def one(request: DecodedRequest) -> int:
+        await batcher.infer(request, spec, 60)
+        return int(request.infer_request.inputs[0].shape[0])
+
+    try:
+        await _drive(args, [functools.partial(one, request) for request in decoded])
+    finally:
+        await batcher.close()
+        await pool.close()
+
+
+async def _drive(args: argparse.Namespace, calls: Sequence[Callable[[], Awaitable[int]]]) -> None:
+    """Run ``calls`` with ``--concurrency`` in flight, at saturation or paced at ``--rate``;
+    print records (rows), seconds, per-call latencies, CPU and peak RSS as JSON."""
     latencies_s: list[float] = []
     semaphore = asyncio.Semaphore(args.concurrency)
 
-    async def one(inputs: list[InferInput]) -> None:
+    async def timed(call: Callable[[], Awaitable[int]]) -> int:
         try:
             started = time.perf_counter()
-            await client.infer(args.model, inputs)
+            rows = await call()
             latencies_s.append(time.perf_counter() - started)
+            return rows
         finally:
             semaphore.release()
 
     cpu_before = _cpu_s()
     started = time.perf_counter()
     tasks = []
-    for index, inputs in enumerate(prepared):
+    for index, call in enumerate(calls):
         if args.rate:
             # Open loop at a fixed rate: request i leaves at i / rate.
             delay_s = started + index / args.rate - time.perf_counter()
             if delay_s > 0:
                 await asyncio.sleep(delay_s)
         await semaphore.acquire()
-        tasks.append(asyncio.create_task(one(inputs)))
-    await asyncio.gather(*tasks)
+        tasks.append(asyncio.create_task(timed(call)))
+    rows = sum(await asyncio.gather(*tasks))
     elapsed_s = time.perf_counter() - started
-    cpu_s = _cpu_s() - cpu_before
-    await client.close()
     report = {
-        "records": len(prepared),
+        "records": rows,
+        "requests": len(tasks),
         "seconds": elapsed_s,
         "latencies_ms": [s * 1000 for s in latencies_s],
-        "cpu_s": cpu_s,
+        "cpu_s": _cpu_s() - cpu_before,
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
     }
     sys.stdout.write(orjson.dumps(report).decode() + "\n")
@@ -210,7 +268,7 @@ def _cpu_s() -> float:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``python -m devtools.bench.loops``."""
     parser = argparse.ArgumentParser(prog="python -m devtools.bench.loops")
-    parser.add_argument("variant", choices=["sync", "naive", "kafka", "triton"])
+    parser.add_argument("variant", choices=["sync", "naive", "kafka", "triton", "triton_batched"])
     parser.add_argument("--bootstrap", default="localhost:9092")
     parser.add_argument("--triton", default="localhost:8001")
     parser.add_argument("--input", default="")
@@ -221,8 +279,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=11)
     parser.add_argument("--concurrency", type=int, default=128)
     parser.add_argument("--rate", type=float, default=0.0, help="requests/s (0: saturate)")
+    parser.add_argument("--streams", type=int, default=4, help="triton_batched: gRPC streams")
+    parser.add_argument("--batch-size", type=int, default=32, help="triton_batched: rows")
+    parser.add_argument("--batch-delay-ms", type=float, default=2.0, help="triton_batched")
     args = parser.parse_args(argv)
-    loops = {"sync": run_sync, "naive": run_naive, "kafka": run_kafka, "triton": run_triton}
+    loops = {
+        "sync": run_sync,
+        "naive": run_naive,
+        "kafka": run_kafka,
+        "triton": run_triton,
+        "triton_batched": run_triton_batched,
+    }
     from worker.app import run_async
 
     async def run() -> int:

@@ -19,6 +19,7 @@ VARIANTS = {
     "worker": "(c) worker, defaults",
     "worker_tuned": "(d) worker, tuned",
     "triton": "(e) ceiling 1: Triton alone",
+    "triton_batched": "(e') ceiling 1: Triton alone, batched",
     "kafka": "(f) ceiling 2: Kafka alone",
 }
 
@@ -48,6 +49,56 @@ class LoadPoint:
     offered_per_s: float
     achieved_per_s: float
     latency_ms: dict[str, float]
+
+
+#: Variants that can be fed at a fixed rate: measured side by side at one common rate.
+COMMON_RATE_KEYS = ("worker", "worker_tuned", "triton", "triton_batched", "kafka")
+#: What the tuned worker is held to: the slower of these two (same client path, same rows).
+CEILING_KEYS = ("kafka", "triton_batched")
+
+
+@dataclass(frozen=True, slots=True)
+class CommonRate:
+    """Every fixed-rate variant fed the same offered rate, and the sum of the parts' p99."""
+
+    offered_per_s: float
+    #: How the rate was chosen: given, or half the slowest variant's peak.
+    chosen_as: str
+    points: dict[str, LoadPoint]
+    #: Kafka alone p99 + Triton alone p99 (batched, unbatched), where both were measured.
+    sum_of_parts_p99_ms: dict[str, float] = field(default_factory=dict)
+
+
+def common_rate(
+    results: dict[str, VariantResult], requested: float | None
+) -> tuple[float, str] | None:
+    """The common offered rate: ``requested``, else half the slowest fixed-rate variant's peak."""
+    if requested:
+        return requested, "given (--common-rate)"
+    peaks = {k: results[k].records_per_s for k in COMMON_RATE_KEYS if k in results}
+    if not peaks:
+        return None
+    slowest = min(peaks, key=lambda k: peaks[k])
+    return peaks[slowest] / 2, f"half the slowest peak, {VARIANTS[slowest]}"
+
+
+def at_common_rate(rate: float, chosen_as: str, points: dict[str, LoadPoint]) -> CommonRate:
+    """The measurements at the common rate, with the sums of the parts' p99."""
+    sums: dict[str, float] = {}
+    if "kafka" in points:
+        for key in ("triton_batched", "triton"):
+            if key in points:
+                sums[key] = points["kafka"].latency_ms["p99"] + points[key].latency_ms["p99"]
+    return CommonRate(rate, chosen_as, points, sums)
+
+
+def ceiling(results: dict[str, VariantResult]) -> tuple[str, float] | None:
+    """The ceiling of the tuned worker: min(Kafka alone, Triton alone batched), and which binds."""
+    parts = {k: results[k].records_per_s for k in CEILING_KEYS if k in results}
+    if len(parts) < len(CEILING_KEYS):
+        return None
+    binding = min(parts, key=lambda k: parts[k])
+    return binding, parts[binding]
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +135,17 @@ def ratios(
         if ceilings and min(ceilings) > 0:
             value = rate / min(ceilings)
             out.append(Ratio(f"{label} / min(ceilings)", value, ">= 0.8", value >= 0.8))
+    tuned, bound_by = results.get("worker_tuned"), ceiling(results)
+    if tuned is not None and bound_by is not None and bound_by[1] > 0:
+        value = tuned.records_per_s / bound_by[1]
+        out.append(
+            Ratio(
+                "worker, tuned / the ceiling, min(Kafka alone, Triton alone batched)",
+                value,
+                ">= 0.8",
+                value >= 0.8,
+            )
+        )
     if triton_at_half is not None and worker_sweep:
         half = min(worker_sweep, key=lambda p: abs(p.offered_per_s - triton_at_half.offered_per_s))
         bound = 2 * triton_at_half.latency_ms["p99"] + 10
@@ -108,8 +170,10 @@ def markdown(
     sweep: Sequence[LoadPoint],
     targets: Sequence[Ratio],
     meta: dict[str, Any],
+    common: CommonRate | None = None,
 ) -> str:
-    """The results as Markdown: variants, latency against load, targets."""
+    """The results as Markdown: variants, the ceiling, latency against load and at the
+    common rate, targets."""
     lines = [
         f"model `{meta['model']}`, {meta['records']:,} records per variant "
         f"({meta['sync_records']:,} for the sync baseline), "
@@ -134,6 +198,19 @@ def markdown(
             f"| {_fmt(r.cpu_s_per_1k, 3)} | {_fmt(r.peak_rss_mib)} "
             f"| {_fmt(r.triton_cpu_s_per_1k, 3)} | {_fmt(r.kafka_cpu_s_per_1k, 3)} |"
         )
+    bound_by, tuned = ceiling(results), results.get("worker_tuned")
+    if bound_by is not None:
+        parts = " and ".join(
+            f"{VARIANTS[k].split(': ', 1)[1]} {results[k].records_per_s:,.0f}/s"
+            for k in CEILING_KEYS
+        )
+        line = f"The ceiling: min({parts}) = {bound_by[1]:,.0f} rows/s"
+        if tuned is not None and bound_by[1] > 0:
+            line += (
+                f"; the tuned worker {tuned.records_per_s:,.0f}/s is "
+                f"{tuned.records_per_s / bound_by[1]:.2f} of it"
+            )
+        lines += ["", line + "."]
     if sweep:
         lines += [
             "",
@@ -147,6 +224,8 @@ def markdown(
                 f"| {p.offered_per_s:,.0f} | {p.achieved_per_s:,.0f} | {p.latency_ms['p50']:.1f} "
                 f"| {p.latency_ms['p95']:.1f} | {p.latency_ms['p99']:.1f} |"
             )
+    if common is not None:
+        lines += common_markdown(common)
     lines += ["", "| target | measured | bound | |", "| --- | ---: | --- | --- |"]
     for t in targets:
         lines.append(
@@ -155,8 +234,49 @@ def markdown(
     return "\n".join(lines) + "\n"
 
 
+def common_rows(common: CommonRate) -> list[tuple[str, str, str, str, str, str]]:
+    """The common-rate table's rows: each variant, then the sums of the parts' p99."""
+    rows = []
+    for key, name in VARIANTS.items():
+        point = common.points.get(key)
+        if point is not None:
+            q = point.latency_ms
+            rows.append(
+                (
+                    name,
+                    f"{point.offered_per_s:,.0f}",
+                    f"{point.achieved_per_s:,.0f}",
+                    f"{q['p50']:.1f}",
+                    f"{q['p95']:.1f}",
+                    f"{q['p99']:.1f}",
+                )
+            )
+    for key, total in common.sum_of_parts_p99_ms.items():
+        label = f"sum of parts: Kafka alone p99 + {VARIANTS[key].split(': ', 1)[1]} p99"
+        rows.append((label, "-", "-", "-", "-", f"{total:.1f}"))
+    return rows
+
+
+def common_markdown(common: CommonRate) -> list[str]:
+    """Latency of every fixed-rate variant at the one common offered rate."""
+    lines = [
+        "",
+        f"Latency at one common offered rate, {common.offered_per_s:,.0f}/s "
+        f"({common.chosen_as}); end to end for the Kafka variants, per request at the "
+        "client for Triton alone:",
+        "",
+        "| variant | offered/s | achieved/s | p50 ms | p95 ms | p99 ms |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    lines += ["| " + " | ".join(row) + " |" for row in common_rows(common)]
+    return lines
+
+
 def print_tables(
-    console: Console, results: dict[str, VariantResult], targets: Sequence[Ratio]
+    console: Console,
+    results: dict[str, VariantResult],
+    targets: Sequence[Ratio],
+    common: CommonRate | None = None,
 ) -> None:
     """The results and the targets as rich tables."""
     table = Table(title="benchmark")
@@ -176,6 +296,13 @@ def print_tables(
             _fmt(r.peak_rss_mib),
         )
     console.print(table)
+    if common is not None:
+        at = Table(title=f"at a common offered rate, {common.offered_per_s:,.0f}/s")
+        for column in ("variant", "offered/s", "achieved/s", "p50 ms", "p95 ms", "p99 ms"):
+            at.add_column(column, justify="left" if column == "variant" else "right")
+        for row in common_rows(common):
+            at.add_row(*row)
+        console.print(at)
     verdicts = Table(title="targets")
     for column in ("target", "measured", "bound", "verdict"):
         verdicts.add_column(column)
@@ -201,8 +328,10 @@ def plot(
     results: dict[str, VariantResult],
     sweep: Sequence[LoadPoint],
     backlog: Any = None,
+    common: CommonRate | None = None,
 ) -> bool:
-    """Throughput per variant, the tuned worker's latency against load, RSS draining a backlog."""
+    """Throughput per variant, the tuned worker's latency against load, p99 at the common
+    rate, RSS draining a backlog."""
     try:
         import matplotlib
 
@@ -210,7 +339,8 @@ def plot(
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    panels = 3 if backlog is not None and backlog.samples else 2
+    with_backlog = backlog is not None and bool(backlog.samples)
+    panels = 2 + (common is not None) + with_backlog
     fig, axes = plt.subplots(1, panels, figsize=(6.5 * panels, 4.8))
     bars, lines = axes[0], axes[1]
     keys = [k for k in VARIANTS if k in results]
@@ -227,8 +357,23 @@ def plot(
     lines.set_xlabel("offered load, records/s")
     lines.set_ylabel("end-to-end latency, ms")
     lines.set_title("tuned worker: latency against offered load")
-    if panels == 3:
-        memory = axes[2]
+    if common is not None:
+        at = axes[2]
+        named = [
+            (name, common.points[k].latency_ms["p99"])
+            for k, name in VARIANTS.items()
+            if k in common.points
+        ]
+        named += [
+            (f"sum: Kafka + {VARIANTS[k].split(': ', 1)[1]}", total)
+            for k, total in common.sum_of_parts_p99_ms.items()
+        ]
+        at.barh([n for n, _ in named], [v for _, v in named])
+        at.invert_yaxis()
+        at.set_xlabel("p99 latency, ms")
+        at.set_title(f"p99, all fed {common.offered_per_s:,.0f}/s")
+    if with_backlog:
+        memory = axes[-1]
         memory.plot([s[1] for s in backlog.samples], [s[2] for s in backlog.samples], marker=".")
         memory.set_ylim(bottom=0)
         memory.set_xlabel("results published")

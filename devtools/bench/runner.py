@@ -77,23 +77,7 @@ class Runner:
     ) -> VariantResult:
         """Start the variant's process, warm it up, send the burst, measure, stop it."""
         bootstrap = self.servers.bootstrap
-        topic_in, topic_out, topic_dlq, group = self.topics(key)
-        await create_topics(bootstrap, [topic_in], self.args.partitions)
-        await create_topics(bootstrap, [topic_out, topic_dlq], self.args.partitions)
-        env = {
-            "WORKER_BOOTSTRAP_SERVERS": bootstrap,
-            "WORKER_TRITON_URL": self.servers.triton,
-            "WORKER_INPUT_TOPICS": topic_in,
-            "WORKER_OUTPUT_TOPIC": topic_out,
-            "WORKER_DLQ_TOPIC": topic_dlq,
-            "WORKER_GROUP_ID": group,
-            "WORKER_METRICS_PORT": "0",
-            "WORKER_LOG_FORMAT": "json",
-            "WORKER_LOG_LEVEL": "warning",
-            **{f"WORKER_{k}": v for k, v in settings.items()},
-        }
-        if not command[-1] == "run":
-            command = [*command, "--input", topic_in, "--output", topic_out, "--group", group]
+        topic_in, topic_out, command, env = await self._prepare(key, command, settings)
         burst = self.payloads[:count]
         # The backlog is written before the variant starts, so that producing it
         # takes no CPU from the variant while it is measured.
@@ -157,6 +141,60 @@ class Runner:
             await collector.stop()
             await _stop(child)
 
+    async def _prepare(
+        self, key: str, command: list[str], settings: Mapping[str, str]
+    ) -> tuple[str, str, list[str], dict[str, str]]:
+        """Fresh topics for ``key``; the input and output topic, the argv and env to run."""
+        bootstrap = self.servers.bootstrap
+        topic_in, topic_out, topic_dlq, group = self.topics(key)
+        await create_topics(bootstrap, [topic_in], self.args.partitions)
+        await create_topics(bootstrap, [topic_out, topic_dlq], self.args.partitions)
+        env = {
+            "WORKER_BOOTSTRAP_SERVERS": bootstrap,
+            "WORKER_TRITON_URL": self.servers.triton,
+            "WORKER_INPUT_TOPICS": topic_in,
+            "WORKER_OUTPUT_TOPIC": topic_out,
+            "WORKER_DLQ_TOPIC": topic_dlq,
+            "WORKER_GROUP_ID": group,
+            "WORKER_METRICS_PORT": "0",
+            "WORKER_LOG_FORMAT": "json",
+            "WORKER_LOG_LEVEL": "warning",
+            **{f"WORKER_{k}": v for k, v in settings.items()},
+        }
+        if not command[-1] == "run":
+            command = [*command, "--input", topic_in, "--output", topic_out, "--group", group]
+        return topic_in, topic_out, command, env
+
+    async def kafka_at(
+        self,
+        key: str,
+        command: list[str],
+        settings: dict[str, str],
+        rate: float,
+        progress: Progress,
+    ) -> LoadPoint:
+        """A Kafka variant on fresh topics, warmed up, then fed ``rate`` records/s."""
+        topic_in, topic_out, command, env = await self._prepare(f"{key}-common", command, settings)
+        collector = Collector(self.servers.bootstrap, topic_out)
+        await collector.start()
+        child = _spawn(command, env, self.out / f"{key}-common.log")
+        try:
+            # Warm-up: a few requests answered end to end before the clock matters.
+            warm = loops.samples_for(self.args.model, 50, seed=7)
+            producer = Producer(self.servers.bootstrap)
+            await producer.start()
+            try:
+                await producer.send(topic_in, warm)
+            finally:
+                await producer.stop()
+            answered = await collector.gather([r.request_id.encode() for r in warm], timeout_s=90)
+            if len(answered.result_ms) < len(warm):
+                raise RuntimeError(f"{key} did not answer its warm-up (see {key}-common.log)")
+            return await self._load_point(topic_in, collector, rate, progress, 2.0)
+        finally:
+            await collector.stop()
+            await _stop(child)
+
     @staticmethod
     def _per_1k(seconds: float, records: int, pid: object) -> float | None:
         return seconds / records * 1000 if pid else None
@@ -188,18 +226,24 @@ class Runner:
             percentiles_ms(collected.latencies_ms(producer.sent_ms)),
         )
 
-    async def triton(self, name: str, progress: Progress) -> VariantResult:
-        """Ceiling 1: the same payloads straight to Triton at saturation, then at half of it."""
+    async def triton(
+        self, name: str, progress: Progress, tuned: Mapping[str, str] | None = None
+    ) -> VariantResult:
+        """Ceiling 1: the same payloads straight to Triton at saturation, then at half of it.
+
+        ``tuned`` given: through the worker's own client path with those settings
+        (``triton_batched``), else unary infers, 64 concurrent (``triton``).
+        """
         task = progress.add_task(name, total=self.args.records)
         before = self.servers.server_cpu_s()
-        measured = await self._triton_child(self.args.records, concurrency=64, rate=0.0)
+        measured = await self._triton_child(self.args.records, 0.0, tuned)
         after = self.servers.server_cpu_s()
         progress.update(task, completed=self.args.records)
         records = int(measured["records"])
         peak = records / float(measured["seconds"])
-        half = await self.triton_at(peak / 2, progress)
+        half = await self.triton_at(peak / 2, progress, tuned)
         return VariantResult(
-            variant="triton",
+            variant="triton" if tuned is None else "triton_batched",
             records=records,
             records_per_s=peak,
             latency_ms=half.latency_ms,
@@ -209,15 +253,18 @@ class Runner:
             triton_cpu_s_per_1k=self._per_1k(
                 after[0] - before[0], records, self.servers.triton_pid
             ),
-            settings={"concurrency": "64", "call": "unary infer"},
+            settings=_client_settings(tuned),
             latency_at_per_s=peak / 2,
         )
 
-    async def triton_at(self, rate: float, progress: Progress) -> LoadPoint:
-        """Triton alone at a fixed rate: the reference for the latency target."""
+    async def triton_at(
+        self, rate: float, progress: Progress, tuned: Mapping[str, str] | None = None
+    ) -> LoadPoint:
+        """Triton alone at a fixed rate (batched with ``tuned``): latency references."""
         count = max(20, int(rate * self.args.sweep_s))
-        task = progress.add_task(f"  Triton alone {rate:,.0f}/s", total=count)
-        measured = await self._triton_child(count, concurrency=4096, rate=rate)
+        label = "Triton alone" if tuned is None else "Triton alone, batched"
+        task = progress.add_task(f"  {label} {rate:,.0f}/s", total=count)
+        measured = await self._triton_child(count, rate, tuned)
         progress.remove_task(task)
         return LoadPoint(
             rate,
@@ -225,12 +272,24 @@ class Runner:
             percentiles_ms(measured["latencies_ms"]),
         )
 
-    async def _triton_child(self, records: int, concurrency: int, rate: float) -> dict[str, Any]:
+    async def _triton_child(
+        self, records: int, rate: float, tuned: Mapping[str, str] | None
+    ) -> dict[str, Any]:
         argv = [
-            sys.executable, "-m", "devtools.bench.loops", "triton",
+            sys.executable, "-m", "devtools.bench.loops",
+            "triton" if tuned is None else "triton_batched",
             "--triton", self.servers.triton, "--model", self.args.model,
-            "--records", str(records), "--concurrency", str(concurrency), "--rate", str(rate),
+            "--records", str(records), "--rate", str(rate),
         ]  # fmt: skip
+        if tuned is None:
+            # Unary calls: 64 at saturation; open loop (no bound that matters) at a rate.
+            argv += ["--concurrency", "4096" if rate else "64"]
+        else:
+            client = _client_settings(tuned)
+            argv += [
+                "--concurrency", client["in flight"], "--streams", client["streams"],
+                "--batch-size", client["batch"], "--batch-delay-ms", client["batch delay ms"],
+            ]  # fmt: skip
         process = await asyncio.create_subprocess_exec(
             *argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
         )
@@ -239,6 +298,19 @@ class Runner:
             raise RuntimeError(f"the Triton-alone run failed:\n{stderr.decode()[-2000:]}")
         measured: dict[str, Any] = orjson.loads(stdout.splitlines()[-1])
         return measured
+
+
+def _client_settings(tuned: Mapping[str, str] | None) -> dict[str, str]:
+    """The Triton-alone client's settings: unary, or the tuned worker's client path."""
+    if tuned is None:
+        return {"concurrency": "64", "call": "unary infer"}
+    return {
+        "call": "stream pool + micro-batcher",
+        "in flight": tuned.get("MAX_IN_FLIGHT", "512"),
+        "streams": tuned.get("TRITON_STREAMS", "4"),
+        "batch": tuned.get("BATCH_MAX_SIZE", "32"),
+        "batch delay ms": tuned.get("BATCH_DELAY_MS", "2"),
+    }
 
 
 def _spawn(command: list[str], env: Mapping[str, str], log_path: Path) -> subprocess.Popen[bytes]:

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.timeout(300)
 
 
 def test_smoke_run_reports_every_variant(kafka: Any, triton: Any, tmp_path: Path) -> None:
-    """`bench --smoke` against the session's servers writes a JSON with all six variants."""
+    """`bench --smoke` on the session's servers: every variant, the ceiling, the common rate."""
     done = subprocess.run(
         [
             sys.executable,
@@ -43,7 +43,28 @@ def test_smoke_run_reports_every_variant(kafka: Any, triton: Any, tmp_path: Path
     assert set(report["variants"]) == set(VARIANT_KEYS)
     for name, variant in report["variants"].items():
         assert variant["records_per_s"] > 0, name
-    assert (tmp_path / "bench.md").exists()
+    triton_batched = report["variants"]["triton_batched"]
+    assert triton_batched["records"] == 300  # rows, one per request of the burst
+    assert triton_batched["settings"]["batch"] == "32"
+    assert triton_batched["settings"]["in flight"] == "512"
+    ceiling = min(report["variants"][k]["records_per_s"] for k in ("kafka", "triton_batched"))
+    assert report["ceiling"][1] == ceiling
+    target = next(t for t in report["targets"] if "/ the ceiling" in t["name"])
+    assert target["value"] == report["variants"]["worker_tuned"]["records_per_s"] / ceiling
+    common = report["at_common_rate"]
+    assert set(common["points"]) == {"worker", "worker_tuned", "triton", "triton_batched", "kafka"}
+    slowest = min(report["variants"][k]["records_per_s"] for k in common["points"])
+    assert common["offered_per_s"] == slowest / 2
+    for name, point in common["points"].items():
+        assert point["offered_per_s"] == common["offered_per_s"], name
+        assert point["achieved_per_s"] > 0 and point["latency_ms"]["p99"] > 0, name
+    kafka_p99 = common["points"]["kafka"]["latency_ms"]["p99"]
+    for key in ("triton", "triton_batched"):
+        expected = kafka_p99 + common["points"][key]["latency_ms"]["p99"]
+        assert common["sum_of_parts_p99_ms"][key] == expected
+    markdown = (tmp_path / "bench.md").read_text()
+    assert "Latency at one common offered rate" in markdown
+    assert "sum of parts: Kafka alone p99 + Triton alone, batched p99" in markdown
 
 
 def test_decoupled_variant_reports_responses_and_first_response_times(

@@ -1,0 +1,107 @@
+"""The benchmark's report: the ceiling, the common offered rate and their outputs, on figures."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from devtools.bench import report
+from devtools.bench.report import LoadPoint, VariantResult
+
+
+def _result(key: str, per_s: float) -> VariantResult:
+    return VariantResult(
+        variant=key,
+        records=1000,
+        records_per_s=per_s,
+        latency_ms={"p50": 1.0, "p95": 2.0, "p99": 3.0},
+        cpu_s_per_1k=0.1,
+        peak_rss_mib=80.0,
+        cpu_of="variant process",
+    )
+
+
+def _point(rate: float, p99: float) -> LoadPoint:
+    return LoadPoint(rate, rate, {"p50": p99 / 2, "p95": p99 * 0.9, "p99": p99})
+
+
+RESULTS = {
+    "sync": _result("sync", 300.0),
+    "worker": _result("worker", 5000.0),
+    "worker_tuned": _result("worker_tuned", 6000.0),
+    "triton": _result("triton", 9000.0),
+    "triton_batched": _result("triton_batched", 20000.0),
+    "kafka": _result("kafka", 12000.0),
+}
+
+
+def test_common_rate_is_half_the_slowest_fixed_rate_peak_unless_given() -> None:
+    """Half the defaults worker's 5,000/s (sync is not fed a rate); a given rate wins."""
+    rate, how = report.common_rate(RESULTS, None) or (0.0, "")
+    assert rate == 2500.0
+    assert report.VARIANTS["worker"] in how
+    assert report.common_rate(RESULTS, 700.0) == (700.0, "given (--common-rate)")
+    assert report.common_rate({"sync": RESULTS["sync"]}, None) is None
+
+
+def test_sum_of_parts_adds_kafka_alone_and_each_triton_alone_p99() -> None:
+    """Kafka alone p99 40 + Triton alone p99 5 (unbatched) or 7 (batched)."""
+    points = {
+        "worker_tuned": _point(1000, 30.0),
+        "triton": _point(1000, 5.0),
+        "triton_batched": _point(1000, 7.0),
+        "kafka": _point(1000, 40.0),
+    }
+    common = report.at_common_rate(1000.0, "given", points)
+    assert common.sum_of_parts_p99_ms == {"triton_batched": 47.0, "triton": 45.0}
+    without_kafka = report.at_common_rate(1000.0, "given", {"triton": _point(1000, 5.0)})
+    assert without_kafka.sum_of_parts_p99_ms == {}
+
+
+def test_the_ceiling_is_the_slower_of_kafka_alone_and_triton_alone_batched() -> None:
+    """Kafka alone (12,000/s) binds: tuned 6,000/s is 0.5 of it (fails), 10,000/s passes."""
+    assert report.ceiling(RESULTS) == ("kafka", 12000.0)
+    targets = {t.name: t for t in report.ratios(RESULTS, [], None)}
+    ratio = targets["worker, tuned / the ceiling, min(Kafka alone, Triton alone batched)"]
+    assert (ratio.value, ratio.passed) == (0.5, False)
+    faster = {**RESULTS, "worker_tuned": _result("worker_tuned", 10000.0)}
+    ratio = next(t for t in report.ratios(faster, [], None) if "the ceiling" in t.name)
+    assert ratio.value == 10000.0 / 12000.0 and ratio.passed
+    # The old ceiling, with Triton unbatched (9,000/s), stays as it was.
+    assert targets["worker, tuned / min(ceilings)"].value == 6000.0 / 9000.0
+    assert report.ceiling({k: v for k, v in RESULTS.items() if k != "triton_batched"}) is None
+
+
+def test_markdown_and_json_show_the_ceiling_and_the_common_rate(tmp_path: Path) -> None:
+    """The Markdown has the ceiling line and one row per variant plus the sums; the JSON too."""
+    points = {
+        k: _point(2500, p99) for k, p99 in (("worker", 50.0), ("triton", 4.0), ("kafka", 30.0))
+    }
+    common = report.at_common_rate(2500.0, "half the slowest peak", points)
+    meta = {"model": "mlp", "records": 1000, "sync_records": 100, "partitions": 4, "machine": "m"}
+    text = report.markdown(RESULTS, [], report.ratios(RESULTS, [], None), meta, common)
+    assert (
+        "The ceiling: min(Kafka alone 12,000/s and Triton alone, batched 20,000/s) "
+        "= 12,000 rows/s; the tuned worker 6,000/s is 0.50 of it." in text
+    )
+    assert "Latency at one common offered rate, 2,500/s (half the slowest peak)" in text
+    assert "| (c) worker, defaults | 2,500 | 2,500 | 25.0 | 45.0 | 50.0 |" in text
+    assert "| sum of parts: Kafka alone p99 + Triton alone p99 | - | - | - | - | 34.0 |" in text
+    assert "| (e') ceiling 1: Triton alone, batched | 20,000 |" in text
+    report.write_json(tmp_path / "bench.json", {"at_common_rate": common})
+    written = json.loads((tmp_path / "bench.json").read_text())["at_common_rate"]
+    assert written["offered_per_s"] == 2500.0
+    assert written["points"]["worker"]["latency_ms"]["p99"] == 50.0
+    assert written["sum_of_parts_p99_ms"] == {"triton": 34.0}
+
+
+def test_plot_adds_a_panel_for_the_common_rate(tmp_path: Path) -> None:
+    """With the common-rate measurements the plot has three panels, so it is wider."""
+    from matplotlib import image
+
+    common = report.at_common_rate(2500.0, "given", {"kafka": _point(2500, 30.0)})
+    assert report.plot(tmp_path / "two.png", RESULTS, [])
+    assert report.plot(tmp_path / "three.png", RESULTS, [], None, common)
+    two, three = image.imread(tmp_path / "two.png"), image.imread(tmp_path / "three.png")
+    assert two.shape[0] == three.shape[0]
+    assert three.shape[1] == round(two.shape[1] * 3 / 2)
