@@ -56,6 +56,8 @@ class Worker:
             if settings.triton.triton_shm == "system"
             else None,
             shm_pool_bytes=settings.triton.shm_pool_bytes,
+            resolve_interval_s=settings.triton.triton_resolve_interval_s,
+            metrics=self.metrics,
         )
         # A dead letter carries the request as it came: up to max_request_bytes.
         largest_record = (

@@ -39,7 +39,7 @@ class MetricSpec:
 
 
 #: Every metric the worker exports. Labels take values from bounded sets only:
-#: partitions assigned, models Triton served, error codes, retry reasons.
+#: partitions assigned, models Triton served, error codes, retry reasons, Triton endpoints.
 METRICS_SPEC: tuple[MetricSpec, ...] = (
     MetricSpec("records_consumed_total", "worker_records_consumed_total", "counter",
                ("topic", "partition"), "Records fetched from the input topics."),
@@ -67,6 +67,15 @@ METRICS_SPEC: tuple[MetricSpec, ...] = (
                (), "1 when Triton answers as live (started, not exiting), else 0."),
     MetricSpec("breaker_open", "worker_breaker_open", "gauge",
                (), "1 while the Triton circuit breaker is open (no new work dispatched)."),
+    MetricSpec("triton_endpoint_up", "worker_triton_endpoint_up", "gauge",
+               ("endpoint",), "1 while a Triton endpoint is in rotation (last probe live, no "
+               "request found it unreachable since), else 0."),
+    MetricSpec("triton_endpoint_in_flight", "worker_triton_endpoint_in_flight", "gauge",
+               ("endpoint",), "Requests sent to a Triton endpoint and not yet answered."),
+    MetricSpec("triton_endpoint_requests_total", "worker_triton_endpoint_requests_total",
+               "counter", ("endpoint", "outcome"), "Requests sent to a Triton endpoint, by "
+               "outcome: ok, error (an answer that is an error), unavailable (sent again "
+               "elsewhere, or an outage)."),
     MetricSpec("transactions_total", "worker_transactions_total", "counter",
                (), "Kafka transactions committed (exactly_once delivery)."),
     MetricSpec("records_skipped_total", "worker_records_skipped_total", "counter",
@@ -128,6 +137,9 @@ class Metrics:
     paused_partitions: Gauge
     triton_up: Gauge
     breaker_open: Gauge
+    triton_endpoint_up: Gauge
+    triton_endpoint_in_flight: Gauge
+    triton_endpoint_requests_total: Counter
     transactions_total: Counter
     records_skipped_total: Counter
     commit_metadata_overflows_total: Counter

@@ -37,7 +37,6 @@ from worker.settings.fields import (
 from worker.settings.parsers import (
     MIB,
     allowlist,
-    host_port,
     host_ports,
     seconds,
     size,
@@ -140,9 +139,13 @@ class KafkaSettings(_Section, frozen=True, kw_only=True):
 class TritonSettings(_Section, frozen=True, kw_only=True):
     """The Triton endpoint and its streams."""
 
-    triton_url: Annotated[str, host_port(), Doc("Triton gRPC endpoint.")] = "localhost:8001"
+    triton_url: Annotated[str, host_ports(), Doc(
+        "Triton gRPC endpoints, comma-separated; a name resolving to several addresses (a "
+        "headless Service) is one endpoint per address.")] = "localhost:8001"
+    triton_resolve_interval_s: Annotated[float, seconds, Doc(
+        "How often the names of WORKER_TRITON_URL are resolved again.")] = 30.0
     triton_streams: Annotated[int, Meta(ge=1, le=64), Doc(
-        "Number of stream_infer streams to Triton.")] = 2
+        "Number of stream_infer streams to each Triton endpoint.")] = 2
     request_timeout_ms: Annotated[int, Meta(ge=1), Doc(
         "Client-side deadline of one try on a Triton stream (for a decoupled model: of "
         "its first response).")] = 30_000

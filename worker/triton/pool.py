@@ -1,65 +1,48 @@
-"""A pool of Triton ``ModelStreamInfer`` streams, with id correlation and deadlines.
+"""The worker's Triton: one or several endpoints behind one pool of streams.
 
-Each stream is the bidirectional gRPC call that
-``tritonclient.grpc.aio.InferenceServerClient.stream_infer`` opens. The worker
-feeds it ready-made ``ModelInferRequest`` messages (the codec builds them
-straight from the Kafka value) instead of dicts of ``InferInput``, which would
-force a numpy copy of every tensor.
+Behind a Kubernetes Service, long-lived gRPC streams all land on one pod. So the
+worker talks to each endpoint itself (worker/triton/endpoints.py: targets, resolution,
+health, choice), with a ``ServerPool`` of streams each (worker/triton/server.py),
+and sends every request to the up endpoint with the fewest outstanding ones. A
+request whose endpoint turns out unreachable (its stream broke, the server died) is
+sent again at once to another up endpoint, within the same try: only when no endpoint
+can take it does the caller see the outage (and the worker-wide breaker count it).
 
-A stream stays open until every response it owes has arrived, then is
-cancelled, never half-closed: tritonserver 2.51 can crash when a client
-half-closes a stream, even an idle one.
+A model's metadata and configuration must agree across endpoints: the spec most
+endpoints report is the model's; an endpoint reporting another is logged and not
+used for that model.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
-import itertools
 import time
-import zlib
-from collections.abc import Awaitable, Mapping
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from typing import Any
 
-import grpc  # type: ignore[import-untyped, unused-ignore]
 import structlog
-from tritonclient.grpc import InferenceServerException, service_pb2
-from tritonclient.grpc.aio import InferenceServerClient
+from tritonclient.grpc import service_pb2
 
 from worker import errors
-from worker.flow.retry import Backoff
-from worker.triton import errors as triton_errors
-from worker.triton._compat import channel_args, grpc_stub
+from worker.observability.metrics import Metrics
 from worker.triton.auth import TritonAuth
-from worker.triton.decoupled import ENABLE_EMPTY_FINAL, ResponseStream
-from worker.triton.shm import ShmPool
-from worker.triton.stream import Stream
+from worker.triton.decoupled import ResponseStream
+from worker.triton.endpoints import Endpoint, EndpointSet, Resolver, Target, parse_targets
+from worker.triton.endpoints import system_resolver as _system_resolver
+from worker.triton.server import ServerPool
 from worker.wire.validation import ModelSpec
+
+__all__ = ["TritonPool"]
 
 log = structlog.get_logger(__name__)
 
-#: Waits before re-opening a broken stream, so a down server is not hammered.
-_REOPEN = Backoff(first_s=0.1, max_s=5.0)
-#: How long a negative model lookup (unknown model) is remembered.
-_NEGATIVE_CACHE_S = 5.0
-#: A stream whose oldest request waits longer than this is avoided for new requests.
-_STUCK_AFTER_S = 0.25
-#: How long one read of the repository index answers for (a burst of failures asks once).
-_INDEX_CACHE_S = 1.0
-#: Repository states of a model that Triton is expected to serve (again) soon.
-_SERVABLE_STATES = frozenset({"READY", "LOADING", "UNLOADING", "UNAVAILABLE"})
-
-
-@dataclass(frozen=True, slots=True)
-class _CachedSpec:
-    spec: ModelSpec | None
-    error: errors.WorkerError | None
-    expires_at: float
+_Endpoint = Endpoint[ServerPool]
 
 
 class TritonPool:
-    """``streams`` concurrent inference streams to one Triton server, re-opened when they break."""
+    """The Triton endpoints of ``url`` (comma-separated ``host:port``), ``streams`` each."""
 
     def __init__(
         self,
@@ -70,313 +53,299 @@ class TritonPool:
         auth: TritonAuth | None = None,
         shm_min_bytes: int | None = None,
         shm_pool_bytes: int = 0,
+        resolve_interval_s: float = 30.0,
+        resolver: Resolver | None = None,
+        metrics: Metrics | None = None,
     ) -> None:
-        """``shm_min_bytes`` set: inputs that large go through system shared memory."""
+        """``shm_min_bytes`` set: inputs that large go through system shared memory
+        (regions registered with each endpoint, ``shm_pool_bytes`` each)."""
         self.url = url
+        self._streams = streams
         self._client_kwargs = dict(client_kwargs or {})
-        self._auth = auth
-        self._size = streams
-        self._client: InferenceServerClient | None = None
-        self._streams: list[Stream] = []
-        self._tasks: list[asyncio.Task[None]] = []
-        self._ids = itertools.count(1)
-        self._specs: dict[tuple[str, str], _CachedSpec] = {}
+        self._server_kwargs: dict[str, Any] = {
+            "client_kwargs": self._client_kwargs,
+            "auth": auth,
+            "shm_min_bytes": shm_min_bytes,
+            "shm_pool_bytes": shm_pool_bytes,
+        }
+        self._resolve_interval_s = resolve_interval_s
+        self._metrics = metrics
+        self.endpoints: EndpointSet[ServerPool] = EndpointSet(
+            parse_targets(url), self._make, resolver or _system_resolver
+        )
+        self._specs: dict[tuple[str, str], ModelSpec] = {}
         self._spec_locks: dict[tuple[str, str], asyncio.Lock] = {}
         self._closing = False
-        self._reopen_failures = 0
-        self._wake = asyncio.Event()
-        self._shm_min_bytes = shm_min_bytes
-        self._shm_pool_bytes = shm_pool_bytes
-        self.shm: ShmPool | None = None
-        self._index: tuple[float, set[tuple[str, str]]] | None = None
-        self._index_lock = asyncio.Lock()
+        self._started = False
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def _make(self, address: str, target: Target) -> ServerPool:
+        extra: tuple[tuple[str, Any], ...] = ()
+        if self._client_kwargs.get("ssl") and address != str(target):
+            # Dialled by address: the certificate names the host of the target.
+            extra = (("grpc.ssl_target_name_override", target.host),)
+        return ServerPool(address, self._streams, extra_channel_args=extra, **self._server_kwargs)
 
     async def start(self) -> None:
-        """Create the channel and open the streams (no server round trip needed)."""
-        self._client = InferenceServerClient(
-            self.url, channel_args=channel_args(), **self._client_kwargs
-        )
-        if self._shm_min_bytes is not None:
-            self.shm = ShmPool(
-                self._client,
-                min_bytes=self._shm_min_bytes,
-                pool_bytes=self._shm_pool_bytes,
-                headers=self._headers,
-            )
-        for index in range(self._size):
-            self._open(index)
+        """Resolve the targets and open every endpoint's streams (no server round trip)."""
+        await self._apply(*await self.endpoints.refresh())
+        self._started = True
+        if self.endpoints.resolvable:
+            self._spawn(self._resolve_loop(), "triton-resolve")
 
-    def _open(self, index: int) -> None:
-        assert self._client is not None
-        stream = Stream(grpc_stub(self._client), index, self._headers())
-        task = asyncio.get_running_loop().create_task(
-            self._supervise(stream), name=f"triton-stream-{index}"
-        )
-        if index < len(self._streams):
-            self._streams[index], self._tasks[index] = stream, task
-        else:
-            self._streams.append(stream)
-            self._tasks.append(task)
+    def _spawn(self, work: Coroutine[Any, Any, None], name: str) -> None:
+        task = asyncio.get_running_loop().create_task(work, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
-    async def _supervise(self, stream: Stream) -> None:
-        await stream.run()
-        if self._closing:
-            return
-        log.warning("triton_stream_broken", stream=stream.index, error=str(stream.broken))
-        if self.shm is not None:
-            self.shm.invalidate()  # a restarted Triton has forgotten the regions
-        # Back off before re-opening, so a down server is not hammered; the other
-        # streams keep serving meanwhile.
-        with contextlib.suppress(TimeoutError):
-            self._reopen_failures += 1
-            await asyncio.wait_for(self._wake.wait(), _REOPEN.delay_s(self._reopen_failures))
+    async def _resolve_loop(self) -> None:
+        while not self._closing:
+            await asyncio.sleep(self._resolve_interval_s)
+            await self.refresh()
+
+    async def refresh(self) -> None:
+        """Resolve the targets again now: new addresses are opened, vanished ones drained."""
         if not self._closing:
-            self._open(stream.index)
+            await self._apply(*await self.endpoints.refresh())
+
+    async def _apply(self, added: list[_Endpoint], removed: list[_Endpoint]) -> None:
+        for endpoint in added:
+            await endpoint.pool.start()
+            self._observe(endpoint)
+        for endpoint in removed:
+            # Out of rotation already; what it owes is answered before it closes.
+            self._spawn(endpoint.pool.close(drain_timeout_s=10.0), "triton-endpoint-close")
+            if self._metrics is not None:
+                gauges = (self._metrics.triton_endpoint_up, self._metrics.triton_endpoint_in_flight)
+                for gauge in gauges:
+                    with contextlib.suppress(KeyError):
+                        gauge.remove(endpoint.address)
+
+    def _observe(self, endpoint: _Endpoint, outcome: str | None = None) -> None:
+        if self._metrics is None:
+            return
+        label = endpoint.address
+        self._metrics.triton_endpoint_up.labels(label).set(1 if endpoint.up else 0)
+        self._metrics.triton_endpoint_in_flight.labels(label).set(endpoint.outstanding)
+        if outcome is not None:
+            self._metrics.triton_endpoint_requests_total.labels(label, outcome).inc()
+
+    def _down(self, endpoint: _Endpoint, error: errors.WorkerError) -> None:
+        if endpoint.mark_down(str(error)):
+            self._observe(endpoint)
 
     def wake(self) -> None:
         """Re-open broken streams now (Triton is back), not after their backoff."""
-        self._reopen_failures = 0
-        self._wake.set()
-        self._wake = asyncio.Event()
+        for endpoint in self.endpoints:
+            endpoint.pool.wake()
 
-    def _headers(self) -> dict[str, str]:
-        """Per-call gRPC metadata (authentication), read afresh for each call or stream."""
-        return dict(self._auth.headers()) if self._auth is not None else {}
-
-    def _pick(self, request: service_pb2.ModelInferRequest, decoupled: bool = False) -> Stream:
-        """The least-loaded live stream of its group, avoiding streams stuck behind a slow
-        request.
-
-        Triton answers a stream in request order, so a request queued behind a
-        slow one waits for it; streams whose oldest request is older than
-        ``_STUCK_AFTER_S`` are used only when every stream is. Decoupled requests
-        have streams of their own (see ``infer_stream``); one of a sequence
-        (``sequence_id``) goes on the stream its id names while that one is live,
-        so one sequence's requests all travel on one stream.
-        """
-        group = self._streams[self._size :] if decoupled else self._streams[: self._size]
-        if decoupled and "sequence_id" in request.parameters:
-            named = request.parameters["sequence_id"].SerializeToString()
-            pinned = group[zlib.crc32(named) % len(group)]
-            if pinned.broken is None:
-                return pinned
-        live = [s for s in group if s.broken is None] or group
-        now = time.monotonic()
-        return min(live, key=lambda s: (s.oldest_age_s(now) > _STUCK_AFTER_S, s.load()))
+    @property
+    def shm(self) -> Any:
+        """The shared-memory regions of the first endpoint (None when not in use)."""
+        first = next(iter(self.endpoints), None)
+        return first.pool.shm if first is not None else None
 
     async def infer(
         self, request: service_pb2.ModelInferRequest, timeout_s: float
     ) -> service_pb2.ModelInferResponse:
-        """Send one request on the least-loaded stream; its response, or a WorkerError.
+        """Send one request to the least-loaded endpoint; its response, or a WorkerError.
 
-        The request's ``id`` is replaced by a correlation id unique to this pool. A
-        request of a sequence (``sequence_id``) goes as a unary call instead: Triton
-        answers a stream's requests to ordinary models in order, and one waiting for a
-        free sequence slot would hold back every response behind it, including those
-        of the sequences that would free the slot.
+        An endpoint found unreachable is marked down and the request goes to the
+        next up one within ``timeout_s``; a request of a sequence (``sequence_id``)
+        goes to the endpoint holding its sequence while that one is up.
         """
         if self._closing:
             raise errors.TritonUnavailable("the worker is shutting down")
-        if len(request.parameters) and "sequence_id" in request.parameters:
-            return await self._infer_unary(request, timeout_s)
-        stream = self._pick(request)
-        if stream.broken is not None:
-            raise stream.broken
-        correlation = str(next(self._ids))
-        request.id = correlation
-        lease = None
-        if self.shm is not None:
-            request, lease = await self.shm.place(request)
-        future = stream.submit(request)
-        answered = False
-        try:
-            response = await asyncio.wait_for(future, timeout_s)
-            answered = True
-        except TimeoutError:
-            stream.forget(correlation)
-            raise errors.TritonTimeout(
-                f"no response from Triton within {timeout_s * 1000:.0f} ms"
-            ) from None
-        except asyncio.CancelledError:
-            stream.forget(correlation)
-            raise
-        except errors.WorkerError:
-            answered = stream.broken is None  # an error response: Triton is done with it
-            raise
-        finally:
-            if lease is not None:
-                assert self.shm is not None
-                self.shm.release(lease, reusable=answered)
-        self._reopen_failures = 0
-        return response
-
-    async def _infer_unary(
-        self, request: service_pb2.ModelInferRequest, timeout_s: float
-    ) -> service_pb2.ModelInferResponse:
-        assert self._client is not None
-        call = grpc_stub(self._client).ModelInfer
-        try:
-            response: service_pb2.ModelInferResponse = await call(
-                request, timeout=timeout_s, metadata=tuple(self._headers().items()) or None
-            )
-        except grpc.aio.AioRpcError as exc:
-            raise triton_errors.from_grpc(exc.code(), exc.details() or "") from None
-        self._reopen_failures = 0
-        return response
+        model = (request.model_name, request.model_version)
+        sticky = _sequence_of(request)
+        deadline = time.monotonic() + timeout_s
+        tried: list[str] = []
+        last: errors.WorkerError | None = None
+        while (endpoint := self.endpoints.choose(model, avoid=tried, sticky=sticky)) is not None:
+            tried.append(endpoint.address)
+            if not await self._agrees(endpoint, model):
+                continue
+            endpoint.outstanding += 1
+            self._observe(endpoint)
+            outcome = "error"
+            try:
+                remaining_s = max(0.001, deadline - time.monotonic())
+                response = await endpoint.pool.infer(request, remaining_s)
+                outcome = "ok"
+                return response
+            except errors.TritonUnavailable as exc:
+                outcome, last = "unavailable", exc
+                self._down(endpoint, exc)
+                if self._closing or deadline - time.monotonic() <= 0:
+                    raise
+            finally:
+                endpoint.outstanding -= 1
+                self._observe(endpoint, outcome)
+        raise last or errors.TritonUnavailable(f"no Triton endpoint can serve model {model[0]!r}")
 
     def infer_stream(self, request: service_pb2.ModelInferRequest) -> ResponseStream:
-        """Send a decoupled model's request; read its responses from the returned
-        ResponseStream (and close it when done with them).
-
-        Decoupled requests travel on streams of their own, as many as the ordinary
-        ones, opened with the first of them: tritonserver 2.51 aborts (a gRPC
-        assertion, ``!byte_buffer->Valid()``) when one stream carries decoupled and
-        ordinary requests under load, while streams of either kind alone held.
-        The ``id`` is replaced by a correlation id, and the request asks Triton to
-        mark its last response (``triton_enable_empty_final_response``). Tensors go
-        as gRPC bytes, never through shared memory: a region would be held for the
-        whole stream.
-        """
+        """Send a decoupled model's request to the least-loaded endpoint (see ServerPool)."""
         if self._closing:
             raise errors.TritonUnavailable("the worker is shutting down")
-        if len(self._streams) == self._size:
-            for index in range(self._size, 2 * self._size):
-                self._open(index)
-        stream = self._pick(request, decoupled=True)
-        if stream.broken is not None:
-            raise stream.broken
-        request.id = str(next(self._ids))
-        request.parameters[ENABLE_EMPTY_FINAL].bool_param = True
-        return stream.submit_stream(request)
+        model = (request.model_name, request.model_version)
+        tried: list[str] = []
+        last: errors.WorkerError | None = None
+        while True:
+            endpoint = self.endpoints.choose(
+                model,
+                avoid=tried,
+                sticky=_sequence_of(request),
+                load=lambda e: e.pool.in_flight(),
+            )
+            if endpoint is None:
+                raise last or errors.TritonUnavailable(
+                    f"no Triton endpoint can serve model {model[0]!r}"
+                )
+            tried.append(endpoint.address)
+            try:
+                responses = endpoint.pool.infer_stream(request)
+            except errors.TritonUnavailable as exc:
+                last = exc
+                self._down(endpoint, exc)
+                continue
+            self._observe(endpoint, "ok")
+            return responses
+
+    # -- models ---------------------------------------------------------------------
 
     async def model_spec(self, name: str, version: str) -> ModelSpec:
-        """The model's inputs, outputs and batching, fetched once and cached."""
+        """The model's inputs, outputs and batching as the endpoints agree on them; cached.
+
+        Asked of every up endpoint at once: the spec most of them report is the
+        model's (ties: the first endpoint's), an endpoint reporting another is not
+        used for the model. Endpoints that could not answer are compared before
+        their first request of the model.
+        """
         key = (name, version)
-        cached = self._specs.get(key)
-        if cached is not None and cached.spec is not None:
-            return cached.spec
-        lock = self._spec_locks.setdefault(key, asyncio.Lock())
-        async with lock:
-            cached = self._specs.get(key)
-            now = time.monotonic()
-            if cached is not None and (cached.spec is not None or cached.expires_at > now):
-                if cached.spec is not None:
-                    return cached.spec
-                assert cached.error is not None
-                raise cached.error
-            try:
-                spec = await self._fetch_spec(name, version)
-            except errors.WorkerError as exc:
-                if not exc.retryable:
-                    self._specs[key] = _CachedSpec(None, exc, now + _NEGATIVE_CACHE_S)
-                raise
-            self._specs[key] = _CachedSpec(spec, None, float("inf"))
+        if (spec := self._specs.get(key)) is not None:
             return spec
+        async with self._spec_locks.setdefault(key, asyncio.Lock()):
+            if (spec := self._specs.get(key)) is not None:
+                return spec
+            asked = [e for e in self.endpoints if e.up] or list(self.endpoints)
+            answers = await asyncio.gather(
+                *(e.pool.model_spec(name, version) for e in asked), return_exceptions=True
+            )
+            pairs = zip(asked, answers, strict=True)
+            specs = {e.address: a for e, a in pairs if isinstance(a, ModelSpec)}
+            if not specs:
+                for endpoint, answer in zip(asked, answers, strict=True):
+                    if isinstance(answer, errors.TritonUnavailable):
+                        self._down(endpoint, answer)
+                failures = [a for a in answers if isinstance(a, BaseException)]
+                raise min(failures, key=lambda a: isinstance(a, errors.TritonUnavailable))
+            votes = collections.Counter(specs.values())
+            agreed = max(specs.values(), key=lambda s: votes[s])  # first of the most reported
+            for endpoint in asked:
+                if endpoint.address in specs:
+                    self._judge(endpoint, key, specs[endpoint.address], agreed)
+            self._specs[key] = agreed
+            return agreed
+
+    def _judge(
+        self, endpoint: _Endpoint, key: tuple[str, str], spec: ModelSpec, agreed: ModelSpec
+    ) -> bool:
+        endpoint.agrees[key] = spec == agreed
+        if spec != agreed:
+            log.error(
+                "triton_endpoint_model_mismatch",
+                endpoint=endpoint.address,
+                model=key[0],
+                version=key[1],
+                detail="its model metadata or configuration differs from the other endpoints'; "
+                "not used for this model",
+            )
+        return spec == agreed
+
+    async def _agrees(self, endpoint: _Endpoint, key: tuple[str, str]) -> bool:
+        """True when ``endpoint`` may serve ``key``: its spec matches the agreed one."""
+        agreed = self._specs.get(key)
+        if agreed is None or key in endpoint.agrees or len(self.endpoints) == 1:
+            return endpoint.serves(key)
+        try:
+            spec = await endpoint.pool.model_spec(*key)
+        except errors.TritonUnavailable as exc:
+            self._down(endpoint, exc)
+            return False
+        except errors.WorkerError:
+            return False  # not (yet) served there: try another endpoint
+        return self._judge(endpoint, key, spec, agreed)
 
     def has_spec(self, name: str, version: str) -> bool:
         """True when ``name`` at ``version`` was ready earlier in this process (spec cached)."""
-        cached = self._specs.get((name, version))
-        return cached is not None and cached.spec is not None
+        return (name, version) in self._specs
 
     def forget_model(self, name: str) -> None:
         """Drop what is cached about ``name``: after a reload its configuration may differ."""
         for key in [key for key in self._specs if key[0] == name]:
             del self._specs[key]
+        for endpoint in self.endpoints:
+            endpoint.pool.forget_model(name)
+            for key in [key for key in endpoint.agrees if key[0] == name]:
+                del endpoint.agrees[key]
 
     async def model_ready(self, name: str, version: str = "") -> bool:
-        """True when Triton says ``name`` (``version``) is ready to serve."""
-        if self._client is None:
-            return False
-        try:
-            ready = self._client.is_model_ready(name, version, headers=self._headers())
-            return bool(await asyncio.wait_for(ready, 2.0))
-        except (TimeoutError, InferenceServerException, grpc.aio.AioRpcError):
-            return False
+        """True when some up endpoint says ``name`` (``version``) is ready to serve."""
+        return await self._any(lambda p: p.model_ready(name, version))
 
     async def repository_lists(self, name: str, version: str) -> bool:
-        """True when Triton's repository index lists ``name`` in a state it can serve from.
+        """True when some up endpoint's repository index lists ``name`` (see ServerPool)."""
+        return await self._any(lambda p: p.repository_lists(name, version))
 
-        READY, LOADING, UNLOADING or UNAVAILABLE (unloaded, or failed to load):
-        the model exists and a rollout may bring it back. A model never loaded
-        (no state) or absent from the repository is not listed; ``version`` ""
-        means any version. The index is read at most once a second; an
-        unreadable index lists nothing.
-        """
-        async with self._index_lock:
-            now = time.monotonic()
-            if self._index is None or now - self._index[0] > _INDEX_CACHE_S:
-                self._index = (now, await self._read_index())
-            listed = self._index[1]
-        return (name, version) in listed or (not version and any(n == name for n, _ in listed))
+    async def _any(self, ask: Callable[[ServerPool], Awaitable[bool]]) -> bool:
+        asked = [e.pool for e in self.endpoints if e.up] or [e.pool for e in self.endpoints]
+        return any(await asyncio.gather(*(ask(p) for p in asked)))
 
-    async def _read_index(self) -> set[tuple[str, str]]:
-        """(name, version) of every model version the index lists in a servable state."""
-        if self._client is None:
-            return set()
-        try:
-            index = await asyncio.wait_for(
-                self._client.get_model_repository_index(headers=self._headers()), 2.0
-            )
-        except (TimeoutError, InferenceServerException, grpc.aio.AioRpcError):
-            return set()
-        return {(m.name, m.version) for m in index.models if m.state in _SERVABLE_STATES}
-
-    async def _fetch_spec(self, name: str, version: str) -> ModelSpec:
-        assert self._client is not None
-        try:
-            headers = self._headers()
-            metadata = await self._client.get_model_metadata(name, version, headers=headers)
-            config = await self._client.get_model_config(name, version, headers=headers)
-        except InferenceServerException as exc:
-            raise triton_errors.from_client_error(exc, f"model {name!r}") from None
-        return ModelSpec.from_triton(metadata, config)
+    # -- health ---------------------------------------------------------------------
 
     async def server_ready(self, timeout_s: float = 2.0) -> bool:
-        """True when Triton answers ``ServerReady`` within the timeout.
-
-        With strict readiness (Triton's default) that means every model is ready too.
-        """
-        if self._client is None:
+        """True when some endpoint answers ``ServerReady`` within the timeout."""
+        if not self._started:
             return False
-        return await _answers_true(self._client.is_server_ready(headers=self._headers()), timeout_s)
+        pools = [e.pool for e in self.endpoints]
+        return any(await asyncio.gather(*(p.server_ready(timeout_s) for p in pools)))
 
     async def server_live(self, timeout_s: float = 2.0) -> bool:
-        """True when Triton answers ``ServerLive`` within the timeout: up, started, not exiting.
+        """Probe every endpoint (``ServerLive``, see ServerPool); True when one is live.
 
-        This, not ``server_ready``, tells whether Triton can serve: with strict readiness
-        Triton is not ready while any one model is loading, unloading or failed to load,
-        and one model's rollout must not count as an outage of all of them (its own
-        records are held by the ModelGate meanwhile).
+        Each endpoint's answer moves it in or out of rotation: the worker-wide
+        breaker, fed by this, opens only when no endpoint is live.
         """
-        if self._client is None:
+        if not self._started:
             return False
-        return await _answers_true(self._client.is_server_live(headers=self._headers()), timeout_s)
+        endpoints = list(self.endpoints)
+        answers = await asyncio.gather(*(e.pool.server_live(timeout_s) for e in endpoints))
+        for endpoint, live in zip(endpoints, answers, strict=True):
+            if live and endpoint.mark_up():
+                endpoint.pool.wake()  # re-open its broken streams now
+            elif not live:
+                endpoint.mark_down("not live")
+            self._observe(endpoint)
+        return any(answers)
 
     def in_flight(self) -> int:
-        return sum(s.load() for s in self._streams)
+        """Requests still owed a response, over every endpoint."""
+        return sum(e.pool.in_flight() for e in self.endpoints)
 
     async def close(self, drain_timeout_s: float = 10.0) -> None:
-        """Drain every stream (bounded), end them, close the channel. Idempotent."""
+        """Drain every endpoint (bounded), end its streams, close its channel. Idempotent."""
         if self._closing:
             return
         self._closing = True
-        await asyncio.gather(*(s.close(drain_timeout_s) for s in self._streams))
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(
-                asyncio.gather(*self._tasks, return_exceptions=True), drain_timeout_s
-            )
-        for task in self._tasks:
-            task.cancel()
+        for task in list(self._tasks):
+            if task.get_name() == "triton-resolve":
+                task.cancel()
+        await asyncio.gather(*(e.pool.close(drain_timeout_s) for e in self.endpoints))
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        if self.shm is not None:
-            await self.shm.close()
-        if self._client is not None:
-            await self._client.close()
 
 
-async def _answers_true(call: Awaitable[Any], timeout_s: float) -> bool:
-    """True when the health call answers true in time; False on any error or timeout."""
-    try:
-        return bool(await asyncio.wait_for(call, timeout_s))
-    except (TimeoutError, InferenceServerException, grpc.aio.AioRpcError):
-        return False
+def _sequence_of(request: service_pb2.ModelInferRequest) -> bytes | None:
+    """The sequence id of a request of a sequence (its state lives in one server)."""
+    if len(request.parameters) and "sequence_id" in request.parameters:
+        return bytes(request.parameters["sequence_id"].SerializeToString())
+    return None

@@ -153,11 +153,11 @@ async def test_decoupled_requests_get_streams_of_their_own(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The first decoupled request opens a second group of streams; ordinary ones stay put."""
-    from worker.triton import pool as pool_module
+    from worker.triton import server as pool_module
 
     stub = _Stub()
     monkeypatch.setattr(pool_module, "grpc_stub", lambda client: stub)
-    pool = pool_module.TritonPool("127.0.0.1:1", 2)
+    pool = pool_module.ServerPool("127.0.0.1:1", 2)
     await pool.start()
     try:
         ordinary = service_pb2.ModelInferRequest(model_name="double")

@@ -13,14 +13,14 @@ from unittest import mock
 from tritonclient.grpc import InferenceServerException
 from tritonclient.grpc.aio import InferenceServerClient
 
-from worker.triton.pool import TritonPool
+from worker.triton.server import ServerPool
 
 
-def _pool(*, live: Any, ready: Any = False) -> TritonPool:
+def _pool(*, live: Any, ready: Any = False) -> ServerPool:
     client = mock.create_autospec(InferenceServerClient, instance=True, spec_set=True)
     client.is_server_live.side_effect = live if callable(live) else (lambda **_: live)
     client.is_server_ready.side_effect = ready if callable(ready) else (lambda **_: ready)
-    pool = TritonPool("triton:8001", streams=1)
+    pool = ServerPool("triton:8001", streams=1)
     pool._client = client  # the pool's channel, replaced without opening streams
     return pool
 
@@ -60,4 +60,4 @@ async def test_unanswered_liveness_times_out_as_not_live() -> None:
 
 async def test_pool_not_started_is_not_live() -> None:
     """Before start() there is no channel: not live, and no error."""
-    assert await TritonPool("triton:8001", streams=1).server_live() is False
+    assert await ServerPool("triton:8001", streams=1).server_live() is False
