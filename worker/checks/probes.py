@@ -21,15 +21,18 @@ from tritonclient.grpc.aio import InferenceServerClient
 from worker.flow.retry import Backoff
 from worker.settings import Settings
 from worker.triton.auth import triton_client_kwargs
+from worker.triton.endpoints import EndpointSet, Target, parse_targets
 
 __all__ = [
     "READ",
     "WRITE",
+    "Target",
     "describe_group",
     "describe_topics",
     "may",
     "reason",
     "topics_to_check",
+    "triton_addresses",
     "triton_client",
 ]
 
@@ -194,8 +197,18 @@ def reason(exc: BaseException) -> str:
     return lines[0] if lines[0].startswith(name) else f"{name}: {lines[0]}"
 
 
-def triton_client(settings: Settings) -> InferenceServerClient:
-    """A Triton gRPC client with the worker's TLS settings (the caller closes it)."""
-    return InferenceServerClient(
-        settings.triton.triton_url, **triton_client_kwargs(settings.triton)
+async def triton_addresses(settings: Settings) -> list[tuple[str, Target]]:
+    """Every Triton endpoint the worker would use now (resolved as the worker resolves)."""
+    endpoints: EndpointSet[None] = EndpointSet(
+        parse_targets(settings.triton.triton_url), lambda _a, _t: None
     )
+    return list((await endpoints.addresses()).items())
+
+
+def triton_client(settings: Settings, address: str, target: Target) -> InferenceServerClient:
+    """A client of one Triton endpoint with the worker's TLS settings (the caller closes it)."""
+    kwargs = triton_client_kwargs(settings.triton)
+    if kwargs.get("ssl") and address != str(target):
+        # Dialled by address: the certificate names the host of the target.
+        kwargs["channel_args"] = [("grpc.ssl_target_name_override", target.host)]
+    return InferenceServerClient(address, **kwargs)

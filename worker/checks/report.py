@@ -183,10 +183,49 @@ async def _model_result(client: Any, name: str, auth: TritonAuth, timeout_s: flo
 
 
 async def triton_checks(settings: Settings, timeout_s: float) -> list[CheckResult]:
-    """Server ready; every expected model ready with metadata the worker can use."""
+    """Triton ready; every expected model ready with metadata the worker can use.
+
+    With several endpoints each is probed: Triton is ready when one is (the
+    others are named), and a model's row fails when a ready endpoint does not
+    serve it or reports other metadata than the first.
+    """
     models = expected_models(settings)
+    addresses = await probes.triton_addresses(settings)
+    per_endpoint = await asyncio.gather(
+        *(_endpoint_checks(settings, a, t, models, timeout_s) for a, t in addresses)
+    )
+    if len(per_endpoint) == 1:
+        return per_endpoint[0]
+    names = [address for address, _ in addresses]
+    ready = [(n, rows) for n, rows in zip(names, per_endpoint, strict=True) if rows[0].ok]
+    down = [rows[0].detail for rows in per_endpoint if not rows[0].ok]
+    if not ready:
+        return [CheckResult("Triton ready", "fail", "; ".join(down)), *per_endpoint[0][1:]]
+    detail = f"{len(ready)} of {len(names)} endpoints ready ({ready[0][1][0].detail})"
+    results = [CheckResult("Triton ready", "ok", detail + (f"; {'; '.join(down)}" if down else ""))]
+    for index, first in enumerate(ready[0][1][1:], start=1):
+        rows = [(n, r[index]) for n, r in ready]
+        failed = [(n, row) for n, row in rows if not row.ok]
+        if failed:
+            results.append(
+                CheckResult(first.check, "fail", f"{failed[0][0]}: {failed[0][1].detail}")
+            )
+        elif any(row.detail != first.detail for _, row in rows) and first.check != "models":
+            differing = ", ".join(n for n, row in rows if row.detail != first.detail)
+            results.append(
+                CheckResult(first.check, "fail", f"metadata differs on {differing}: {first.detail}")
+            )
+        else:
+            results.append(first)
+    return results
+
+
+async def _endpoint_checks(
+    settings: Settings, address: str, target: probes.Target, models: list[str], timeout_s: float
+) -> list[CheckResult]:
+    """The rows of one endpoint: server ready, then each model (or what it serves)."""
     auth = TritonAuth(settings.triton)
-    client = probes.triton_client(settings)
+    client = probes.triton_client(settings, address, target)
     try:
         try:
             ready = await client.is_server_ready(headers=auth.headers(), client_timeout=timeout_s)
@@ -195,14 +234,12 @@ async def triton_checks(settings: Settings, timeout_s: float) -> list[CheckResul
             )
         except Exception as exc:
             return [
-                CheckResult(
-                    "Triton ready", "fail", f"{settings.triton.triton_url}: {probes.reason(exc)}"
-                ),
+                CheckResult("Triton ready", "fail", f"{address}: {probes.reason(exc)}"),
                 *(CheckResult(f"model {m}", "skip", "Triton unreachable") for m in models),
             ]
         if not ready:
             return [
-                CheckResult("Triton ready", "fail", f"{settings.triton.triton_url}: not ready"),
+                CheckResult("Triton ready", "fail", f"{address}: not ready"),
                 *(CheckResult(f"model {m}", "skip", "Triton not ready") for m in models),
             ]
         results = [CheckResult("Triton ready", "ok", f"{server.name} {server.version}")]

@@ -140,19 +140,22 @@ async def check_triton(settings: Settings, timeout_s: float = CHECK_TIMEOUT_S) -
     auth = TritonAuth(settings.triton)
     if not settings.triton.triton_ssl and not auth.enabled:
         return
-    client = probes.triton_client(settings)
-    try:
-        await asyncio.wait_for(_check_triton(client, auth, settings), timeout_s)
-    except TimeoutError:
-        return  # an outage, handled by the breaker once running
-    finally:
-        await client.close()
+    # Every endpoint: one refusing the credentials is a configuration problem even
+    # while the others accept them.
+    for address, target in await probes.triton_addresses(settings):
+        client = probes.triton_client(settings, address, target)
+        try:
+            await asyncio.wait_for(_check_triton(client, auth, settings, address), timeout_s)
+        except TimeoutError:
+            continue  # an outage, handled by the breakers once running
+        finally:
+            await client.close()
 
 
-async def _check_triton(client: Any, auth: TritonAuth, settings: Settings) -> None:
+async def _check_triton(client: Any, auth: TritonAuth, settings: Settings, address: str) -> None:
     headers = dict(auth.headers())
     secrets = list(headers.values())
-    where = f"Triton {settings.triton.triton_url}"
+    where = f"Triton {address}"
     try:
         await client.get_server_metadata(headers=headers)
         await grpc_stub(client).ModelInfer(
