@@ -56,8 +56,17 @@ def _k8s(name: str) -> list[dict[str, Any]]:
 
 
 def _by_kind() -> dict[str, dict[str, Any]]:
+    """The worker's own manifests by kind (the Triton Service is looked up by name)."""
     docs = [doc for path in sorted(K8S.glob("*.yaml")) for doc in _k8s(path.name)]
-    return {doc["kind"]: doc for doc in docs}
+    return {
+        doc["kind"]: doc for doc in docs if doc.get("metadata", {}).get("name") != "triton-headless"
+    }
+
+
+def _named(name: str) -> dict[str, Any]:
+    docs = [doc for path in sorted(K8S.glob("*.yaml")) for doc in _k8s(path.name)]
+    (doc,) = [doc for doc in docs if doc.get("metadata", {}).get("name") == name]
+    return doc
 
 
 def _container() -> dict[str, Any]:
@@ -255,3 +264,12 @@ def test_queried_worker_metrics_are_exported() -> None:
     }
     assert queried - set(specs) == set()
     assert len(queried) >= 12
+
+
+def test_triton_url_names_the_headless_service() -> None:
+    """WORKER_TRITON_URL is the headless Service's DNS name and port: one endpoint per pod."""
+    service = _named("triton-headless")
+    assert service["kind"] == "Service" and service["spec"]["clusterIP"] == "None"
+    host, _, port = _worker_env()["WORKER_TRITON_URL"].rpartition(":")
+    assert host == f"{service['metadata']['name']}.{service['metadata']['namespace']}.svc"
+    assert int(port) in {p["port"] for p in service["spec"]["ports"]}

@@ -64,7 +64,7 @@ METRICS_SPEC: tuple[MetricSpec, ...] = (
     MetricSpec("paused_partitions", "worker_paused_partitions", "gauge",
                (), "Assigned partitions paused by back-pressure or a Triton outage."),
     MetricSpec("triton_up", "worker_triton_up", "gauge",
-               (), "1 when Triton answers as live (started, not exiting), else 0."),
+               (), "1 when a Triton endpoint answers as live (started, not exiting), else 0."),
     MetricSpec("breaker_open", "worker_breaker_open", "gauge",
                (), "1 while the Triton circuit breaker is open (no new work dispatched)."),
     MetricSpec("triton_endpoint_up", "worker_triton_endpoint_up", "gauge",

@@ -236,10 +236,10 @@ async def test_outstanding_requests_steer_new_ones(fake_servers: None) -> None:
     for server in servers.values():
         server.gate = gate
     held = asyncio.create_task(pool.infer(_request(0), 5.0))
-    await asyncio.wait(
-        [asyncio.create_task(s.entered.wait()) for s in servers.values()],
-        return_when=asyncio.FIRST_COMPLETED,
-    )
+    entered = [asyncio.create_task(s.entered.wait()) for s in servers.values()]
+    await asyncio.wait(entered, return_when=asyncio.FIRST_COMPLETED)
+    for waiter in entered:
+        waiter.cancel()
     busy = next(e for e in pool.endpoints if e.outstanding)
     for address, server in servers.items():
         if address != busy.address:
@@ -307,3 +307,14 @@ async def test_vanished_addresses_are_drained_and_closed(fake_servers: None) -> 
     assert sorted(new) == ["10.0.0.2:1", "10.0.0.3:1"] and new["10.0.0.3:1"].started
     await asyncio.wait_for(old["10.0.0.1:1"].closed.wait(), 5)
     await pool.close()
+
+
+def test_with_tls_an_address_is_checked_against_the_name() -> None:
+    """A pod dialled by address keeps the TLS name of its target; a name dialled as is, none."""
+    pool = pool_module.TritonPool("triton.svc:8001", 1, client_kwargs={"ssl": True})
+    by_address = pool._make("10.0.0.7:8001", Target("triton.svc", 8001))
+    by_name = pool._make("triton.svc:8001", Target("triton.svc", 8001))
+    assert ("grpc.ssl_target_name_override", "triton.svc") in by_address._extra_channel_args
+    assert by_name._extra_channel_args == ()
+    plain = pool_module.TritonPool("triton.svc:8001", 1)._make("10.0.0.7:8001", Target("t", 1))
+    assert plain._extra_channel_args == ()
