@@ -10,8 +10,10 @@ test cannot change this host's DNS, while the servers behind it are real.
 from __future__ import annotations
 
 import asyncio
+import shutil
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -204,3 +206,39 @@ async def test_check_is_ready_while_one_endpoint_answers(
     settings = settings_for(kafka, trio, topics, triton_url=dead, default_model="double")
     results = {r.check: r for r in await run_checks(settings, timeout_s=5.0)}
     assert results["Triton ready"].outcome == "fail"
+
+
+@pytest.fixture
+def odd_triton(tmp_path: Path) -> Iterator[TritonServer]:
+    """A Triton whose `double` is configured otherwise (max batch 8, not 64)."""
+    repository = tmp_path / "models"
+    shutil.copytree(models_dir() / "double", repository / "double")
+    config = repository / "double" / "config.pbtxt"
+    config.write_text(config.read_text().replace("max_batch_size: 64", "max_batch_size: 8"))
+    server = TritonServer(
+        ensure_triton(log=lambda _: None), repository, tmp_path / "work", models=["double"]
+    )
+    (tmp_path / "work").mkdir()
+    server.start()
+    yield server
+    server.stop()
+
+
+async def test_an_endpoint_with_other_model_metadata_is_not_used_for_it(
+    trio: Trio, odd_triton: TritonServer
+) -> None:
+    """Two endpoints agree on `double`, a third differs: the agreed spec, nothing sent to it."""
+    good = [trio.addresses[0], trio.addresses[2]]
+    metrics = Metrics()
+    pool = TritonPool(",".join([*good, odd_triton.grpc_address]), 2, metrics=metrics)
+    await pool.start()
+    rng = np.random.default_rng(65)
+    try:
+        spec = await pool.model_spec("double", "")
+        assert spec.max_batch_size == 64
+        await asyncio.gather(*(pool.infer(_double(f"m{i}", rng), 10) for i in range(40)))
+    finally:
+        await pool.close()
+    assert _requests_ok(metrics, odd_triton.grpc_address) == 0
+    assert sum(_requests_ok(metrics, address) for address in good) == 40
+    assert all(_requests_ok(metrics, address) > 0 for address in good)
