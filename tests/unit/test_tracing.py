@@ -219,3 +219,26 @@ def test_without_tracing_nothing_of_opentelemetry_is_imported() -> None:
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "ok"
+
+
+def test_a_replay_keeps_the_trace_context_of_the_dead_letter() -> None:
+    """replay_headers drops the worker's dead-letter headers but keeps traceparent/tracestate."""
+    from datetime import UTC, datetime
+
+    from worker import errors
+    from worker.wire import Source
+    from worker.wire.headers import dead_letter_headers, replay_headers
+
+    original = [("traceparent", TRACEPARENT.encode()), ("tracestate", TRACESTATE.encode())]
+    letter = dead_letter_headers(
+        original,
+        errors.DecodeError("bad"),
+        Source("in", 0, 7, 0),
+        attempts=1,
+        group_id="g",
+        failed_at=datetime.now(UTC),
+    )
+    replayed = dict(replay_headers(letter, "dlq/0/3", 1))
+    assert replayed["traceparent"] == TRACEPARENT.encode()
+    assert replayed["tracestate"] == TRACESTATE.encode()
+    assert "x-error-code" not in replayed
