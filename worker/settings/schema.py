@@ -30,6 +30,7 @@ from worker.settings.fields import (
     SecurityProtocol,
     ShmMode,
     StreamOutput,
+    TritonTrace,
     WindowMode,
     default_client_id,
     log_format_for,
@@ -167,6 +168,11 @@ class TritonSettings(_Section, frozen=True, kw_only=True):
     triton_auth_token_file: Annotated[str | None, Doc(
         "File holding the Triton token (sent as the whole header value, e.g. 'Bearer x'); "
         "re-read when it changes.")] = None
+    triton_trace: Annotated[TritonTrace, Doc(
+        "unary: a record with a sampled W3C traceparent goes to Triton as a ModelInfer call of "
+        "its own (not batched), the context as gRPC metadata, so Triton continues the trace; "
+        "stream: it shares the streams, whose metadata cannot carry it (README: Tracing).")] = (
+        "stream")
 
     def _check_combinations(self) -> None:
         self._refuse([

@@ -138,20 +138,29 @@ class MicroBatcher:
         """Batches sent so far (single requests sent alone are not counted)."""
         return BatchStats(self._batches, self._rows, self._bisections)
 
-    async def infer(self, request: DecodedRequest, spec: ModelSpec, timeout_s: float) -> Any:
+    async def infer(
+        self,
+        request: DecodedRequest,
+        spec: ModelSpec,
+        timeout_s: float,
+        trace: tuple[tuple[str, str], ...] = (),
+    ) -> Any:
         """The response to ``request`` alone, though it may travel with others.
 
         Raises WorkerError like ``TritonPool.infer``. The request waits at most
-        ``delay_s`` for company; a full batch leaves at once.
+        ``delay_s`` for company; a full batch leaves at once. ``trace``: the
+        request's trace context, which goes with it when it travels alone (see
+        ``TritonPool.infer``); a request given one goes alone when the pool sends
+        traced requests as unary calls. A merged request carries no trace context.
         """
         if self._closed:
             raise errors.TritonUnavailable("the worker is shutting down")
         capacity = min(self._max_rows, spec.max_batch_size)
-        if capacity <= 1 or not batchable(spec, request):
-            return await self._pool.infer(request.infer_request, timeout_s)
+        if capacity <= 1 or not batchable(spec, request) or (trace and self._pool.trace_unary):
+            return await self._pool.infer(request.infer_request, timeout_s, trace)
         rows = int(request.infer_request.inputs[0].shape[0])
         if rows >= capacity:
-            return await self._pool.infer(request.infer_request, timeout_s)
+            return await self._pool.infer(request.infer_request, timeout_s, trace)
         loop = asyncio.get_running_loop()
         entry = _Entry(request, rows, time.monotonic() + timeout_s, loop.create_future())
         self._enqueue(_key(request.infer_request), entry, capacity)
