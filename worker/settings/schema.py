@@ -213,7 +213,14 @@ class RetrySettings(_Section, frozen=True, kw_only=True):
     breaker_failure_threshold: Annotated[int, Meta(ge=1), Doc(
         "Consecutive Triton failures that open the circuit breaker.")] = 5
     breaker_probe_interval_ms: Annotated[int, Meta(ge=10), Doc(
-        "How often Triton health is probed (and the open breaker retried).")] = 1000
+        "How often Triton, and a model whose failure-rate breaker is open, is probed.")] = 1000
+    model_failure_rate: Annotated[float, Meta(gt=0, le=1), Doc(
+        "Share of a model's recent outcomes that may be INFERENCE_ERROR; above it its records "
+        "are held, not dead-lettered. 1 disables the model breaker.")] = 0.5
+    model_failure_window: Annotated[int, Meta(ge=1, le=10_000), Doc(
+        "A model's last outcomes in which its INFERENCE_ERROR rate is measured.")] = 20
+    model_failure_min_samples: Annotated[int, Meta(ge=1), Doc(
+        "Outcomes of a model needed before its failure rate counts (at most the window).")] = 10
     max_consecutive_internal_errors: Annotated[int, Meta(ge=1), Doc(
         "Records in a row that may meet a bug (INTERNAL_ERROR) before the worker stops "
         "with exit 3 rather than dead-letter a whole topic.")] = 100
