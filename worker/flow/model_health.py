@@ -156,15 +156,25 @@ class ModelHealth:
                 self._changed.clear()
                 await self._changed.wait()
             await asyncio.sleep(self._interval_s)
-            for state in list(self._open.values()):
-                if state.probing:
-                    continue  # at most one probe in flight per model
-                while state.waiters:
-                    waiter = state.waiters.popleft()
-                    if not waiter.done():
-                        waiter.set_result(True)
-                        state.probing = True
-                        break
+            self.probe_once()
+
+    def probe_once(self) -> int:
+        """Let one held record of each open model through, unless its probe is in flight.
+
+        Returns how many probes were let through.
+        """
+        granted = 0
+        for state in list(self._open.values()):
+            if state.probing:
+                continue  # at most one probe in flight per model
+            while state.waiters:
+                waiter = state.waiters.popleft()
+                if not waiter.done():
+                    waiter.set_result(True)
+                    state.probing = True
+                    granted += 1
+                    break
+        return granted
 
     # -- state changes -----------------------------------------------------------
 
