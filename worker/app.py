@@ -26,6 +26,7 @@ from worker.flow.bounded import bounded_step
 from worker.flow.breaker import CircuitBreaker
 from worker.flow.holds import ModelGate
 from worker.flow.limiter import AdaptiveLimiter
+from worker.flow.model_health import ModelHealth
 from worker.flow.ordering import Ticket, Turns
 from worker.flow.window import Window
 from worker.kafka import options as security
@@ -114,6 +115,16 @@ class Worker:
             released=lambda name, _version: self.pool.forget_model(name),
             interval_s=settings.retry.breaker_probe_interval_ms / 1000,
         )
+        retry = settings.retry
+        self.model_health = ModelHealth(
+            failure_rate=retry.model_failure_rate,
+            window=retry.model_failure_window,
+            min_samples=retry.model_failure_min_samples,
+            probe_interval_s=retry.breaker_probe_interval_ms / 1000,
+            on_change=lambda name, _version, is_open: self.metrics.model_breaker_changed(
+                name, is_open
+            ),
+        )
         self.handler = RecordHandler(
             RecordRules.from_settings(settings),
             pool=self.pool,
@@ -125,6 +136,7 @@ class Worker:
             limiter=self.limiter,
             models=self.models,
             tracing=self.tracing,
+            health=self.model_health,
         )
         self._turns = Turns()
         self.health: HealthServer | None = None
@@ -173,6 +185,7 @@ class Worker:
                         name="triton-health",
                     ),
                     tasks.create_task(self.models.probe_loop(), name="model-readiness"),
+                    tasks.create_task(self.model_health.probe_loop(), name="model-health"),
                 ]
                 self.started.set()
                 await self._stop.wait()
@@ -333,6 +346,9 @@ class Worker:
         if held := self.models.held():
             # Other models keep flowing: a model being reloaded does not make the worker unready.
             detail["models_not_ready"] = held
+        if failing := self.model_health.failing():
+            # Their records are held (one probe per interval); other models keep flowing.
+            detail["models_failing"] = failing
         waiting = self.delivery.not_ready()
         if waiting:
             # exactly_once: partitions whose transactional producer is not started yet.

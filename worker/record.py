@@ -23,6 +23,7 @@ from worker.delivery.base import Sink
 from worker.flow.breaker import CircuitBreaker
 from worker.flow.holds import ModelGate
 from worker.flow.limiter import AdaptiveLimiter
+from worker.flow.model_health import ModelHealth
 from worker.flow.ordering import Ticket
 from worker.flow.retry import Backoff, Budget, Retrier, RetryPolicy
 from worker.observability import Metrics
@@ -140,6 +141,7 @@ class RecordHandler:
         limiter: AdaptiveLimiter | None = None,
         models: ModelGate | None = None,
         tracing: Tracing | None = None,
+        health: ModelHealth | None = None,
     ) -> None:
         self._rules = rules
         self._tracing = tracing or Tracing()
@@ -155,6 +157,7 @@ class RecordHandler:
             breaker,
             models,
             lambda code: metrics.retries_total.labels(reason=code).inc(),
+            health,
         )
         self._streams = StreamCalls(rules.streams, pool, self._retrier, metrics)
         self._guard = _InternalErrorGuard(rules.max_consecutive_internal_errors)
@@ -202,6 +205,7 @@ class RecordHandler:
             (request.model_name, request.model_version),
             budget,
             lambda _: self._pool.model_spec(request.model_name, request.model_version),
+            inference=False,
         )
         check_request(spec, request)
         if spec.sequence and rules.sequence_from_key:

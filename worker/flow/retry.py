@@ -17,6 +17,7 @@ from typing import TypeVar
 from worker import errors
 from worker.flow.breaker import CircuitBreaker
 from worker.flow.holds import ModelGate
+from worker.flow.model_health import ModelHealth
 
 __all__ = ["Backoff", "Budget", "Retrier", "RetryPolicy"]
 
@@ -82,15 +83,22 @@ class Retrier:
         breaker: CircuitBreaker,
         models: ModelGate | None,
         on_retry: Callable[[str], None],
+        health: ModelHealth | None = None,
     ) -> None:
         """``on_retry(code)`` is told of each retry, by the code of the failure."""
         self.policy = policy
         self._breaker = breaker
         self._models = models
         self._on_retry = on_retry
+        self._health = health
 
     async def run(
-        self, model: tuple[str, str], budget: Budget, call: Callable[[float], Awaitable[_T]]
+        self,
+        model: tuple[str, str],
+        budget: Budget,
+        call: Callable[[float], Awaitable[_T]],
+        *,
+        inference: bool = True,
     ) -> _T:
         """Call with the remaining time; retry retryable failures with full-jitter backoff.
 
@@ -98,15 +106,25 @@ class Retrier:
         circuit breaker, never counts as a try, and while the breaker is open
         the record waits for it to close with its deadline paused. A model
         being (re)loaded is an outage of that model: the record waits for it
-        the same way (see ModelGate). ``model`` is (name, version).
+        the same way (see ModelGate). ``inference``: the call's outcome is one of
+        the model's, counted by its failure-rate breaker; while that is open the
+        record waits for its turn to probe or for the breaker to close (see
+        ModelHealth). ``model`` is (name, version).
         """
         models, policy = self._models, self.policy
+        health = self._health if inference else None
         while True:
             if models is not None and models.is_held(*model):
                 budget.pause(await models.wait_ready(*model))
+            probe = False
+            if health is not None:
+                waited_s, probe = await health.admit(model)
+                budget.pause(waited_s)
             try:
                 result = await call(max(0.001, budget.remaining_s()))
             except errors.WorkerError as error:
+                if health is not None and health.failed(model, error, probe):
+                    continue  # the model fails at a rate: held, not the record's fault
                 if await self._held(model, error):
                     continue
                 if not error.retryable:
@@ -128,7 +146,13 @@ class Retrier:
                     raise errors.RetriesExhausted.after(error, budget.failures) from error
                 self._on_retry(error.code)
                 await asyncio.sleep(backoff_s)
+            except BaseException:
+                if health is not None:
+                    health.abandoned(model, probe)
+                raise
             else:
+                if health is not None:
+                    health.succeeded(model, probe)
                 self._breaker.record_success()
                 return result
 

@@ -82,6 +82,12 @@ METRICS_SPEC: tuple[MetricSpec, ...] = (
                "dead-letter topic refused them for their size."),
     MetricSpec("models_not_ready", "worker_models_not_ready", "gauge",
                (), "Models being (re)loaded in Triton whose records are held, not failed."),
+    MetricSpec("model_breaker_open", "worker_model_breaker_open", "gauge",
+               ("model",), "1 while the model's INFERENCE_ERROR rate breaker is open (its "
+               "records held, one probe per interval)."),
+    MetricSpec("model_breaker_transitions_total", "worker_model_breaker_transitions_total",
+               "counter", ("model", "state"), "Openings and closings of a model's failure-rate "
+               "breaker (state: open or closed)."),
     MetricSpec("worker_info", "worker_info", "gauge",
                ("version",), "Always 1; the label carries the worker version."),
     MetricSpec("inference_latency_seconds", "worker_inference_latency_seconds", "histogram",
@@ -134,6 +140,8 @@ class Metrics:
     internal_errors_total: Counter
     dead_letter_values_omitted_total: Counter
     models_not_ready: Gauge
+    model_breaker_open: Gauge
+    model_breaker_transitions_total: Counter
     worker_info: Gauge
     inference_latency_seconds: Histogram
     stream_responses: Histogram
@@ -162,6 +170,13 @@ class Metrics:
             self._models.add(model)
             return model
         return "other"
+
+    def model_breaker_changed(self, model: str, is_open: bool) -> None:
+        """A model's failure-rate breaker opened or closed: its gauge and transitions."""
+        label = self.model_label(model)
+        self.model_breaker_open.labels(model=label).set(1 if is_open else 0)
+        state = "open" if is_open else "closed"
+        self.model_breaker_transitions_total.labels(model=label, state=state).inc()
 
     def forget_partition(self, topic: str, partition: int) -> None:
         """Drop per-partition gauges of a revoked partition so no stale lag is exported."""
