@@ -30,7 +30,7 @@ from worker.flow.window import Window
 from worker.kafka import options as security
 from worker.kafka.intake import Intake
 from worker.kafka.publisher import PRODUCER_HEADROOM_BYTES, Publisher
-from worker.observability import HealthServer, Metrics
+from worker.observability import HealthServer, InFlightRegistry, Metrics
 from worker.record import RecordHandler, RecordRules
 from worker.settings import Settings
 from worker.triton import auth as triton_auth
@@ -119,6 +119,9 @@ class Worker:
             models=self.models,
         )
         self._turns = Turns()
+        self.inflight = InFlightRegistry(
+            settings.ops.stuck_after_s, progress=lambda: self.delivery.offsets.progress()
+        )
         self.health: HealthServer | None = None
         self.triton_up = False
         self.started = asyncio.Event()
@@ -131,6 +134,7 @@ class Worker:
         self.metrics.window_limit.set_function(lambda: self.window.limit)
         self.metrics.in_flight.set_function(lambda: self.window.in_flight)
         self.metrics.models_not_ready.set_function(lambda: len(self.models.held()))
+        self.metrics.oldest_in_flight_seconds.set_function(self.inflight.oldest_age_s)
 
     # -- lifecycle ---------------------------------------------------------------
 
@@ -139,7 +143,10 @@ class Worker:
         await run_startup_checks(self.settings)
         if self.settings.ops.metrics_port:
             self.health = HealthServer(
-                self.metrics.registry, self.readiness, port=self.settings.ops.metrics_port
+                self.metrics.registry,
+                self.readiness,
+                port=self.settings.ops.metrics_port,
+                inflight=self.inflight.snapshot if self.settings.ops.debug_endpoints else None,
             )
             await self.health.start()
         await self.pool.start()
@@ -165,6 +172,7 @@ class Worker:
                         name="triton-health",
                     ),
                     tasks.create_task(self.models.probe_loop(), name="model-readiness"),
+                    tasks.create_task(self.inflight.watch(), name="stuck-records"),
                 ]
                 self.started.set()
                 await self._stop.wait()
@@ -254,21 +262,26 @@ class Worker:
         structlog.contextvars.bind_contextvars(
             topic=record.topic, partition=record.partition, offset=record.offset
         )
+        entry = self.inflight.add(record)
         try:
             key_mode = self.settings.delivery.ordering == "key"
             if key_turn is not None and key_mode:
+                entry.state = "waiting_turn"
                 await key_turn.wait()
-            outcome = await self.handler.evaluate(record, None if key_mode else key_turn)
+            outcome = await self.handler.evaluate(record, None if key_mode else key_turn, entry)
             if publish_turn is not None:
+                entry.state = "waiting_turn"
                 await publish_turn.wait()
 
             def safe() -> None:
                 # The outcome is acknowledged, or staged in offset order: the next record
                 # of the key or partition may go (exactly_once need not wait for the commit).
+                entry.state = "waiting_commit"
                 for turn in (key_turn, publish_turn):
                     if turn is not None:
                         turn.done()
 
+            entry.state = "publishing"
             await self.delivery.complete(
                 record, generation, lambda: self.handler.deliver(outcome), safe
             )
@@ -287,6 +300,7 @@ class Worker:
                 if turn is not None:
                     turn.done()
             self.window.release(tp)
+            self.inflight.remove(entry)
 
     # -- rebalances ---------------------------------------------------------------
 

@@ -26,6 +26,7 @@ from worker.flow.limiter import AdaptiveLimiter
 from worker.flow.ordering import Ticket
 from worker.flow.retry import Backoff, Budget, Retrier, RetryPolicy
 from worker.observability import Metrics
+from worker.observability.inflight import DETACHED, InFlight
 from worker.settings import Settings
 from worker.streaming import StreamCalls, Streamed, StreamRules
 from worker.triton.batching import MicroBatcher
@@ -159,17 +160,21 @@ class RecordHandler:
         self._model_metrics: dict[str, tuple[Any, Any]] = {}
 
     async def evaluate(
-        self, record: ConsumerRecord[bytes, bytes], turn: Ticket | None = None
+        self,
+        record: ConsumerRecord[bytes, bytes],
+        turn: Ticket | None = None,
+        entry: InFlight = DETACHED,
     ) -> Outcome:
         """Decode, validate and infer: the record's result, or why it must be dead-lettered.
 
         ``turn``: the record's place among its key's records, taken only if its
         model keeps sequences (WORKER_SEQUENCE_FROM_KEY), handed on at once otherwise.
         Never raises for the record's sake: a bug met on the way (any unexpected
-        exception) makes the record an INTERNAL_ERROR dead letter.
+        exception) makes the record an INTERNAL_ERROR dead letter. ``entry``: the
+        record's in-flight entry, told where the record is.
         """
         outcome = Outcome(record, Source.of(record), time.monotonic())
-        budget = Budget(outcome.started + self._rules.retry.record_deadline_s)
+        budget = Budget(outcome.started + self._rules.retry.record_deadline_s, entry=entry)
         try:
             await self._evaluate(outcome, budget, turn)
         except errors.WorkerError as error:
@@ -193,6 +198,7 @@ class RecordHandler:
             record.value, record.headers, outcome.source, rules.limits, rules.default_model
         )
         outcome.request = request
+        budget.entry.request_id, budget.entry.model = request.request_id, request.model_name
         structlog.contextvars.bind_contextvars(request_id=request.request_id)
         rules.check_model_allowed(record.topic, request.model_name)
         spec = await self._retrier.run(
@@ -231,6 +237,7 @@ class RecordHandler:
             turn.done()
             return
         started = time.monotonic()
+        budget.entry.state = "waiting_turn"
         await turn.wait()
         budget.pause(time.monotonic() - started)
 
@@ -356,7 +363,9 @@ class RecordHandler:
         async def once(timeout_s: float) -> Any:
             started = time.monotonic()
             try:
-                response = await self._batcher.infer(request, spec, min(timeout_s, try_timeout_s))
+                response = await self._batcher.infer(
+                    request, spec, min(timeout_s, try_timeout_s), budget.entry
+                )
             except (errors.TritonOverloaded, errors.TritonTimeout):
                 if self._limiter is not None:
                     self._limiter.on_overload()

@@ -94,7 +94,9 @@ class FakeTriton:
     async def model_spec(self, name: str, version: str) -> ModelSpec:
         return SPEC
 
-    async def infer(self, request: Any, spec: ModelSpec, timeout_s: float) -> Any:
+    async def infer(
+        self, request: Any, spec: ModelSpec, timeout_s: float, inflight: Any = None
+    ) -> Any:
         self.tries += 1
         if self.raise_on_infer is not None:
             raise self.raise_on_infer
