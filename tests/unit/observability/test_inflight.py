@@ -218,9 +218,9 @@ def test_the_gauge_reads_the_oldest_age_at_scrape_time() -> None:
 
 @pytest.fixture
 async def debug_server() -> AsyncIterator[tuple[HealthServer, InFlightRegistry]]:
-    """A health server with /debug/inflight on, over a registry holding three records."""
+    """A health server with /debug/inflight on, over a registry holding 25 records."""
     reg, _ = registry()
-    for offset in range(3):
+    for offset in range(25):
         reg.add(rec(0, offset))
     health = HealthServer(
         Metrics(version="test").registry,
@@ -242,7 +242,7 @@ async def test_debug_inflight_serves_the_snapshot(
     status, headers, body = await _get(health.port, "/debug/inflight")
     assert status == 200 and headers["content-type"] == "application/json"
     snap = json.loads(body)
-    assert snap["in_flight"] == 3 and [e["offset"] for e in snap["oldest"]] == [0, 1, 2]
+    assert snap["in_flight"] == 25 and [e["offset"] for e in snap["oldest"]] == list(range(20))
     status, _, body = await _get(health.port, "/debug/inflight?limit=2")
     assert status == 200 and [e["offset"] for e in json.loads(body)["oldest"]] == [0, 1]
     for bad in ("0", "-1", "x", ""):
