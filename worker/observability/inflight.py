@@ -71,6 +71,7 @@ class InFlight:
 
     __slots__ = (
         "attempt",
+        "key",
         "model",
         "next_try_at",
         "offset",
@@ -86,6 +87,7 @@ class InFlight:
         self.topic = topic
         self.partition = partition
         self.offset = offset
+        self.key = (topic, partition, offset)
         self.since = since  # time.monotonic() when it took its slot
         self.state: State = "decoding"
         self.request_id: str | None = None
@@ -161,20 +163,23 @@ class InFlightRegistry:
 
     def add(self, record: ConsumerRecord[bytes, bytes]) -> InFlight:
         """Register a record taking its slot; returns the entry its stages update."""
-        key = (record.topic, record.partition, record.offset)
         entry = InFlight(record.topic, record.partition, record.offset, self._clock())
         entries = self._entries
         # The same offset again (re-assigned while an earlier task still ran): the new
         # entry goes last, so that insertion order stays the order of ``since``.
-        entries.pop(key, None)
-        entries[key] = entry
+        if entries.setdefault(entry.key, entry) is not entry:
+            del entries[entry.key]
+            entries[entry.key] = entry
         return entry
 
     def remove(self, entry: InFlight) -> None:
         """The record left its slot (done, abandoned or revoked)."""
-        key = (entry.topic, entry.partition, entry.offset)
-        if self._entries.get(key) is entry:
-            del self._entries[key]
+        entries = self._entries
+        found = entries.pop(entry.key, None)
+        if found is not entry and found is not None:
+            # A newer entry of the same offset (rare: re-assigned while this task ran)
+            # stays; it now sits last, its age still right.
+            entries[entry.key] = found
 
     def oldest_age_s(self) -> float:
         """Seconds the oldest record has been in flight; 0 when none is (read at scrape time)."""
