@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 from collections.abc import Coroutine, Mapping
 from typing import Any
 
@@ -31,6 +32,7 @@ from worker.kafka import options as security
 from worker.kafka.intake import Intake
 from worker.kafka.publisher import PRODUCER_HEADROOM_BYTES, Publisher
 from worker.observability import HealthServer, InFlightRegistry, Metrics
+from worker.observability.tracing import Tracing, build_tracing
 from worker.record import RecordHandler, RecordRules
 from worker.settings import Settings
 from worker.triton import auth as triton_auth
@@ -43,9 +45,13 @@ log = structlog.get_logger(__name__)
 class Worker:
     """The inference worker: Kafka in, Triton streams, Kafka out."""
 
-    def __init__(self, settings: Settings, metrics: Metrics | None = None) -> None:
+    def __init__(
+        self, settings: Settings, metrics: Metrics | None = None, tracing: Tracing | None = None
+    ) -> None:
+        """``tracing``: spans of the records; by default as the OTEL_* variables say."""
         self.settings = settings
         self.metrics = metrics or Metrics()
+        self.tracing = tracing or build_tracing(os.environ, settings)
         self.window = Window(settings.flow.max_in_flight, settings.flow.max_in_flight_per_partition)
         self.pool = TritonPool(
             settings.triton.triton_url,
@@ -56,6 +62,7 @@ class Worker:
             if settings.triton.triton_shm == "system"
             else None,
             shm_pool_bytes=settings.triton.shm_pool_bytes,
+            trace_unary=settings.triton.triton_trace == "unary",
         )
         # A dead letter carries the request as it came: up to max_request_bytes.
         largest_record = (
@@ -117,6 +124,7 @@ class Worker:
             breaker=self.breaker,
             limiter=self.limiter,
             models=self.models,
+            tracing=self.tracing,
         )
         self._turns = Turns()
         self.inflight = InFlightRegistry(
@@ -224,6 +232,7 @@ class Worker:
         await bounded_step(self.intake.stop(), "consumer_close", self._forced)
         if self.health is not None:
             await self.health.stop()
+        self.tracing.shutdown()
         log.info("worker_stopped")
 
     # -- records -----------------------------------------------------------------
@@ -268,23 +277,24 @@ class Worker:
             if key_turn is not None and key_mode:
                 entry.state = "waiting_turn"
                 await key_turn.wait()
-            outcome = await self.handler.evaluate(record, None if key_mode else key_turn, entry)
-            if publish_turn is not None:
-                entry.state = "waiting_turn"
-                await publish_turn.wait()
+            with self.tracing.consume(record):
+                outcome = await self.handler.evaluate(record, None if key_mode else key_turn, entry)
+                if publish_turn is not None:
+                    entry.state = "waiting_turn"
+                    await publish_turn.wait()
 
-            def safe() -> None:
-                # The outcome is acknowledged, or staged in offset order: the next record
-                # of the key or partition may go (exactly_once need not wait for the commit).
-                entry.state = "waiting_commit"
-                for turn in (key_turn, publish_turn):
-                    if turn is not None:
-                        turn.done()
+                def safe() -> None:
+                    # The outcome is acknowledged, or staged in offset order: the next record
+                    # of the key or partition may go (exactly_once need not wait for commit).
+                    entry.state = "waiting_commit"
+                    for turn in (key_turn, publish_turn):
+                        if turn is not None:
+                            turn.done()
 
-            entry.state = "publishing"
-            await self.delivery.complete(
-                record, generation, lambda: self.handler.deliver(outcome), safe
-            )
+                entry.state = "publishing"
+                await self.delivery.complete(
+                    record, generation, lambda: self.handler.deliver(outcome), safe
+                )
         except errors.PartitionRevoked:
             pass  # the partition moved away; its next owner redoes the record
         except errors.Fatal:

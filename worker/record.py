@@ -27,6 +27,7 @@ from worker.flow.ordering import Ticket
 from worker.flow.retry import Backoff, Budget, Retrier, RetryPolicy
 from worker.observability import Metrics
 from worker.observability.inflight import DETACHED, InFlight
+from worker.observability.tracing import Tracing
 from worker.settings import Settings
 from worker.streaming import StreamCalls, Streamed, StreamRules
 from worker.triton.batching import MicroBatcher
@@ -139,8 +140,10 @@ class RecordHandler:
         breaker: CircuitBreaker,
         limiter: AdaptiveLimiter | None = None,
         models: ModelGate | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
         self._rules = rules
+        self._tracing = tracing or Tracing()
         self._pool = pool
         self._sink = sink
         self._metrics = metrics
@@ -212,12 +215,15 @@ class RecordHandler:
         if turn is not None:
             await self._take_turn(turn, spec.sequence and rules.sequence_from_key, budget)
         if spec.decoupled:
-            outcome.streamed = await self._streams.evaluate(
-                request, budget, outcome.source, record.headers
-            )
+            with self._tracing.infer(request.model_name, request.model_version):
+                outcome.streamed = await self._streams.evaluate(
+                    request, budget, outcome.source, record.headers
+                )
             outcome.served_version = outcome.streamed.model_version
             return
-        response = await self._infer(request, spec, budget)
+        with self._tracing.infer(request.model_name, request.model_version):
+            trace = self._tracing.to_triton(record.headers)
+            response = await self._infer(request, spec, budget, trace)
         outcome.served_version = response.model_version
         outcome.value, encoding_headers = wire.encode_result(
             request, response, max_result_bytes=rules.max_output_bytes
@@ -279,6 +285,10 @@ class RecordHandler:
         when too many records in a row met a bug, and WriteFailed when the dead
         letter can never be written.
         """
+        with self._tracing.publish(outcome):
+            await self._deliver(outcome)
+
+    async def _deliver(self, outcome: Outcome) -> None:
         streamed = outcome.streamed
         if outcome.value is not None or streamed is not None:
             try:
@@ -356,7 +366,9 @@ class RecordHandler:
             self._model_metrics[model_name] = children
         return children
 
-    async def _infer(self, request: wire.DecodedRequest, spec: ModelSpec, budget: Budget) -> Any:
+    async def _infer(
+        self, request: wire.DecodedRequest, spec: ModelSpec, budget: Budget, trace: Any
+    ) -> Any:
         latency = self._metrics_for(request.model_name)[1]
         try_timeout_s = self._rules.retry.try_timeout_s
 
@@ -364,7 +376,7 @@ class RecordHandler:
             started = time.monotonic()
             try:
                 response = await self._batcher.infer(
-                    request, spec, min(timeout_s, try_timeout_s), budget.entry
+                    request, spec, min(timeout_s, try_timeout_s), trace, budget.entry
                 )
             except (errors.TritonOverloaded, errors.TritonTimeout):
                 if self._limiter is not None:

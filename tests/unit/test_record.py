@@ -95,7 +95,7 @@ class FakeTriton:
         return SPEC
 
     async def infer(
-        self, request: Any, spec: ModelSpec, timeout_s: float, inflight: Any = None
+        self, request: Any, spec: ModelSpec, timeout_s: float, trace: Any = (), inflight: Any = None
     ) -> Any:
         self.tries += 1
         if self.raise_on_infer is not None:

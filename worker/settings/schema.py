@@ -30,6 +30,7 @@ from worker.settings.fields import (
     SecurityProtocol,
     ShmMode,
     StreamOutput,
+    TritonTrace,
     WindowMode,
     default_client_id,
     log_format_for,
@@ -167,6 +168,11 @@ class TritonSettings(_Section, frozen=True, kw_only=True):
     triton_auth_token_file: Annotated[str | None, Doc(
         "File holding the Triton token (sent as the whole header value, e.g. 'Bearer x'); "
         "re-read when it changes.")] = None
+    triton_trace: Annotated[TritonTrace, Doc(
+        "unary: a record with a sampled W3C traceparent goes to Triton as a ModelInfer call of "
+        "its own (not batched), the context as gRPC metadata, so Triton continues the trace; "
+        "stream: it shares the streams, whose metadata cannot carry it (README: Tracing).")] = (
+        "stream")
 
     def _check_combinations(self) -> None:
         self._refuse([
@@ -318,9 +324,7 @@ class OpsSettings(_Section, frozen=True, kw_only=True):
         "Bound on draining in-flight work at shutdown.")] = 30.0
     metrics_port: Annotated[int, Meta(ge=0, le=65535), Doc(
         "Port of /metrics, /healthz and /readyz; 0 disables them.")] = 9400
-    debug_endpoints: Annotated[bool, Doc(
-        "Serve /debug/inflight on the metrics port: the records in flight by state, the "
-        "oldest ones, each partition's commit point (404 when false).")] = False
+    debug_endpoints: Annotated[bool, Doc("Serve /debug/inflight on the metrics port.")] = False
     stuck_after_s: Annotated[float, seconds, Doc(
         "A record in flight longer than this is logged once as record_stuck.")] = 60.0
     log_format: Annotated[LogFormat, Doc(
@@ -331,7 +335,6 @@ class OpsSettings(_Section, frozen=True, kw_only=True):
         "One audit record per request: to a log stream, an audit topic, or both.")] = "none"
     audit_topic: Annotated[str | None, Doc(
         "Topic of the audit records (audit=topic or both).")] = None
-
     def _check_combinations(self) -> None:
         self._refuse([
             ("WORKER_AUDIT_TOPIC", self.audit in ("topic", "both") and self.audit_topic is None,

@@ -145,22 +145,26 @@ class MicroBatcher:
         request: DecodedRequest,
         spec: ModelSpec,
         timeout_s: float,
+        trace: tuple[tuple[str, str], ...] = (),
         inflight: InFlight = DETACHED,
     ) -> Any:
         """The response to ``request`` alone, though it may travel with others.
 
         Raises WorkerError like ``TritonPool.infer``. The request waits at most
-        ``delay_s`` for company; a full batch leaves at once. ``inflight`` (the
-        record's entry) is told while the request waits for its batch.
+        ``delay_s`` for company; a full batch leaves at once. ``trace``: the
+        request's trace context, which goes with it when it travels alone (see
+        ``TritonPool.infer``); a request given one goes alone when the pool sends
+        traced requests as unary calls. A merged request carries no trace context.
+        ``inflight`` (the record's entry) is told while the request waits for its batch.
         """
         if self._closed:
             raise errors.TritonUnavailable("the worker is shutting down")
         capacity = min(self._max_rows, spec.max_batch_size)
-        if capacity <= 1 or not batchable(spec, request):
-            return await self._pool.infer(request.infer_request, timeout_s)
+        if capacity <= 1 or not batchable(spec, request) or (trace and self._pool.trace_unary):
+            return await self._pool.infer(request.infer_request, timeout_s, trace)
         rows = int(request.infer_request.inputs[0].shape[0])
         if rows >= capacity:
-            return await self._pool.infer(request.infer_request, timeout_s)
+            return await self._pool.infer(request.infer_request, timeout_s, trace)
         loop = asyncio.get_running_loop()
         entry = _Entry(request, rows, time.monotonic() + timeout_s, loop.create_future(), inflight)
         inflight.state = "waiting_batch"

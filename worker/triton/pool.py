@@ -70,8 +70,10 @@ class TritonPool:
         auth: TritonAuth | None = None,
         shm_min_bytes: int | None = None,
         shm_pool_bytes: int = 0,
+        trace_unary: bool = False,
     ) -> None:
-        """``shm_min_bytes`` set: inputs that large go through system shared memory."""
+        """``shm_min_bytes``: inputs that large go through system shared memory;
+        ``trace_unary``: a request given a trace context goes as a unary call carrying it."""
         self.url = url
         self._client_kwargs = dict(client_kwargs or {})
         self._auth = auth
@@ -90,6 +92,7 @@ class TritonPool:
         self.shm: ShmPool | None = None
         self._index: tuple[float, set[tuple[str, str]]] | None = None
         self._index_lock = asyncio.Lock()
+        self.trace_unary = trace_unary
 
     async def start(self) -> None:
         """Create the channel and open the streams (no server round trip needed)."""
@@ -165,7 +168,10 @@ class TritonPool:
         return min(live, key=lambda s: (s.oldest_age_s(now) > _STUCK_AFTER_S, s.load()))
 
     async def infer(
-        self, request: service_pb2.ModelInferRequest, timeout_s: float
+        self,
+        request: service_pb2.ModelInferRequest,
+        timeout_s: float,
+        trace: tuple[tuple[str, str], ...] = (),
     ) -> service_pb2.ModelInferResponse:
         """Send one request on the least-loaded stream; its response, or a WorkerError.
 
@@ -173,12 +179,17 @@ class TritonPool:
         request of a sequence (``sequence_id``) goes as a unary call instead: Triton
         answers a stream's requests to ordinary models in order, and one waiting for a
         free sequence slot would hold back every response behind it, including those
-        of the sequences that would free the slot.
+        of the sequences that would free the slot. ``trace`` (W3C traceparent and
+        tracestate) is gRPC metadata of a unary call: sent with a sequence's request,
+        and with any request when ``trace_unary``; a stream's metadata is set once for
+        all its requests, so a request on a stream cannot carry its own.
         """
         if self._closing:
             raise errors.TritonUnavailable("the worker is shutting down")
-        if len(request.parameters) and "sequence_id" in request.parameters:
-            return await self._infer_unary(request, timeout_s)
+        if (trace and self.trace_unary) or (
+            len(request.parameters) and "sequence_id" in request.parameters
+        ):
+            return await self._infer_unary(request, timeout_s, trace)
         stream = self._pick(request)
         if stream.broken is not None:
             raise stream.broken
@@ -211,13 +222,17 @@ class TritonPool:
         return response
 
     async def _infer_unary(
-        self, request: service_pb2.ModelInferRequest, timeout_s: float
+        self,
+        request: service_pb2.ModelInferRequest,
+        timeout_s: float,
+        trace: tuple[tuple[str, str], ...] = (),
     ) -> service_pb2.ModelInferResponse:
         assert self._client is not None
         call = grpc_stub(self._client).ModelInfer
+        metadata = (*self._headers().items(), *trace)
         try:
             response: service_pb2.ModelInferResponse = await call(
-                request, timeout=timeout_s, metadata=tuple(self._headers().items()) or None
+                request, timeout=timeout_s, metadata=metadata or None
             )
         except grpc.aio.AioRpcError as exc:
             raise triton_errors.from_grpc(exc.code(), exc.details() or "") from None

@@ -191,10 +191,10 @@ async def test_records_wait_for_their_batch_then_are_sent() -> None:
     pool = HeldPool()
     batcher = MicroBatcher(pool, max_batch_size=2, delay_s=10.0)  # type: ignore[arg-type]
     first, second = InFlight("in", 0, 1, 0.0), InFlight("in", 0, 2, 0.0)
-    waiting = asyncio.create_task(batcher.infer(floats(1), SPEC, 5.0, first))
+    waiting = asyncio.create_task(batcher.infer(floats(1), SPEC, 5.0, inflight=first))
     await asyncio.sleep(0)  # one loop turn: the task runs up to its wait for the batch
     assert first.state == "waiting_batch" and not pool.called.is_set()
-    filling = asyncio.create_task(batcher.infer(floats(1, start=4), SPEC, 5.0, second))
+    filling = asyncio.create_task(batcher.infer(floats(1, start=4), SPEC, 5.0, inflight=second))
     await pool.called.wait()  # the batch is full (2 rows): it left at once
     assert (first.state, second.state) == ("sent", "sent")
     pool.release.set()
