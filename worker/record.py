@@ -27,6 +27,7 @@ from worker.flow.model_health import ModelHealth
 from worker.flow.ordering import Ticket
 from worker.flow.retry import Backoff, Budget, Retrier, RetryPolicy
 from worker.observability import Metrics
+from worker.observability.inflight import DETACHED, InFlight
 from worker.observability.tracing import Tracing
 from worker.settings import Settings
 from worker.streaming import StreamCalls, Streamed, StreamRules
@@ -165,17 +166,21 @@ class RecordHandler:
         self._model_metrics: dict[str, tuple[Any, Any]] = {}
 
     async def evaluate(
-        self, record: ConsumerRecord[bytes, bytes], turn: Ticket | None = None
+        self,
+        record: ConsumerRecord[bytes, bytes],
+        turn: Ticket | None = None,
+        entry: InFlight = DETACHED,
     ) -> Outcome:
         """Decode, validate and infer: the record's result, or why it must be dead-lettered.
 
         ``turn``: the record's place among its key's records, taken only if its
         model keeps sequences (WORKER_SEQUENCE_FROM_KEY), handed on at once otherwise.
         Never raises for the record's sake: a bug met on the way (any unexpected
-        exception) makes the record an INTERNAL_ERROR dead letter.
+        exception) makes the record an INTERNAL_ERROR dead letter. ``entry``: the
+        record's in-flight entry, told where the record is.
         """
         outcome = Outcome(record, Source.of(record), time.monotonic())
-        budget = Budget(outcome.started + self._rules.retry.record_deadline_s)
+        budget = Budget(outcome.started + self._rules.retry.record_deadline_s, entry=entry)
         try:
             await self._evaluate(outcome, budget, turn)
         except errors.WorkerError as error:
@@ -199,6 +204,7 @@ class RecordHandler:
             record.value, record.headers, outcome.source, rules.limits, rules.default_model
         )
         outcome.request = request
+        budget.entry.request_id, budget.entry.model = request.request_id, request.model_name
         structlog.contextvars.bind_contextvars(request_id=request.request_id)
         rules.check_model_allowed(record.topic, request.model_name)
         spec = await self._retrier.run(
@@ -241,6 +247,7 @@ class RecordHandler:
             turn.done()
             return
         started = time.monotonic()
+        budget.entry.state = "waiting_turn"
         await turn.wait()
         budget.pause(time.monotonic() - started)
 
@@ -373,7 +380,7 @@ class RecordHandler:
             started = time.monotonic()
             try:
                 response = await self._batcher.infer(
-                    request, spec, min(timeout_s, try_timeout_s), trace
+                    request, spec, min(timeout_s, try_timeout_s), trace, budget.entry
                 )
             except (errors.TritonOverloaded, errors.TritonTimeout):
                 if self._limiter is not None:

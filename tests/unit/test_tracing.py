@@ -43,7 +43,9 @@ class TracedTriton(FakeTriton):
         super().__init__(**kwargs)
         self.traces: list[Any] = []
 
-    async def infer(self, request: Any, spec: Any, timeout_s: float, trace: Any = ()) -> Any:
+    async def infer(
+        self, request: Any, spec: Any, timeout_s: float, trace: Any = (), inflight: Any = None
+    ) -> Any:
         self.traces.append(trace)
         return await super().infer(request, spec, timeout_s, trace)
 

@@ -32,10 +32,14 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import structlog
 
 from worker import errors
+
+if TYPE_CHECKING:
+    from worker.settings import RetrySettings
 
 log = structlog.get_logger(__name__)
 
@@ -89,6 +93,19 @@ class ModelHealth:
         self._open: dict[_Model, _State] = {}
         self._changed = asyncio.Event()
         self.last_trip: dict[_Model, Trip] = {}
+
+    @classmethod
+    def from_settings(
+        cls, retry: RetrySettings, on_change: Callable[[str, str, bool], None] | None = None
+    ) -> ModelHealth:
+        """The breaker the ``WORKER_MODEL_FAILURE_*`` settings describe."""
+        return cls(
+            failure_rate=retry.model_failure_rate,
+            window=retry.model_failure_window,
+            min_samples=retry.model_failure_min_samples,
+            probe_interval_s=retry.breaker_probe_interval_ms / 1000,
+            on_change=on_change,
+        )
 
     def is_open(self, name: str, version: str) -> bool:
         """True while the model's records are held for its failure rate."""

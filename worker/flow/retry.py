@@ -18,6 +18,7 @@ from worker import errors
 from worker.flow.breaker import CircuitBreaker
 from worker.flow.holds import ModelGate
 from worker.flow.model_health import ModelHealth
+from worker.observability.inflight import DETACHED, InFlight
 
 __all__ = ["Backoff", "Budget", "Retrier", "RetryPolicy"]
 
@@ -45,10 +46,14 @@ class Backoff:
 
 @dataclass(slots=True)
 class Budget:
-    """One monotonic deadline per record, shared by all its tries; failures counted."""
+    """One monotonic deadline per record, shared by all its tries; failures counted.
+
+    ``entry`` is the record's in-flight entry: the tries write where the record is.
+    """
 
     deadline: float
     failures: int = 0
+    entry: InFlight = DETACHED
 
     @classmethod
     def lasting(cls, seconds: float) -> Budget:
@@ -111,15 +116,19 @@ class Retrier:
         record waits for its turn to probe or for the breaker to close (see
         ModelHealth). ``model`` is (name, version).
         """
-        models, policy = self._models, self.policy
+        models, policy, entry = self._models, self.policy, budget.entry
         health = self._health if inference else None
         while True:
             if models is not None and models.is_held(*model):
+                entry.state = "held_model"
                 budget.pause(await models.wait_ready(*model))
             probe = False
             if health is not None:
+                # Set and reset with no await between them while the model's breaker is closed.
+                entry.state = "held_failing"
                 waited_s, probe = await health.admit(model)
                 budget.pause(waited_s)
+            entry.state = "sent"
             try:
                 result = await call(max(0.001, budget.remaining_s()))
             except errors.WorkerError as error:
@@ -132,20 +141,21 @@ class Retrier:
                 if isinstance(error, errors.TritonUnavailable):
                     self._breaker.record_failure()
                     if self._breaker.is_open:
+                        entry.state = "held_outage"
                         budget.pause(await self._breaker.wait_closed())
                         continue
                     if budget.remaining_s() <= 0:
                         raise errors.RetriesExhausted.after(error, budget.failures + 1) from error
                     # An outage is not a try: wait as after a first failure.
                     self._on_retry(error.code)
-                    await asyncio.sleep(policy.backoff.delay_s(1))
+                    await self._wait(entry, budget, policy.backoff.delay_s(1))
                     continue
                 budget.failures += 1
                 backoff_s = policy.backoff.delay_s(budget.failures)
                 if budget.failures >= policy.max_attempts or backoff_s >= budget.remaining_s():
                     raise errors.RetriesExhausted.after(error, budget.failures) from error
                 self._on_retry(error.code)
-                await asyncio.sleep(backoff_s)
+                await self._wait(entry, budget, backoff_s)
             except BaseException:
                 if health is not None:
                     health.abandoned(model, probe)
@@ -155,6 +165,13 @@ class Retrier:
                     health.succeeded(model, probe)
                 self._breaker.record_success()
                 return result
+
+    @staticmethod
+    async def _wait(entry: InFlight, budget: Budget, seconds: float) -> None:
+        """Sleep until the next try, the record marked retrying meanwhile."""
+        entry.state, entry.attempt = "retrying", budget.failures + 1
+        entry.next_try_at = time.monotonic() + seconds
+        await asyncio.sleep(seconds)
 
     async def _held(self, model: tuple[str, str], error: errors.WorkerError) -> bool:
         """True when ``error`` means the model is being (re)loaded: the record should wait."""

@@ -57,6 +57,9 @@ METRICS_SPEC: tuple[MetricSpec, ...] = (
                (), "Records holding a window slot: sent, waiting or retrying."),
     MetricSpec("window_limit", "worker_window_limit", "gauge",
                (), "Current limit of records in flight."),
+    MetricSpec("oldest_in_flight_seconds", "worker_oldest_in_flight_seconds", "gauge",
+               (), "Age of the oldest record holding a window slot (0 when none); "
+               "/debug/inflight says where it is."),
     MetricSpec("consumer_lag", "worker_consumer_lag", "gauge",
                ("topic", "partition"), "Records between the committed offset and the end."),
     MetricSpec("partitions_assigned", "worker_partitions_assigned", "gauge",
@@ -129,6 +132,7 @@ class Metrics:
     commit_failures_total: Counter
     in_flight: Gauge
     window_limit: Gauge
+    oldest_in_flight_seconds: Gauge
     consumer_lag: Gauge
     partitions_assigned: Gauge
     paused_partitions: Gauge

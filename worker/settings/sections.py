@@ -321,6 +321,11 @@ class OpsSettings(_Section, frozen=True, kw_only=True):
         "Bound on draining in-flight work at shutdown.")] = 30.0
     metrics_port: Annotated[int, Meta(ge=0, le=65535), Doc(
         "Port of /metrics, /healthz and /readyz; 0 disables them.")] = 9400
+    debug_endpoints: Annotated[bool, Doc(
+        "Serve /debug/inflight on the metrics port: the records in flight, by state and age "
+        "(it names topics, offsets and request ids; keep the port private).")] = False
+    stuck_after_s: Annotated[float, seconds, Doc(
+        "A record in flight longer than this is logged once as record_stuck.")] = 60.0
     log_format: Annotated[LogFormat, Doc(
         "Logs as JSON lines, or human-readable.", default_doc="console on a terminal, else json",
         contextual_default=log_format_for)] = "json"
