@@ -22,7 +22,7 @@ FLOW = (
     ("wire", "bytes and headers to inference requests and back; the schemas' types"),
     ("triton", "the Triton edge: stream pool, micro-batching, shared memory, errors"),
     ("delivery", "when a record is done and what is committed"),
-    ("observability", "logs, metrics, health endpoints"),
+    ("observability", "logs, metrics, health endpoints, records in flight"),
     ("checks", "start-up checks and the check command"),
     ("replay", "the replay command: dead letters back to their source topics"),
 )

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 from collections.abc import Coroutine, Mapping
 from typing import Any
 
@@ -25,12 +26,15 @@ from worker.flow.bounded import bounded_step
 from worker.flow.breaker import CircuitBreaker
 from worker.flow.holds import ModelGate
 from worker.flow.limiter import AdaptiveLimiter
+from worker.flow.model_health import ModelHealth
 from worker.flow.ordering import Ticket, Turns
 from worker.flow.window import Window
 from worker.kafka import options as security
 from worker.kafka.intake import Intake
 from worker.kafka.publisher import PRODUCER_HEADROOM_BYTES, Publisher
-from worker.observability import HealthServer, Metrics
+from worker.observability import HealthServer, InFlightRegistry, Metrics
+from worker.observability.readiness import readiness_of
+from worker.observability.tracing import Tracing, build_tracing
 from worker.record import RecordHandler, RecordRules
 from worker.settings import Settings
 from worker.triton import auth as triton_auth
@@ -43,9 +47,13 @@ log = structlog.get_logger(__name__)
 class Worker:
     """The inference worker: Kafka in, Triton streams, Kafka out."""
 
-    def __init__(self, settings: Settings, metrics: Metrics | None = None) -> None:
+    def __init__(
+        self, settings: Settings, metrics: Metrics | None = None, tracing: Tracing | None = None
+    ) -> None:
+        """``tracing``: spans of the records; by default as the OTEL_* variables say."""
         self.settings = settings
         self.metrics = metrics or Metrics()
+        self.tracing = tracing or build_tracing(os.environ, settings)
         self.window = Window(settings.flow.max_in_flight, settings.flow.max_in_flight_per_partition)
         self.pool = TritonPool(
             settings.triton.triton_url,
@@ -58,6 +66,7 @@ class Worker:
             shm_pool_bytes=settings.triton.shm_pool_bytes,
             resolve_interval_s=settings.triton.triton_resolve_interval_s,
             metrics=self.metrics,
+            trace_unary=settings.triton.triton_trace == "unary",
         )
         # A dead letter carries the request as it came: up to max_request_bytes.
         largest_record = (
@@ -109,6 +118,10 @@ class Worker:
             released=lambda name, _version: self.pool.forget_model(name),
             interval_s=settings.retry.breaker_probe_interval_ms / 1000,
         )
+        self.model_health = ModelHealth.from_settings(
+            settings.retry,
+            lambda name, _, is_open: self.metrics.model_breaker_changed(name, is_open),
+        )
         self.handler = RecordHandler(
             RecordRules.from_settings(settings),
             pool=self.pool,
@@ -119,8 +132,13 @@ class Worker:
             breaker=self.breaker,
             limiter=self.limiter,
             models=self.models,
+            tracing=self.tracing,
+            health=self.model_health,
         )
         self._turns = Turns()
+        self.inflight = InFlightRegistry(
+            settings.ops.stuck_after_s, progress=lambda: self.delivery.offsets.progress()
+        )
         self.health: HealthServer | None = None
         self.triton_up = False
         self.started = asyncio.Event()
@@ -133,6 +151,7 @@ class Worker:
         self.metrics.window_limit.set_function(lambda: self.window.limit)
         self.metrics.in_flight.set_function(lambda: self.window.in_flight)
         self.metrics.models_not_ready.set_function(lambda: len(self.models.held()))
+        self.metrics.oldest_in_flight_seconds.set_function(self.inflight.oldest_age_s)
 
     # -- lifecycle ---------------------------------------------------------------
 
@@ -141,7 +160,10 @@ class Worker:
         await run_startup_checks(self.settings)
         if self.settings.ops.metrics_port:
             self.health = HealthServer(
-                self.metrics.registry, self.readiness, port=self.settings.ops.metrics_port
+                self.metrics.registry,
+                self.readiness,
+                port=self.settings.ops.metrics_port,
+                inflight=self.inflight.snapshot if self.settings.ops.debug_endpoints else None,
             )
             await self.health.start()
         await self.pool.start()
@@ -167,6 +189,8 @@ class Worker:
                         name="triton-health",
                     ),
                     tasks.create_task(self.models.probe_loop(), name="model-readiness"),
+                    tasks.create_task(self.model_health.probe_loop(), name="model-health"),
+                    tasks.create_task(self.inflight.watch(), name="stuck-records"),
                 ]
                 self.started.set()
                 await self._stop.wait()
@@ -218,6 +242,7 @@ class Worker:
         await bounded_step(self.intake.stop(), "consumer_close", self._forced)
         if self.health is not None:
             await self.health.stop()
+        self.tracing.shutdown()
         log.info("worker_stopped")
 
     # -- records -----------------------------------------------------------------
@@ -256,24 +281,30 @@ class Worker:
         structlog.contextvars.bind_contextvars(
             topic=record.topic, partition=record.partition, offset=record.offset
         )
+        entry = self.inflight.add(record)
         try:
             key_mode = self.settings.delivery.ordering == "key"
             if key_turn is not None and key_mode:
+                entry.state = "waiting_turn"
                 await key_turn.wait()
-            outcome = await self.handler.evaluate(record, None if key_mode else key_turn)
-            if publish_turn is not None:
-                await publish_turn.wait()
+            with self.tracing.consume(record):
+                outcome = await self.handler.evaluate(record, None if key_mode else key_turn, entry)
+                if publish_turn is not None:
+                    entry.state = "waiting_turn"
+                    await publish_turn.wait()
 
-            def safe() -> None:
-                # The outcome is acknowledged, or staged in offset order: the next record
-                # of the key or partition may go (exactly_once need not wait for the commit).
-                for turn in (key_turn, publish_turn):
-                    if turn is not None:
-                        turn.done()
+                def safe() -> None:
+                    # The outcome is acknowledged, or staged in offset order: the next record
+                    # of the key or partition may go (exactly_once need not wait for commit).
+                    entry.state = "waiting_commit"
+                    for turn in (key_turn, publish_turn):
+                        if turn is not None:
+                            turn.done()
 
-            await self.delivery.complete(
-                record, generation, lambda: self.handler.deliver(outcome), safe
-            )
+                entry.state = "publishing"
+                await self.delivery.complete(
+                    record, generation, lambda: self.handler.deliver(outcome), safe
+                )
         except errors.PartitionRevoked:
             pass  # the partition moved away; its next owner redoes the record
         except errors.Fatal:
@@ -289,6 +320,7 @@ class Worker:
                 if turn is not None:
                     turn.done()
             self.window.release(tp)
+            self.inflight.remove(entry)
 
     # -- rebalances ---------------------------------------------------------------
 
@@ -317,20 +349,14 @@ class Worker:
 
     def readiness(self) -> tuple[bool, Mapping[str, object]]:
         """Ready when the consumer runs, Triton is reachable and the breaker is closed."""
-        detail: dict[str, object] = {
-            "consumer": "running" if self.intake.running else "stopped",
-            "triton": "up" if self.triton_up else "down",
-            "breaker": "open" if self.breaker.is_open else "closed",
-        }
-        if held := self.models.held():
-            # Other models keep flowing: a model being reloaded does not make the worker unready.
-            detail["models_not_ready"] = held
-        waiting = self.delivery.not_ready()
-        if waiting:
-            # exactly_once: partitions whose transactional producer is not started yet.
-            detail["partitions_not_ready"] = waiting
-        ready = self.intake.running and self.triton_up and not self.breaker.is_open and not waiting
-        return ready, detail
+        return readiness_of(
+            consumer_running=self.intake.running,
+            triton_up=self.triton_up,
+            breaker_open=self.breaker.is_open,
+            models_not_ready=self.models.held(),
+            models_failing=self.model_health.failing(),
+            partitions_not_ready=self.delivery.not_ready(),
+        )
 
 
 def run_async(main: Coroutine[Any, Any, int]) -> int:

@@ -23,9 +23,12 @@ from worker.delivery.base import Sink
 from worker.flow.breaker import CircuitBreaker
 from worker.flow.holds import ModelGate
 from worker.flow.limiter import AdaptiveLimiter
+from worker.flow.model_health import ModelHealth
 from worker.flow.ordering import Ticket
 from worker.flow.retry import Backoff, Budget, Retrier, RetryPolicy
 from worker.observability import Metrics
+from worker.observability.inflight import DETACHED, InFlight
+from worker.observability.tracing import Tracing
 from worker.settings import Settings
 from worker.streaming import StreamCalls, Streamed, StreamRules
 from worker.triton.batching import MicroBatcher
@@ -138,8 +141,11 @@ class RecordHandler:
         breaker: CircuitBreaker,
         limiter: AdaptiveLimiter | None = None,
         models: ModelGate | None = None,
+        tracing: Tracing | None = None,
+        health: ModelHealth | None = None,
     ) -> None:
         self._rules = rules
+        self._tracing = tracing or Tracing()
         self._pool = pool
         self._sink = sink
         self._metrics = metrics
@@ -152,6 +158,7 @@ class RecordHandler:
             breaker,
             models,
             lambda code: metrics.retries_total.labels(reason=code).inc(),
+            health,
         )
         self._streams = StreamCalls(rules.streams, pool, self._retrier, metrics)
         self._guard = _InternalErrorGuard(rules.max_consecutive_internal_errors)
@@ -159,17 +166,21 @@ class RecordHandler:
         self._model_metrics: dict[str, tuple[Any, Any]] = {}
 
     async def evaluate(
-        self, record: ConsumerRecord[bytes, bytes], turn: Ticket | None = None
+        self,
+        record: ConsumerRecord[bytes, bytes],
+        turn: Ticket | None = None,
+        entry: InFlight = DETACHED,
     ) -> Outcome:
         """Decode, validate and infer: the record's result, or why it must be dead-lettered.
 
         ``turn``: the record's place among its key's records, taken only if its
         model keeps sequences (WORKER_SEQUENCE_FROM_KEY), handed on at once otherwise.
         Never raises for the record's sake: a bug met on the way (any unexpected
-        exception) makes the record an INTERNAL_ERROR dead letter.
+        exception) makes the record an INTERNAL_ERROR dead letter. ``entry``: the
+        record's in-flight entry, told where the record is.
         """
         outcome = Outcome(record, Source.of(record), time.monotonic())
-        budget = Budget(outcome.started + self._rules.retry.record_deadline_s)
+        budget = Budget(outcome.started + self._rules.retry.record_deadline_s, entry=entry)
         try:
             await self._evaluate(outcome, budget, turn)
         except errors.WorkerError as error:
@@ -193,12 +204,14 @@ class RecordHandler:
             record.value, record.headers, outcome.source, rules.limits, rules.default_model
         )
         outcome.request = request
+        budget.entry.request_id, budget.entry.model = request.request_id, request.model_name
         structlog.contextvars.bind_contextvars(request_id=request.request_id)
         rules.check_model_allowed(record.topic, request.model_name)
         spec = await self._retrier.run(
             (request.model_name, request.model_version),
             budget,
             lambda _: self._pool.model_spec(request.model_name, request.model_version),
+            inference=False,
         )
         check_request(spec, request)
         if spec.sequence and rules.sequence_from_key:
@@ -206,12 +219,15 @@ class RecordHandler:
         if turn is not None:
             await self._take_turn(turn, spec.sequence and rules.sequence_from_key, budget)
         if spec.decoupled:
-            outcome.streamed = await self._streams.evaluate(
-                request, budget, outcome.source, record.headers
-            )
+            with self._tracing.infer(request.model_name, request.model_version):
+                outcome.streamed = await self._streams.evaluate(
+                    request, budget, outcome.source, record.headers
+                )
             outcome.served_version = outcome.streamed.model_version
             return
-        response = await self._infer(request, spec, budget)
+        with self._tracing.infer(request.model_name, request.model_version):
+            trace = self._tracing.to_triton(record.headers)
+            response = await self._infer(request, spec, budget, trace)
         outcome.served_version = response.model_version
         outcome.value, encoding_headers = wire.encode_result(
             request, response, max_result_bytes=rules.max_output_bytes
@@ -231,6 +247,7 @@ class RecordHandler:
             turn.done()
             return
         started = time.monotonic()
+        budget.entry.state = "waiting_turn"
         await turn.wait()
         budget.pause(time.monotonic() - started)
 
@@ -272,6 +289,10 @@ class RecordHandler:
         when too many records in a row met a bug, and WriteFailed when the dead
         letter can never be written.
         """
+        with self._tracing.publish(outcome):
+            await self._deliver(outcome)
+
+    async def _deliver(self, outcome: Outcome) -> None:
         streamed = outcome.streamed
         if outcome.value is not None or streamed is not None:
             try:
@@ -349,14 +370,18 @@ class RecordHandler:
             self._model_metrics[model_name] = children
         return children
 
-    async def _infer(self, request: wire.DecodedRequest, spec: ModelSpec, budget: Budget) -> Any:
+    async def _infer(
+        self, request: wire.DecodedRequest, spec: ModelSpec, budget: Budget, trace: Any
+    ) -> Any:
         latency = self._metrics_for(request.model_name)[1]
         try_timeout_s = self._rules.retry.try_timeout_s
 
         async def once(timeout_s: float) -> Any:
             started = time.monotonic()
             try:
-                response = await self._batcher.infer(request, spec, min(timeout_s, try_timeout_s))
+                response = await self._batcher.infer(
+                    request, spec, min(timeout_s, try_timeout_s), trace, budget.entry
+                )
             except (errors.TritonOverloaded, errors.TritonTimeout):
                 if self._limiter is not None:
                     self._limiter.on_overload()

@@ -24,7 +24,7 @@ import argparse
 import shutil
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -36,7 +36,16 @@ if TYPE_CHECKING:
 #: The variants, in the order they run (names in worker.benchmarks.report.VARIANTS).
 VARIANT_KEYS = ("sync", "naive", "worker", "worker_tuned", "triton", "triton_batched", "kafka")
 #: Measurements beyond the table (worker.benchmarks.extras, worker.benchmarks.scaleout).
-EXTRA_KEYS = ("batching", "windows", "compression", "commits", "shm", "scale_out", "decoupled")
+EXTRA_KEYS = (
+    "batching",
+    "windows",
+    "defaults",
+    "compression",
+    "commits",
+    "shm",
+    "scale_out",
+    "decoupled",
+)
 MODELS = ("double", "mlp", "echo_bytes")
 
 #: Settings of the tuned worker, beyond the defaults.
@@ -289,6 +298,28 @@ async def _extras(
                 model=args.model,
                 records=args.records,
                 base={k: v for k, v in tuned.items() if not k.startswith("MAX_IN_FLIGHT")},
+            )
+    if "defaults" in wanted:
+        from devtools.bench import sweep
+
+        total = 3 + sum(len(v) for v in sweep.FACTORS.values()) + 1
+        with console.status("defaults sweep: one setting at a time around the defaults...") as s:
+            done: list[str] = []
+
+            def on_run(label: str, run: Any) -> None:
+                done.append(label)
+                s.update(
+                    f"defaults sweep [{len(done)}/~{total}]: {label} "
+                    f"{run.records_per_s:,.0f} records/s"
+                )
+
+            out["defaults"] = await sweep.run_sweep(
+                servers.bootstrap,
+                servers.triton,
+                args.out,
+                model=args.model,
+                records=args.records,
+                on_run=on_run,
             )
     if "compression" in wanted:
         with console.status("compression: the worker's own batches none, lz4, zstd..."):

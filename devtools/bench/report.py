@@ -430,6 +430,11 @@ def extra_ratios(extras: dict[str, Any]) -> list[Ratio]:
                 adaptive.inference_p99_ms < largest.inference_p99_ms,
             )
         )
+    defaults = extras.get("defaults")
+    if defaults is not None and defaults.default_runs:
+        from devtools.bench import sweep
+
+        out.append(Ratio(*sweep.target(defaults)))
     shm = extras.get("shm")
     if shm:
         value = shm["gain"]
@@ -478,6 +483,10 @@ def extras_markdown(extras: dict[str, Any]) -> str:
                 f"| {d.label} | {shown} | {d.records_per_s:,.0f} "
                 f"| {d.inference_p99_ms:,.1f} | {d.peak_rss_mib:,.1f} |"
             )
+    if extras.get("defaults") is not None:
+        from devtools.bench import sweep
+
+        lines.append(sweep.markdown(extras["defaults"]))
     compression = extras.get("compression")
     if compression:
         ratios = compression["ratios"]

@@ -22,7 +22,7 @@ from worker import errors
 from worker.audit import Audit
 from worker.flow.breaker import CircuitBreaker
 from worker.flow.holds import ModelGate
-from worker.observability import Metrics
+from worker.observability import InFlight, Metrics
 from worker.record import RecordHandler, RecordRules
 from worker.settings import Settings, load_settings
 from worker.wire.validation import ModelSpec, TensorSpec
@@ -94,7 +94,9 @@ class FakeTriton:
     async def model_spec(self, name: str, version: str) -> ModelSpec:
         return SPEC
 
-    async def infer(self, request: Any, spec: ModelSpec, timeout_s: float) -> Any:
+    async def infer(
+        self, request: Any, spec: ModelSpec, timeout_s: float, trace: Any = (), inflight: Any = None
+    ) -> Any:
         self.tries += 1
         if self.raise_on_infer is not None:
             raise self.raise_on_infer
@@ -357,3 +359,13 @@ async def test_a_permanent_failure_is_not_retried() -> None:
     assert triton.tries == 1
     assert sink.dead_letters[0]["x-error-code"] == b"INFERENCE_ERROR"
     assert sink.dead_letters[0]["x-attempts"] == b"1"
+
+
+async def test_the_in_flight_entry_learns_the_request_id_and_model() -> None:
+    """Once decoded, the record's in-flight entry names its request id and model; sent to Triton."""
+    triton, sink = FakeTriton(), FakeSink()
+    h, _ = handler(triton, sink)
+    entry = InFlight("in", 0, 7, 0.0)
+    outcome = await h.evaluate(good_record(), None, entry)
+    assert outcome.error is None
+    assert (entry.request_id, entry.model, entry.state) == ("r1", "double", "sent")

@@ -27,10 +27,21 @@ from __future__ import annotations
 import itertools
 from collections import deque
 from collections.abc import Mapping
+from typing import NamedTuple
 
 from aiokafka.structs import TopicPartition
 
-__all__ = ["OffsetTracker", "PartitionOffsets"]
+__all__ = ["OffsetTracker", "PartitionOffsets", "PartitionProgress"]
+
+
+class PartitionProgress(NamedTuple):
+    """One partition's bookkeeping at a glance (for ``/debug/inflight``)."""
+
+    topic: str
+    partition: int
+    commit_point: int | None  # the next offset to commit
+    highest_dispatched: int | None
+    done_beyond_commit: int  # done offsets above the commit point
 
 
 class PartitionOffsets:
@@ -150,6 +161,10 @@ class PartitionOffsets:
         done = self._done
         return [offset for offset in self._order if offset in done]
 
+    def done_beyond_count(self) -> int:
+        """How many done offsets are above the commit point (O(1))."""
+        return len(self._done)
+
 
 class OffsetTracker:
     """PartitionOffsets for every assigned partition, with assignment generations.
@@ -256,3 +271,16 @@ class OffsetTracker:
         """The done offsets of ``tp`` above its commit point; [] if not assigned."""
         state = self._partitions.get(tp)
         return [] if state is None else state.done_beyond_commit()
+
+    def progress(self) -> list[PartitionProgress]:
+        """Every assigned partition's commit point, highest dispatched offset and done count."""
+        return [
+            PartitionProgress(
+                tp.topic,
+                tp.partition,
+                state.commit_point(),
+                state.last_tracked,
+                state.done_beyond_count(),
+            )
+            for tp, state in self._partitions.items()
+        ]

@@ -3,6 +3,7 @@
 from worker.flow.breaker import CircuitBreaker
 from worker.flow.holds import ModelGate
 from worker.flow.limiter import AdaptiveLimiter
+from worker.flow.model_health import ModelHealth
 from worker.flow.ordering import Ticket, Turns
 from worker.flow.retry import Backoff, Budget, Retrier, RetryPolicy
 from worker.flow.window import Window
@@ -13,6 +14,7 @@ __all__ = [
     "Budget",
     "CircuitBreaker",
     "ModelGate",
+    "ModelHealth",
     "Retrier",
     "RetryPolicy",
     "Ticket",

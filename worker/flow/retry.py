@@ -17,6 +17,8 @@ from typing import TypeVar
 from worker import errors
 from worker.flow.breaker import CircuitBreaker
 from worker.flow.holds import ModelGate
+from worker.flow.model_health import ModelHealth
+from worker.observability.inflight import DETACHED, InFlight
 
 __all__ = ["Backoff", "Budget", "Retrier", "RetryPolicy"]
 
@@ -44,10 +46,14 @@ class Backoff:
 
 @dataclass(slots=True)
 class Budget:
-    """One monotonic deadline per record, shared by all its tries; failures counted."""
+    """One monotonic deadline per record, shared by all its tries; failures counted.
+
+    ``entry`` is the record's in-flight entry: the tries write where the record is.
+    """
 
     deadline: float
     failures: int = 0
+    entry: InFlight = DETACHED
 
     @classmethod
     def lasting(cls, seconds: float) -> Budget:
@@ -82,15 +88,22 @@ class Retrier:
         breaker: CircuitBreaker,
         models: ModelGate | None,
         on_retry: Callable[[str], None],
+        health: ModelHealth | None = None,
     ) -> None:
         """``on_retry(code)`` is told of each retry, by the code of the failure."""
         self.policy = policy
         self._breaker = breaker
         self._models = models
         self._on_retry = on_retry
+        self._health = health
 
     async def run(
-        self, model: tuple[str, str], budget: Budget, call: Callable[[float], Awaitable[_T]]
+        self,
+        model: tuple[str, str],
+        budget: Budget,
+        call: Callable[[float], Awaitable[_T]],
+        *,
+        inference: bool = True,
     ) -> _T:
         """Call with the remaining time; retry retryable failures with full-jitter backoff.
 
@@ -98,15 +111,29 @@ class Retrier:
         circuit breaker, never counts as a try, and while the breaker is open
         the record waits for it to close with its deadline paused. A model
         being (re)loaded is an outage of that model: the record waits for it
-        the same way (see ModelGate). ``model`` is (name, version).
+        the same way (see ModelGate). ``inference``: the call's outcome is one of
+        the model's, counted by its failure-rate breaker; while that is open the
+        record waits for its turn to probe or for the breaker to close (see
+        ModelHealth). ``model`` is (name, version).
         """
-        models, policy = self._models, self.policy
+        models, policy, entry = self._models, self.policy, budget.entry
+        health = self._health if inference else None
         while True:
             if models is not None and models.is_held(*model):
+                entry.state = "held_model"
                 budget.pause(await models.wait_ready(*model))
+            probe = False
+            if health is not None:
+                # Set and reset with no await between them while the model's breaker is closed.
+                entry.state = "held_failing"
+                waited_s, probe = await health.admit(model)
+                budget.pause(waited_s)
+            entry.state = "sent"
             try:
                 result = await call(max(0.001, budget.remaining_s()))
             except errors.WorkerError as error:
+                if health is not None and health.failed(model, error, probe):
+                    continue  # the model fails at a rate: held, not the record's fault
                 if await self._held(model, error):
                     continue
                 if not error.retryable:
@@ -114,23 +141,37 @@ class Retrier:
                 if isinstance(error, errors.TritonUnavailable):
                     self._breaker.record_failure()
                     if self._breaker.is_open:
+                        entry.state = "held_outage"
                         budget.pause(await self._breaker.wait_closed())
                         continue
                     if budget.remaining_s() <= 0:
                         raise errors.RetriesExhausted.after(error, budget.failures + 1) from error
                     # An outage is not a try: wait as after a first failure.
                     self._on_retry(error.code)
-                    await asyncio.sleep(policy.backoff.delay_s(1))
+                    await self._wait(entry, budget, policy.backoff.delay_s(1))
                     continue
                 budget.failures += 1
                 backoff_s = policy.backoff.delay_s(budget.failures)
                 if budget.failures >= policy.max_attempts or backoff_s >= budget.remaining_s():
                     raise errors.RetriesExhausted.after(error, budget.failures) from error
                 self._on_retry(error.code)
-                await asyncio.sleep(backoff_s)
+                await self._wait(entry, budget, backoff_s)
+            except BaseException:
+                if health is not None:
+                    health.abandoned(model, probe)
+                raise
             else:
+                if health is not None:
+                    health.succeeded(model, probe)
                 self._breaker.record_success()
                 return result
+
+    @staticmethod
+    async def _wait(entry: InFlight, budget: Budget, seconds: float) -> None:
+        """Sleep until the next try, the record marked retrying meanwhile."""
+        entry.state, entry.attempt = "retrying", budget.failures + 1
+        entry.next_try_at = time.monotonic() + seconds
+        await asyncio.sleep(seconds)
 
     async def _held(self, model: tuple[str, str], error: errors.WorkerError) -> bool:
         """True when ``error`` means the model is being (re)loaded: the record should wait."""

@@ -1,4 +1,4 @@
-"""``/metrics``, ``/healthz`` and ``/readyz`` served over HTTP/1.1 with asyncio alone."""
+"""``/metrics``, ``/healthz``, ``/readyz`` and ``/debug/inflight`` over HTTP/1.1, asyncio alone."""
 
 from __future__ import annotations
 
@@ -13,6 +13,11 @@ from prometheus_client import CollectorRegistry
 
 #: Answers whether the worker is ready, and what is (not) ready, e.g. {"triton": "down"}.
 ReadinessCheck = Callable[[], tuple[bool, Mapping[str, object]]]
+#: The records in flight as plain data, the ``limit`` oldest listed (InFlightRegistry.snapshot).
+InFlightSnapshot = Callable[[int], Mapping[str, object]]
+
+#: Records listed by ``/debug/inflight`` without a ``limit`` query parameter.
+DEFAULT_INFLIGHT_LIMIT = 20
 
 _REASONS = {
     200: "OK",
@@ -29,6 +34,8 @@ _REASONS = {
 class HealthServer:
     """``GET /metrics``, ``/healthz`` and ``/readyz`` over HTTP/1.1, one request per connection.
 
+    ``/debug/inflight`` too when given a snapshot (JSON; ``?limit=N`` oldest records).
+
     Each connection gets ``read_timeout_s`` and ``max_request_bytes`` for its request
     head, so a slow or hostile client costs one small task and is then dropped.
     """
@@ -42,9 +49,12 @@ class HealthServer:
         port: int,
         read_timeout_s: float = 5.0,
         max_request_bytes: int = 8192,
+        inflight: InFlightSnapshot | None = None,
     ) -> None:
+        """``inflight``: serves ``/debug/inflight`` when given (404 otherwise)."""
         self._registry = registry
         self._readiness = readiness
+        self._inflight = inflight
         self._host = host
         self._requested_port = port
         self._read_timeout_s = read_timeout_s
@@ -127,7 +137,8 @@ class HealthServer:
         parts = request_head.split(b"\r\n", 1)[0].split(b" ")
         if len(parts) != 3 or not parts[2].startswith(b"HTTP/1."):
             return 400, text, b"bad request\n", False
-        method, target = parts[0], parts[1].split(b"?", 1)[0]
+        target, _, query = parts[1].partition(b"?")
+        method = parts[0]
         if method not in (b"GET", b"HEAD"):
             return 405, text, b"method not allowed\n", False
         head_only = method == b"HEAD"
@@ -142,7 +153,26 @@ class HealthServer:
                 self._log.exception("metrics_render_failed")
                 return 500, text, b"metrics unavailable\n", head_only
             return 200, prometheus_client.CONTENT_TYPE_LATEST, metrics, head_only
+        if target == b"/debug/inflight" and self._inflight is not None:
+            return (*self._inflight_answer(query), head_only)
         return 404, text, b"not found\n", head_only
+
+    def _inflight_answer(self, query: bytes) -> tuple[int, str, bytes]:
+        assert self._inflight is not None
+        text = "text/plain; charset=utf-8"
+        limit = DEFAULT_INFLIGHT_LIMIT
+        for pair in query.split(b"&"):
+            name, _, value = pair.partition(b"=")
+            if name == b"limit":
+                if not value.isdigit() or int(value) < 1:
+                    return 400, text, b"limit must be a whole number >= 1\n"
+                limit = int(value) if len(value) <= 6 else 10**6  # the snapshot caps it
+        try:
+            snapshot = self._inflight(limit)
+        except Exception:
+            self._log.exception("inflight_snapshot_failed")
+            return 500, text, b"in-flight snapshot unavailable\n"
+        return 200, "application/json", orjson.dumps(snapshot, default=str) + b"\n"
 
     def _ready(self) -> tuple[int, str, bytes]:
         try:

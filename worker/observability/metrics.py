@@ -57,6 +57,9 @@ METRICS_SPEC: tuple[MetricSpec, ...] = (
                (), "Records holding a window slot: sent, waiting or retrying."),
     MetricSpec("window_limit", "worker_window_limit", "gauge",
                (), "Current limit of records in flight."),
+    MetricSpec("oldest_in_flight_seconds", "worker_oldest_in_flight_seconds", "gauge",
+               (), "Age of the oldest record holding a window slot (0 when none); "
+               "/debug/inflight says where it is."),
     MetricSpec("consumer_lag", "worker_consumer_lag", "gauge",
                ("topic", "partition"), "Records between the committed offset and the end."),
     MetricSpec("partitions_assigned", "worker_partitions_assigned", "gauge",
@@ -91,6 +94,12 @@ METRICS_SPEC: tuple[MetricSpec, ...] = (
                "dead-letter topic refused them for their size."),
     MetricSpec("models_not_ready", "worker_models_not_ready", "gauge",
                (), "Models being (re)loaded in Triton whose records are held, not failed."),
+    MetricSpec("model_breaker_open", "worker_model_breaker_open", "gauge",
+               ("model",), "1 while the model's INFERENCE_ERROR rate breaker is open (its "
+               "records held, one probe per interval)."),
+    MetricSpec("model_breaker_transitions_total", "worker_model_breaker_transitions_total",
+               "counter", ("model", "state"), "Openings and closings of a model's failure-rate "
+               "breaker (state: open or closed)."),
     MetricSpec("worker_info", "worker_info", "gauge",
                ("version",), "Always 1; the label carries the worker version."),
     MetricSpec("inference_latency_seconds", "worker_inference_latency_seconds", "histogram",
@@ -132,6 +141,7 @@ class Metrics:
     commit_failures_total: Counter
     in_flight: Gauge
     window_limit: Gauge
+    oldest_in_flight_seconds: Gauge
     consumer_lag: Gauge
     partitions_assigned: Gauge
     paused_partitions: Gauge
@@ -146,6 +156,8 @@ class Metrics:
     internal_errors_total: Counter
     dead_letter_values_omitted_total: Counter
     models_not_ready: Gauge
+    model_breaker_open: Gauge
+    model_breaker_transitions_total: Counter
     worker_info: Gauge
     inference_latency_seconds: Histogram
     stream_responses: Histogram
@@ -174,6 +186,13 @@ class Metrics:
             self._models.add(model)
             return model
         return "other"
+
+    def model_breaker_changed(self, model: str, is_open: bool) -> None:
+        """A model's failure-rate breaker opened or closed: its gauge and transitions."""
+        label = self.model_label(model)
+        self.model_breaker_open.labels(model=label).set(1 if is_open else 0)
+        state = "open" if is_open else "closed"
+        self.model_breaker_transitions_total.labels(model=label, state=state).inc()
 
     def forget_partition(self, topic: str, partition: int) -> None:
         """Drop per-partition gauges of a revoked partition so no stale lag is exported."""

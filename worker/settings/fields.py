@@ -22,6 +22,7 @@ __all__ = [
     "SecurityProtocol",
     "ShmMode",
     "StreamOutput",
+    "TritonTrace",
     "WindowMode",
     "default_client_id",
     "log_format_for",
@@ -36,6 +37,7 @@ SecurityProtocol = Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"]
 SaslMechanism = Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "OAUTHBEARER"]
 WindowMode = Literal["fixed", "adaptive"]
 ShmMode = Literal["none", "system"]
+TritonTrace = Literal["stream", "unary"]
 AuditMode = Literal["none", "log", "topic", "both"]
 Compression = Literal["none", "gzip", "snappy", "lz4", "zstd"]
 StreamOutput = Literal["final", "each"]

@@ -30,6 +30,7 @@ from typing import Any
 from tritonclient.grpc import service_pb2
 
 from worker import errors
+from worker.observability.inflight import DETACHED, InFlight
 from worker.triton.pool import TritonPool
 from worker.wire import DecodedRequest
 from worker.wire.bytes_tensor import LENGTH_PREFIX
@@ -90,6 +91,7 @@ class _Entry:
     rows: int
     deadline: float
     future: asyncio.Future[Any]
+    inflight: InFlight
 
 
 @dataclass(slots=True)
@@ -138,22 +140,34 @@ class MicroBatcher:
         """Batches sent so far (single requests sent alone are not counted)."""
         return BatchStats(self._batches, self._rows, self._bisections)
 
-    async def infer(self, request: DecodedRequest, spec: ModelSpec, timeout_s: float) -> Any:
+    async def infer(
+        self,
+        request: DecodedRequest,
+        spec: ModelSpec,
+        timeout_s: float,
+        trace: tuple[tuple[str, str], ...] = (),
+        inflight: InFlight = DETACHED,
+    ) -> Any:
         """The response to ``request`` alone, though it may travel with others.
 
         Raises WorkerError like ``TritonPool.infer``. The request waits at most
-        ``delay_s`` for company; a full batch leaves at once.
+        ``delay_s`` for company; a full batch leaves at once. ``trace``: the
+        request's trace context, which goes with it when it travels alone (see
+        ``TritonPool.infer``); a request given one goes alone when the pool sends
+        traced requests as unary calls. A merged request carries no trace context.
+        ``inflight`` (the record's entry) is told while the request waits for its batch.
         """
         if self._closed:
             raise errors.TritonUnavailable("the worker is shutting down")
         capacity = min(self._max_rows, spec.max_batch_size)
-        if capacity <= 1 or not batchable(spec, request):
-            return await self._pool.infer(request.infer_request, timeout_s)
+        if capacity <= 1 or not batchable(spec, request) or (trace and self._pool.trace_unary):
+            return await self._pool.infer(request.infer_request, timeout_s, trace)
         rows = int(request.infer_request.inputs[0].shape[0])
         if rows >= capacity:
-            return await self._pool.infer(request.infer_request, timeout_s)
+            return await self._pool.infer(request.infer_request, timeout_s, trace)
         loop = asyncio.get_running_loop()
-        entry = _Entry(request, rows, time.monotonic() + timeout_s, loop.create_future())
+        entry = _Entry(request, rows, time.monotonic() + timeout_s, loop.create_future(), inflight)
+        inflight.state = "waiting_batch"
         self._enqueue(_key(request.infer_request), entry, capacity)
         # No timer per request: the batch's send enforces each entry's deadline
         # (see _send). Cancelling this await cancels the future, and a batch not
@@ -196,6 +210,8 @@ class MicroBatcher:
         live = [e for e in entries if not e.future.done()]
         if not live:
             return
+        for entry in live:
+            entry.inflight.state = "sent"
         latest = max(e.deadline for e in live)
         timeout_s = max(0.001, latest - time.monotonic())
         # The batch waits for its latest deadline; entries due sooner get a timer

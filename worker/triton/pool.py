@@ -31,7 +31,7 @@ from worker.triton.auth import TritonAuth
 from worker.triton.decoupled import ResponseStream
 from worker.triton.endpoints import Endpoint, EndpointSet, Resolver, Target, parse_targets
 from worker.triton.endpoints import system_resolver as _system_resolver
-from worker.triton.server import ServerPool
+from worker.triton.server import ServerPool, Trace
 from worker.wire.validation import ModelSpec
 
 __all__ = ["TritonPool"]
@@ -56,9 +56,12 @@ class TritonPool:
         resolve_interval_s: float = 30.0,
         resolver: Resolver | None = None,
         metrics: Metrics | None = None,
+        trace_unary: bool = False,
     ) -> None:
         """``shm_min_bytes`` set: inputs that large go through system shared memory
-        (regions registered with each endpoint, ``shm_pool_bytes`` each)."""
+        (regions registered with each endpoint, ``shm_pool_bytes`` each);
+        ``trace_unary``: a request given a trace context goes as a unary call carrying it."""
+        self.trace_unary = trace_unary
         self.url = url
         self._streams = streams
         self._client_kwargs = dict(client_kwargs or {})
@@ -146,18 +149,24 @@ class TritonPool:
         return first.pool.shm if first is not None else None
 
     async def infer(
-        self, request: service_pb2.ModelInferRequest, timeout_s: float
+        self, request: service_pb2.ModelInferRequest, timeout_s: float, trace: Trace = ()
     ) -> service_pb2.ModelInferResponse:
         """Send one request to the least-loaded endpoint; its response, or a WorkerError.
 
         An endpoint found unreachable is marked down and the request goes to the
         next up one within ``timeout_s``; a request of a sequence (``sequence_id``)
-        goes to the endpoint holding its sequence while that one is up.
+        goes to the endpoint holding its sequence while that one is up. ``trace``
+        (W3C traceparent and tracestate) is gRPC metadata of a unary call: sent with a
+        sequence's request (always unary), and with any request when ``trace_unary``;
+        a stream's metadata is set once for all its requests, so a request on a
+        stream cannot carry its own.
         """
         if self._closing:
             raise errors.TritonUnavailable("the worker is shutting down")
         model = (request.model_name, request.model_version)
         sticky = _sequence_of(request)
+        if not (self.trace_unary or sticky is not None):
+            trace = ()
         deadline = time.monotonic() + timeout_s
         tried: list[str] = []
         last: errors.WorkerError | None = None
@@ -170,7 +179,7 @@ class TritonPool:
             outcome = "error"
             try:
                 remaining_s = max(0.001, deadline - time.monotonic())
-                response = await endpoint.pool.infer(request, remaining_s)
+                response = await endpoint.pool.infer(request, remaining_s, trace)
                 outcome = "ok"
                 return response
             except errors.TritonUnavailable as exc:

@@ -54,6 +54,8 @@ _STUCK_AFTER_S = 0.25
 _INDEX_CACHE_S = 1.0
 #: Repository states of a model that Triton is expected to serve (again) soon.
 _SERVABLE_STATES = frozenset({"READY", "LOADING", "UNLOADING", "UNAVAILABLE"})
+#: W3C trace context (traceparent, tracestate) as gRPC metadata of a unary call.
+Trace = tuple[tuple[str, str], ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,7 +180,7 @@ class ServerPool:
         return min(live, key=lambda s: (s.oldest_age_s(now) > _STUCK_AFTER_S, s.load()))
 
     async def infer(
-        self, request: service_pb2.ModelInferRequest, timeout_s: float
+        self, request: service_pb2.ModelInferRequest, timeout_s: float, trace: Trace = ()
     ) -> service_pb2.ModelInferResponse:
         """Send one request on the least-loaded stream; its response, or a WorkerError.
 
@@ -190,8 +192,8 @@ class ServerPool:
         """
         if self._closing:
             raise errors.TritonUnavailable("the worker is shutting down")
-        if len(request.parameters) and "sequence_id" in request.parameters:
-            return await self._infer_unary(request, timeout_s)
+        if trace or (len(request.parameters) and "sequence_id" in request.parameters):
+            return await self._infer_unary(request, timeout_s, trace)  # trace: gRPC metadata
         stream = self._pick(request)
         if stream.broken is not None:
             raise stream.broken
@@ -224,13 +226,14 @@ class ServerPool:
         return response
 
     async def _infer_unary(
-        self, request: service_pb2.ModelInferRequest, timeout_s: float
+        self, request: service_pb2.ModelInferRequest, timeout_s: float, trace: Trace = ()
     ) -> service_pb2.ModelInferResponse:
         assert self._client is not None
         call = grpc_stub(self._client).ModelInfer
+        metadata = (*self._headers().items(), *trace)
         try:
             response: service_pb2.ModelInferResponse = await call(
-                request, timeout=timeout_s, metadata=tuple(self._headers().items()) or None
+                request, timeout=timeout_s, metadata=metadata or None
             )
         except grpc.aio.AioRpcError as exc:
             raise triton_errors.from_grpc(exc.code(), exc.details() or "") from None

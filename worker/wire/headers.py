@@ -22,6 +22,8 @@ __all__ = [
     "DEAD_LETTER_HEADERS",
     "INFERENCE_HEADER_CONTENT_LENGTH",
     "MAX_ERROR_MESSAGE_BYTES",
+    "TRACEPARENT",
+    "TRACESTATE",
     "Headers",
     "Source",
     "dead_letter_headers",
@@ -72,6 +74,10 @@ X_RESPONSES_PUBLISHED: Final = "x-responses-published"
 #: Requests to a sequence model (WORKER_SEQUENCE_FROM_KEY): the sequence's first and last.
 X_SEQUENCE_START: Final = "x-sequence-start"
 X_SEQUENCE_END: Final = "x-sequence-end"
+
+#: W3C Trace Context of the request: kept on its result, its dead letter and a replay.
+TRACEPARENT: Final = "traceparent"
+TRACESTATE: Final = "tracestate"
 
 #: A request re-produced from the dead-letter topic by ``replay``: which dead letter
 #: (``dlq-topic/partition/offset``), and how many times its request has been replayed.

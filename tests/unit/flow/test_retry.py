@@ -1,12 +1,18 @@
-"""Backoff with full jitter, and the deadline budget a record's tries share."""
+"""Backoff with full jitter, the deadline budget a record's tries share, the state they tell."""
 
 from __future__ import annotations
 
+import asyncio
 import random
+import time
 
 import pytest
 
-from worker.flow.retry import Backoff, Budget
+from worker import errors
+from worker.flow.breaker import CircuitBreaker
+from worker.flow.holds import ModelGate
+from worker.flow.retry import Backoff, Budget, Retrier, RetryPolicy
+from worker.observability.inflight import InFlight
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -32,3 +38,94 @@ def test_a_paused_budget_gives_the_waiting_time_back() -> None:
     before = budget.remaining_s()
     budget.pause(5.0)
     assert 14.0 < budget.remaining_s() <= before + 5.0
+
+
+# -- where a record is, as its tries go ------------------------------------------------
+
+
+def _retrier(breaker: CircuitBreaker | None = None, models: ModelGate | None = None) -> Retrier:
+    policy = RetryPolicy(
+        max_attempts=3,
+        backoff=Backoff(first_s=0.05, max_s=0.05),
+        record_deadline_s=10.0,
+        try_timeout_s=1.0,
+    )
+    return Retrier(policy, breaker or CircuitBreaker(5), models, lambda code: None)
+
+
+async def test_a_retrying_record_tells_its_attempt_and_next_try() -> None:
+    """After a retryable failure the entry says retrying, try 2, due within the backoff."""
+    entry = InFlight("in", 0, 1, time.monotonic())
+    budget = Budget.lasting(10.0)
+    budget.entry = entry
+    failed, states = asyncio.Event(), []
+
+    async def call(timeout_s: float) -> str:
+        states.append(entry.state)
+        if not failed.is_set():
+            failed.set()
+            raise errors.TritonOverloaded("queue full")
+        return "answer"
+
+    running = asyncio.create_task(_retrier().run(("m", ""), budget, call))
+    await failed.wait()
+    # The retrier went on to its backoff sleep before this task resumed.
+    assert (entry.state, entry.attempt) == ("retrying", 2)
+    assert 0 <= entry.next_try_at - time.monotonic() <= 0.05
+    assert await running == "answer"
+    assert states == ["sent", "sent"] and entry.state == "sent"
+
+
+async def test_a_record_held_by_an_outage_says_so() -> None:
+    """Triton unavailable with the breaker opening: the entry is held_outage until it closes."""
+    entry = InFlight("in", 0, 1, time.monotonic())
+    budget = Budget.lasting(10.0)
+    budget.entry = entry
+    breaker = CircuitBreaker(1)
+    tries = 0
+
+    async def call(timeout_s: float) -> str:
+        nonlocal tries
+        tries += 1
+        if tries == 1:
+            raise errors.TritonUnavailable("connection refused")
+        return "answer"
+
+    running = asyncio.create_task(_retrier(breaker).run(("m", ""), budget, call))
+    await breaker.wait_open()
+    assert entry.state == "held_outage"
+    breaker.close()
+    assert await running == "answer" and entry.state == "sent"
+
+
+async def test_a_record_held_for_its_model_says_so() -> None:
+    """A model being reloaded: the entry is held_model until the probe finds it ready."""
+    probed, ready = asyncio.Event(), asyncio.Event()
+
+    async def is_ready(name: str, version: str) -> bool:
+        probed.set()
+        return ready.is_set()
+
+    async def listed(name: str, version: str) -> bool:
+        return True
+
+    gate = ModelGate(seen_ready=lambda n, v: True, listed=listed, ready=is_ready, interval_s=0.001)
+    entry = InFlight("in", 0, 1, time.monotonic())
+    budget = Budget.lasting(10.0)
+    budget.entry = entry
+    tries = 0
+
+    async def call(timeout_s: float) -> str:
+        nonlocal tries
+        tries += 1
+        if tries == 1:
+            raise errors.ModelNotReady("'m' has no available versions")
+        return "answer"
+
+    probing = asyncio.create_task(gate.probe_loop())
+    running = asyncio.create_task(_retrier(models=gate).run(("m", ""), budget, call))
+    await probed.wait()
+    assert entry.state == "held_model"
+    ready.set()
+    assert await running == "answer"
+    probing.cancel()

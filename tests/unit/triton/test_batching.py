@@ -18,6 +18,7 @@ from tritonclient.grpc import service_pb2
 from devtools.samples import Tensor
 from tests.support import decode_sample
 from worker import errors, wire
+from worker.observability.inflight import InFlight
 from worker.triton.batching import MicroBatcher, _merge, _split, batchable
 from worker.wire.tensors import deserialize_bytes_tensor, serialize_bytes_tensor
 from worker.wire.validation import ModelSpec, TensorSpec
@@ -169,3 +170,34 @@ async def test_close_fails_requests_still_waiting_for_company() -> None:
     with pytest.raises(errors.TritonUnavailable):
         await waiting
     assert pool.sent == []
+
+
+class HeldPool(EchoPool):
+    """An echo pool that answers only once released: a batch stays sent meanwhile."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.called = asyncio.Event()
+        self.release = asyncio.Event()
+
+    async def infer(self, request: Any, timeout_s: float) -> Any:
+        self.called.set()
+        await self.release.wait()
+        return await super().infer(request, timeout_s)
+
+
+async def test_records_wait_for_their_batch_then_are_sent() -> None:
+    """A request waiting for company says waiting_batch; once its batch leaves, both say sent."""
+    pool = HeldPool()
+    batcher = MicroBatcher(pool, max_batch_size=2, delay_s=10.0)  # type: ignore[arg-type]
+    first, second = InFlight("in", 0, 1, 0.0), InFlight("in", 0, 2, 0.0)
+    waiting = asyncio.create_task(batcher.infer(floats(1), SPEC, 5.0, inflight=first))
+    await asyncio.sleep(0)  # one loop turn: the task runs up to its wait for the batch
+    assert first.state == "waiting_batch" and not pool.called.is_set()
+    filling = asyncio.create_task(batcher.infer(floats(1, start=4), SPEC, 5.0, inflight=second))
+    await pool.called.wait()  # the batch is full (2 rows): it left at once
+    assert (first.state, second.state) == ("sent", "sent")
+    pool.release.set()
+    await asyncio.gather(waiting, filling)
+    assert pool.sent == [2]
+    await batcher.close()

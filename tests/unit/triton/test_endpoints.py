@@ -50,7 +50,7 @@ class FakeServer:
     async def close(self, drain_timeout_s: float = 10.0) -> None:
         self.closed.set()
 
-    async def infer(self, request: Any, timeout_s: float) -> Any:
+    async def infer(self, request: Any, timeout_s: float, trace: Any = ()) -> Any:
         if not self.live:
             raise errors.TritonUnavailable("the inference stream broke: connection reset")
         self.entered.set()

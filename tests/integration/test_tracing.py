@@ -1,0 +1,209 @@
+"""Trace context against real Kafka and Triton: headers kept, spans emitted, Triton continuing.
+
+The worker runs in-process; its spans go to the SDK's in-memory exporter. For
+Triton's side a Triton of this module's own runs in OpenTelemetry trace mode
+(``rate=0``: only requests that bring a context are traced), exporting OTLP/HTTP
+to a small receiver here; tritonserver 2.51 sends OTLP's JSON encoding, ids in hex.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import numpy as np
+import pytest
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from devtools.devstack.paths import models_dir
+from devtools.devstack.triton import TritonServer, ensure_triton
+from devtools.samples import SampleRequest, double_inputs, encode_request
+from tests.support import Topics, collect, create, headers_dict, running_worker, send, settings_for
+from worker.app import Worker
+from worker.observability._otel import OtelTracing
+
+pytestmark = pytest.mark.timeout(240)
+
+TRACESTATE = b"vendor=opaque"
+
+
+def traceparent(trace_id: str, parent_id: str = "00f067aa0ba902b7") -> bytes:
+    return f"00-{trace_id}-{parent_id}-01".encode()
+
+
+def double(request_id: str, trace_id: str) -> SampleRequest:
+    tensors = double_inputs(np.random.default_rng(1), width=4)
+    value, headers = encode_request("double", tensors, "json", request_id)
+    headers = [*headers, ("traceparent", traceparent(trace_id)), ("tracestate", TRACESTATE)]
+    return SampleRequest(value, headers, "double", "json", request_id)
+
+
+def broken(request_id: str, trace_id: str) -> SampleRequest:
+    headers = [
+        ("content-type", b"application/json"),
+        ("x-request-id", request_id.encode()),
+        ("traceparent", traceparent(trace_id)),
+        ("tracestate", TRACESTATE),
+    ]
+    return SampleRequest(b"{not json", headers, "double", "json", request_id)
+
+
+async def test_result_and_dead_letter_keep_the_context_and_each_record_has_its_spans(
+    kafka: Any, triton: Any, unique: str
+) -> None:
+    """A good and a bad traced record: both outcomes keep traceparent/tracestate; two trees."""
+    topics = Topics.fresh(unique)
+    await create(kafka, topics)
+    good_id, bad_id = "4bf92f3577b34da6a3ce929d0e0e4736", "5bf92f3577b34da6a3ce929d0e0e4737"
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    settings = settings_for(kafka, triton, topics)
+    tracing = OtelTracing(provider, output_topic=topics.output, dlq_topic=topics.dlq, group_id="g")
+    async with running_worker(settings, Worker(settings, tracing=tracing)):
+        await send(
+            kafka.bootstrap_servers, topics.input, [double("good", good_id), broken("bad", bad_id)]
+        )
+        got = await collect(kafka.bootstrap_servers, topics, expected=2)
+    result = headers_dict(got.results["good"].headers)
+    letter = headers_dict(got.dead_letters["bad"].headers)
+    assert result["traceparent"] == traceparent(good_id)
+    assert result["tracestate"] == TRACESTATE
+    assert letter["traceparent"] == traceparent(bad_id)
+    assert letter["tracestate"] == TRACESTATE
+    assert letter["x-error-code"] == b"DECODE_ERROR"
+
+    spans = exporter.get_finished_spans()
+    by_trace: dict[str, list[Any]] = {}
+    for span in spans:
+        by_trace.setdefault(format(span.context.trace_id, "032x"), []).append(span)
+    assert set(by_trace) == {good_id, bad_id}
+    good = {s.name: s for s in by_trace[good_id]}
+    assert set(good) == {f"consume {topics.input}", "infer double", f"publish {topics.output}"}
+    bad = {s.name: s for s in by_trace[bad_id]}
+    assert set(bad) == {f"consume {topics.input}", f"publish {topics.dlq}"}
+    for tree in (good, bad):
+        root = tree[f"consume {topics.input}"]
+        assert root.parent is not None and format(root.parent.span_id, "016x") == "00f067aa0ba902b7"
+        for name, span in tree.items():
+            if span is not root:
+                assert span.parent is not None and span.parent.span_id == root.context.span_id, name
+
+
+class _Receiver(BaseHTTPRequestHandler):
+    """OTLP/HTTP traces endpoint that keeps every body it is sent."""
+
+    bodies: list[bytes]
+    arrived: threading.Condition
+
+    def do_POST(self) -> None:
+        body = self.rfile.read(int(self.headers.get("Content-Length", "0")))
+        with self.arrived:
+            self.bodies.append(body)
+            self.arrived.notify_all()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/x-protobuf")
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+#: (name, trace id, parent span id) of an exported span.
+Exported = tuple[str, str, str]
+
+
+def _spans(body: bytes) -> list[Exported]:
+    document = json.loads(body)
+    return [
+        (span["name"], span["traceId"].lower(), span.get("parentSpanId", "").lower())
+        for resource in document.get("resourceSpans", [])
+        for scope in resource.get("scopeSpans", [])
+        for span in scope.get("spans", [])
+    ]
+
+
+class Collector:
+    """The spans Triton exported."""
+
+    def __init__(self) -> None:
+        self.bodies: list[bytes] = []
+        self.arrived = threading.Condition()
+        handler = type("Handler", (_Receiver,), {"bodies": self.bodies, "arrived": self.arrived})
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1/traces"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def spans(self) -> list[Exported]:
+        with self.arrived:
+            return [span for body in self.bodies for span in _spans(body)]
+
+    def wait_for(self, trace_id: str, timeout_s: float) -> bool:
+        """True once a span of ``trace_id`` has arrived (False after ``timeout_s``)."""
+        with self.arrived:
+            return self.arrived.wait_for(
+                lambda: any(s[1] == trace_id for b in self.bodies for s in _spans(b)), timeout_s
+            )
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture(scope="module")
+def collector() -> Iterator[Collector]:
+    found = Collector()
+    yield found
+    found.close()
+
+
+@pytest.fixture(scope="module")
+def traced_triton(collector: Collector, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """Triton serving ``double``, tracing (OpenTelemetry) exactly the requests with a context."""
+    server = TritonServer(
+        ensure_triton(lambda _: None),
+        models_dir(),
+        tmp_path_factory.mktemp("traced-triton"),
+        models=["double"],
+        extra_args=[
+            "--trace-config=mode=opentelemetry",
+            "--trace-config=rate=0",
+            "--trace-config=count=-1",
+            "--trace-config=level=TIMESTAMPS",
+            f"--trace-config=opentelemetry,url={collector.url}",
+            "--trace-config=opentelemetry,bsp_schedule_delay=100",
+        ],
+    )
+    server.start()
+    yield server
+    server.stop()
+
+
+async def test_triton_continues_the_trace_of_a_record_sent_unary(
+    kafka: Any, traced_triton: Any, collector: Collector, unique: str
+) -> None:
+    """WORKER_TRITON_TRACE=unary: Triton's spans carry the record's trace; on a stream, not."""
+    on_stream, unary = "6bf92f3577b34da6a3ce929d0e0e4738", "7bf92f3577b34da6a3ce929d0e0e4739"
+    for mode, request_id, trace_id in (("stream", "s", on_stream), ("unary", "u", unary)):
+        topics = Topics.fresh(f"{unique}{mode}")
+        await create(kafka, topics)
+        settings = settings_for(kafka, traced_triton, topics, triton_trace=mode)
+        async with running_worker(settings):
+            await send(kafka.bootstrap_servers, topics.input, [double(request_id, trace_id)])
+            got = await collect(kafka.bootstrap_servers, topics, expected=1)
+        assert request_id in got.results
+    assert collector.wait_for(unary, timeout_s=30), "Triton exported no span of the unary record"
+    spans = collector.spans()
+    # Spans are exported in the order they end; the stream record's would have come first.
+    assert not [s for s in spans if s[1] == on_stream]
+    ours = [s for s in spans if s[1] == unary]
+    # Triton's top-level span is a child of the record's own parent span (no worker spans).
+    assert ("InferRequest", unary, "00f067aa0ba902b7") in ours
+    assert any(name == "double" for name, _, _ in ours)
