@@ -296,14 +296,16 @@ class FastPath:
             if self._limiter is not None and isinstance(
                 exc, (errors.TritonOverloaded, errors.TritonTimeout)
             ):
-                self._limiter.on_overload()
+                self._limiter.on_overload()  # once: the per-record path tells the rest
             return None
         latency_s = time.monotonic() - started
-        latency = self._model_metrics(batch[0].request.model_name)[1]
+        latency, limiter = self._model_metrics(batch[0].request.model_name)[1], self._limiter
+        # One value per record, as on the per-record path: the limiter's sample windows
+        # are counted in requests.
         for _ in batch:
             latency.observe(latency_s)
-        if self._limiter is not None:
-            self._limiter.on_success(latency_s)
+            if limiter is not None:
+                limiter.on_success(latency_s)
         self._breaker.record_success()
         if self._health is not None:
             request = batch[0].request
