@@ -57,7 +57,7 @@ class Dispatcher:
     ) -> None:
         self._settings = settings
         self._delivery = delivery
-        self._window = window
+        self.window = window
         self._inflight = inflight
         self._handler = handler
         self._tracing = tracing
@@ -74,7 +74,7 @@ class Dispatcher:
             generation = delivery.track(record)
             if delivery.settle_if_done(record, generation):
                 # Done before a crash or hand-over (the commit metadata says so): skipped.
-                self._window.release(TopicPartition(record.topic, record.partition))
+                self.window.release(TopicPartition(record.topic, record.partition))
                 continue
             candidate = fast.select(record, generation) if fast is not None else None
             if candidate is not None:
@@ -172,5 +172,5 @@ class Dispatcher:
             for turn in (key_turn, publish_turn):
                 if turn is not None:
                     turn.done()
-            self._window.release(tp)
+            self.window.release(tp)
             self._inflight.remove(entry)
