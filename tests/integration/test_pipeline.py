@@ -180,14 +180,17 @@ async def test_window_bounds_in_flight_and_pauses_fetching(
     worker.window = spy
     worker.intake._window = spy
     paused_seen = asyncio.Event()
-    consumer = worker.intake.consumer
-    real_pause = consumer.pause
+    # The paused-partitions gauge is set from the partitions the intake pauses, whichever
+    # client runs; a value above 0 is a pause.
+    gauge = worker.metrics.paused_partitions
+    real_set = gauge.set
 
-    def spy_pause(*partitions: TopicPartition) -> None:
-        paused_seen.set()
-        real_pause(*partitions)
+    def spy_set(value: float) -> None:
+        if value > 0:
+            paused_seen.set()
+        real_set(value)
 
-    consumer.pause = spy_pause
+    gauge.set = spy_set  # type: ignore[method-assign]
 
     async with running_worker(settings, worker):
         await send(kafka.bootstrap_servers, topics.input, requests)
