@@ -50,8 +50,10 @@ log = structlog.get_logger(__name__)
 
 _T = TypeVar("_T")
 
-#: Longest wait in one consume; also bounds how late a queued commit runs.
-_POLL_TIMEOUT_S = 0.1
+#: Longest wait in one consume; also bounds how late a queued commit runs. librdkafka's
+#: consume waits for the whole timeout unless max_poll_records arrive sooner: a long one
+#: would hold every commit (and the records fetched meanwhile) back by as much.
+_POLL_TIMEOUT_S = 0.02
 
 #: How often the cached end offsets (for the lag gauges) are read.
 _HIGHWATER_INTERVAL_S = 1.0

@@ -47,15 +47,16 @@ _REBALANCE_CODES = {
 
 
 def headers_of(message: Any) -> list[tuple[str, bytes | None]]:
-    """The message's headers; a key that is not UTF-8 is decoded with replacement characters."""
+    """The message's headers, each key as text: one that is not UTF-8 is decoded with
+    replacement characters (a header list the binding cannot decode at all is empty)."""
     try:
-        headers = message.headers()
+        headers = message.headers() or []
     except UnicodeDecodeError:
-        headers = None
-        raw = getattr(message, "headers_raw", None)
-        if raw is not None:
-            headers = [(k.decode("utf-8", "replace"), v) for k, v in raw()]
-    return list(headers or [])
+        return []
+    return [
+        (key if isinstance(key, str) else bytes(key).decode("utf-8", "replace"), value)
+        for key, value in headers
+    ]
 
 
 def record_of(message: Any) -> ConsumerRecord[bytes, bytes]:
