@@ -31,12 +31,12 @@ def worker_env(kafka: Any, triton: Any, topics: Topics, **extra: str) -> dict[st
         "WORKER_LOG_FORMAT": "json",
     }
     # The whole suite runs against either client: WORKER_TEST_KAFKA_CLIENT=confluent.
-    env["WORKER_KAFKA_CLIENT"] = test_kafka_client()
+    env["WORKER_KAFKA_CLIENT"] = kafka_client_under_test()
     env.update({f"WORKER_{k.upper()}": v for k, v in extra.items()})
     return env
 
 
-def test_kafka_client() -> str:
+def kafka_client_under_test() -> str:
     """The Kafka client the tests run the worker with (WORKER_TEST_KAFKA_CLIENT, aiokafka)."""
     return os.environ.get("WORKER_TEST_KAFKA_CLIENT", "aiokafka")
 

@@ -100,6 +100,8 @@ class RdIntake:
         self._request_queued = asyncio.Event()
         self._looping = False
         self._rebalancing = False
+        #: The group metadata as a rebalance callback began (valid while it runs).
+        self._group_snapshot: Any = None
         self._stopping = asyncio.Event()
         self.consumer: AIOConsumer | None = None
         self.running = False
@@ -290,6 +292,18 @@ class RdIntake:
 
         return await self._call(committed_now)
 
+    async def group_metadata(self) -> Any:
+        """The consumer's group metadata (generation or member epoch, member id), for
+        ``send_offsets_to_transaction``: read now, or, while a rebalance callback runs,
+        as it was when the callback began (the member's generation until it returns)."""
+        consumer = self.consumer
+        assert consumer is not None
+        if self._rebalancing and not _IN_CALLBACK.get():
+            if self._group_snapshot is None:
+                raise from_rd_error("rebalance in progress", commit=True)
+            return self._group_snapshot
+        return await self._call(consumer.consumer_group_metadata)
+
     def owns(self, tp: TopicPartition) -> bool:
         """True while ``tp`` is assigned and no rebalance callback is under way."""
         return tp in self._assigned and not self._rebalancing
@@ -305,8 +319,10 @@ class RdIntake:
         """Tell the listener (it reads the commits), then take the partitions."""
         token = _IN_CALLBACK.set(True)
         self._rebalancing = True
+        self._group_snapshot = None
         self._fail_queued()
         try:
+            self._group_snapshot = await consumer.consumer_group_metadata()
             assigned = {tp_of(p) for p in partitions}
             await self._rebalance.on_assigned(assigned)
             if self._incremental:
@@ -320,14 +336,17 @@ class RdIntake:
                 log.info("partitions_assigned", partitions=sorted(map(str, assigned)))
         finally:
             self._rebalancing = False
+            self._group_snapshot = None
             _IN_CALLBACK.reset(token)
 
     async def _on_revoke(self, consumer: AIOConsumer, partitions: list[Any]) -> None:
         """Stop dispatching them, let the listener drain and commit them, then let them go."""
         token = _IN_CALLBACK.set(True)
         self._rebalancing = True
+        self._group_snapshot = None
         self._fail_queued()
         try:
+            self._group_snapshot = await consumer.consumer_group_metadata()
             revoked = {tp_of(p) for p in partitions}
             for tp in revoked:
                 self._backlog.pop(tp, None)
@@ -343,6 +362,7 @@ class RdIntake:
                 await consumer.unassign()
         finally:
             self._rebalancing = False
+            self._group_snapshot = None
             _IN_CALLBACK.reset(token)
 
     async def _on_lost(self, consumer: AIOConsumer, partitions: list[Any]) -> None:

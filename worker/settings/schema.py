@@ -70,12 +70,6 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     SECTIONS: ClassVar[dict[str, type[_Section]]]
 
     def __post_init__(self) -> None:
-        if self.delivery.delivery == "exactly_once" and self.kafka.kafka_client == "confluent":
-            raise ConfigError(
-                "WORKER_DELIVERY",
-                "WORKER_DELIVERY: exactly_once with WORKER_KAFKA_CLIENT confluent is not "
-                "supported yet",
-            )
         audit_topic = self.ops.audit_topic
         if audit_topic is not None and audit_topic in self.topics.input_topics:
             raise ConfigError(

@@ -84,12 +84,6 @@ def test_consumer_protocol_needs_the_confluent_client() -> None:
     assert error.setting == "WORKER_GROUP_PROTOCOL"
 
 
-def test_exactly_once_on_confluent_is_refused_for_now() -> None:
-    """exactly_once is not built on librdkafka yet: refused at start-up, naming the setting."""
-    error = _error(DELIVERY="exactly_once")
-    assert error.setting == "WORKER_DELIVERY" and "not supported yet" in error.message
-
-
 def test_producer_config_is_idempotent_with_the_asked_compression_and_linger() -> None:
     """acks=all, idempotence, linger, compression and the size bound reach librdkafka."""
     settings = _settings(LINGER_MS="7", COMPRESSION_TYPE="zstd")
