@@ -329,6 +329,9 @@ class RdIntake:
                 await consumer.incremental_assign(partitions)
             else:
                 await consumer.assign(partitions)
+            # librdkafka may keep a partition's pause across an unassign and a new assign:
+            # the loop pauses what it must again, from a known state.
+            await consumer.resume(partitions)
             self._assigned |= assigned
             self._paused -= assigned
             self._metrics.partitions_assigned.set(len(self._assigned))
