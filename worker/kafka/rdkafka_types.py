@@ -5,9 +5,8 @@ and aiokafka's error classes whichever client runs: this module translates
 confluent-kafka's ``Message``, ``TopicPartition`` and ``KafkaError`` into them.
 
 Headers: librdkafka gives a header's value as None when it is null (as aiokafka
-does) and decodes its key as UTF-8; a key that is not valid UTF-8 makes the whole
-header list unreadable, so such a record is handed on with its raw headers decoded
-with replacement characters rather than crash the member (``headers_of``).
+does); a key that is not UTF-8 is decoded with replacement characters rather than
+stop the partition (``headers_of``).
 """
 
 from __future__ import annotations

@@ -258,7 +258,7 @@ class DeliverySettings(_Section, frozen=True, kw_only=True):
         "at_least_once")
     transactional_id_prefix: Annotated[str, Doc(
         "exactly_once: prefix of the producers' transactional ids (one per input "
-        "partition).")] = "kafka-triton-worker"
+        "partition with aiokafka, one per worker with confluent).")] = "kafka-triton-worker"
     max_uncommitted_per_partition: Annotated[int, Meta(ge=1), Doc(
         "How far past its commit point a partition may dispatch; beyond it the partition "
         "pauses. Bounds the work a crash can redo behind a record stuck in retries.")] = 10_000
