@@ -170,8 +170,14 @@ async def test_window_bounds_in_flight_and_pauses_fetching(
     await create(kafka, topics, partitions=2)
     rng = np.random.default_rng(4)
     requests = [faulty_request(rng, f"w{i}", delay_ms=20) for i in range(120)]
+    # A poll of 10: librdkafka's intake pauses a partition once a poll's worth waits.
     settings = settings_for(
-        kafka, triton, topics, max_in_flight="8", max_in_flight_per_partition="8"
+        kafka,
+        triton,
+        topics,
+        max_in_flight="8",
+        max_in_flight_per_partition="8",
+        max_poll_records="10",
     )
     from worker.app import Worker
 

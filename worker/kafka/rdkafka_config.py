@@ -166,6 +166,12 @@ def consumer_config(kafka: KafkaSettings, auth: KafkaAuthSettings) -> dict[str, 
         **security_config(auth),
     }
     if kafka.group_protocol == "classic":
+        if kafka.max_poll_interval_ms < kafka.session_timeout_ms:
+            raise ConfigError(
+                "WORKER_MAX_POLL_INTERVAL_MS",
+                "WORKER_MAX_POLL_INTERVAL_MS: librdkafka needs it at least "
+                f"WORKER_SESSION_TIMEOUT_MS ({kafka.session_timeout_ms})",
+            )
         # Eager, like aiokafka's default: every partition is revoked, then reassigned.
         config["partition.assignment.strategy"] = "roundrobin"
         config["session.timeout.ms"] = kafka.session_timeout_ms

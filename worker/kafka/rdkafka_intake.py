@@ -205,11 +205,24 @@ class RdIntake:
         return not self._window.full_for(tp) and self._admits(tp)
 
     def _sync_pauses(self) -> None:
+        """Pause a partition once its backlog holds a full poll, resume it at half that.
+
+        Unlike aiokafka, librdkafka drops what it had prefetched for a partition when
+        it is paused and fetches it again on resume: pausing whenever a slot is
+        missing (as ``Intake`` does) would fetch most records twice. So a partition
+        whose window is full keeps its prefetch, and a backlog of at most about one
+        poll, in memory; only the breaker pauses everything at once.
+        """
         assigned = self._assigned
         if self._breaker.is_open:
             full = set(assigned)
         else:
-            full = {tp for tp in assigned if self._backlog.get(tp) or not self._can_take(tp)}
+            high, low = self._max_poll_records, self._max_poll_records // 2
+            full = set()
+            for tp in assigned:
+                waiting = len(self._backlog.get(tp, ()))
+                if waiting >= high or (tp in self._paused and waiting > low):
+                    full.add(tp)
         if to_pause := full - self._paused:
             self._rd.pause(to_rd_partitions(to_pause))
         if to_resume := (self._paused - full) & assigned:

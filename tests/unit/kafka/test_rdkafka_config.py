@@ -78,6 +78,12 @@ def test_a_session_timeout_under_the_consumer_protocol_is_refused() -> None:
     assert error.setting == "WORKER_SESSION_TIMEOUT_MS"
 
 
+def test_a_poll_interval_below_the_session_timeout_is_refused() -> None:
+    """librdkafka refuses max.poll.interval.ms under session.timeout.ms: named at start-up."""
+    error = _error(MAX_POLL_INTERVAL_MS="1000", SESSION_TIMEOUT_MS="6000")
+    assert error.setting == "WORKER_MAX_POLL_INTERVAL_MS"
+
+
 def test_consumer_protocol_needs_the_confluent_client() -> None:
     """aiokafka speaks only the classic protocol: the combination is refused in one line."""
     error = _error(KAFKA_CLIENT="aiokafka", GROUP_PROTOCOL="consumer")
