@@ -63,14 +63,17 @@ class RdProducer:
 
     async def start(self) -> None:
         """Create the producer and reach a broker (KafkaError when none answers)."""
-        producer = confluent_kafka.Producer(self._config)
-        try:
-            await asyncio.to_thread(producer.list_topics, timeout=_START_TIMEOUT_S)
-        except confluent_kafka.KafkaException as exc:
-            raise from_rd_error(exc) from None
-        self._producer = producer
+        self._producer = confluent_kafka.Producer(self._config)
+        # Polled first: an OAUTHBEARER token is asked for (oauth_cb) from poll.
         self._poller = threading.Thread(target=self._poll, name="rdkafka-producer", daemon=True)
         self._poller.start()
+        try:
+            await asyncio.to_thread(self._producer.list_topics, timeout=_START_TIMEOUT_S)
+        except confluent_kafka.KafkaException as exc:
+            self._closing.set()
+            await asyncio.to_thread(self._poller.join)
+            self._producer = None
+            raise from_rd_error(exc) from None
 
     def _poll(self) -> None:
         producer = self._producer
