@@ -311,7 +311,7 @@ async def _extras(
     if "defaults" in wanted:
         from devtools.bench import sweep
 
-        total = 3 + sum(len(v) for v in sweep.FACTORS.values()) + 1
+        total = len(sweep.FACTORS) + sum(len(v) for v in sweep.FACTORS.values()) + 2
         with console.status("defaults sweep: one setting at a time around the defaults...") as s:
             done: list[str] = []
 

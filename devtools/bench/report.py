@@ -432,7 +432,7 @@ def extra_ratios(extras: dict[str, Any]) -> list[Ratio]:
             )
         )
     defaults = extras.get("defaults")
-    if defaults is not None and defaults.default_runs:
+    if defaults is not None and defaults.groups:
         from devtools.bench import sweep
 
         out.append(Ratio(*sweep.target(defaults)))

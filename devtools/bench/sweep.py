@@ -2,27 +2,26 @@
 
 Around the worker's own defaults, each setting of ``FACTORS`` is set to each of
 its values in turn (everything else at its default), and one worker drains the
-same backlog (``extras.drain``). Then one more run combines every setting's best
-value. The defaults themselves are measured three times, first, in the middle and
-last, so the spread the shared machine adds is in the table beside the
-differences the settings make; the target compares the median of those three
-with the best run found.
+same backlog (``extras.drain``). Every group of runs of one setting starts with a
+run of the defaults, and each value is compared with that run: the machine's load
+drifts over minutes, and a ratio to a run made just before is what holds still.
+Last, one run combines every setting's best value, followed by one more run of
+the defaults to compare it with. The target: the defaults within 10 % of the best
+ratio found.
 """
 
 from __future__ import annotations
 
-import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from devtools.bench.extras import Drain, drain
 from worker.settings.schema import SETTINGS_SPEC
 
-__all__ = ["FACTORS", "Sweep", "defaults_of", "markdown", "run_sweep", "target"]
+__all__ = ["FACTORS", "Group", "Sweep", "defaults_of", "markdown", "run_sweep", "target"]
 
-#: The settings swept and the values tried for each (the default is added if missing).
+#: The settings swept and the values tried for each (besides the default).
 FACTORS: dict[str, tuple[str, ...]] = {
     "MAX_IN_FLIGHT": ("64", "128", "512", "1024"),
     "MAX_IN_FLIGHT_PER_PARTITION": ("32", "128", "256"),
@@ -37,52 +36,61 @@ FACTORS: dict[str, tuple[str, ...]] = {
 #: The defaults are within this fraction of the best run found (the target).
 WITHIN = 0.10
 
+#: The label of the run combining every setting's best value.
+COMBINED = "every best value combined"
+
 
 def defaults_of(names: Sequence[str]) -> dict[str, str]:
     """The worker's default of each setting (names without the ``WORKER_`` prefix)."""
     by_env = {spec.env: spec for spec in SETTINGS_SPEC}
     out = {}
     for name in names:
-        spec = by_env[f"WORKER_{name}"]
-        value = spec.default_doc()
-        # Defaults print as "2.0" for floats; the settings parser reads either.
-        out[name] = value.removesuffix(".0") if value.endswith(".0") else value
+        value = by_env[f"WORKER_{name}"].default_doc()
+        # Floats print as "2.0"; the settings parser reads "2" as well.
+        out[name] = value.removesuffix(".0")
     return out
 
 
 @dataclass(slots=True)
+class Group:
+    """The runs of one setting (or of the combined values): the defaults first, then each."""
+
+    name: str
+    default: Drain
+    runs: list[tuple[str, Drain]] = field(default_factory=list)  # (value, run)
+
+    def ratios(self) -> list[tuple[str, float]]:
+        """(value, records/s over the group's defaults run), in the order run."""
+        base = self.default.records_per_s
+        return [(value, run.records_per_s / base if base else 0.0) for value, run in self.runs]
+
+
+@dataclass(slots=True)
 class Sweep:
-    """Every run of the sweep, the defaults' repeats, and the combined-best run."""
+    """Every group of the sweep, and the combined-best run's group last."""
 
     defaults: dict[str, str]
-    default_runs: list[Drain] = field(default_factory=list)
-    runs: list[tuple[str, str, Drain]] = field(default_factory=list)  # (setting, value, run)
-    combined: Drain | None = None
-
-    def default_rate(self) -> float:
-        """The median records/s of the defaults' runs."""
-        return statistics.median(d.records_per_s for d in self.default_runs)
-
-    def best(self) -> tuple[str, Drain]:
-        """The fastest run of all (label, run); the defaults' median counts as one."""
-        median = sorted(self.default_runs, key=lambda d: d.records_per_s)[
-            (len(self.default_runs) - 1) // 2
-        ]
-        candidates = [("the defaults", median)]
-        candidates += [(f"{name}={value}", run) for name, value, run in self.runs]
-        if self.combined is not None:
-            candidates.append(("every best value combined", self.combined))
-        return max(candidates, key=lambda item: item[1].records_per_s)
+    groups: list[Group] = field(default_factory=list)
 
     def best_values(self) -> dict[str, str]:
-        """Each setting's value with the most records/s (its default when nothing beat it)."""
-        default = self.default_rate()
-        out = {}
-        for name in self.defaults:
-            tried = [(value, run.records_per_s) for n, value, run in self.runs if n == name]
-            value, rate = max(tried, key=lambda item: item[1], default=("", 0.0))
-            out[name] = value if rate > default else self.defaults[name]
+        """Each setting's value with the highest ratio above 1 (else its default)."""
+        out = dict(self.defaults)
+        for group in self.groups:
+            if group.name not in self.defaults:
+                continue
+            value, ratio = max(group.ratios(), key=lambda item: item[1], default=("", 0.0))
+            if ratio > 1.0:
+                out[group.name] = value
         return out
+
+    def best(self) -> tuple[str, float]:
+        """The best (setting=value, ratio to its defaults run) of all; 1.0 for the defaults."""
+        found = [("the defaults", 1.0)]
+        for group in self.groups:
+            for value, ratio in group.ratios():
+                label = COMBINED if group.name == COMBINED else f"{group.name}={value}"
+                found.append((label, ratio))
+        return max(found, key=lambda item: item[1])
 
 
 async def run_sweep(
@@ -93,9 +101,9 @@ async def run_sweep(
     model: str,
     records: int,
     factors: Mapping[str, Sequence[str]] = FACTORS,
-    on_run: Any = None,
+    on_run: Callable[[str, Drain], None] | None = None,
 ) -> Sweep:
-    """Drain ``records`` with the defaults, each factor's values, and the best combined."""
+    """A group per factor (defaults, then each value), then the best values combined."""
     sweep = Sweep(defaults_of(list(factors)))
 
     async def one(label: str, settings: Mapping[str, str]) -> Drain:
@@ -113,65 +121,56 @@ async def run_sweep(
             on_run(label, run)
         return run
 
-    sweep.default_runs.append(await one("defaults-1", {}))
-    items = [
-        (name, value)
-        for name, values in factors.items()
-        for value in values
-        if value != sweep.defaults[name]
-    ]
-    for i, (name, value) in enumerate(items):
-        if i == len(items) // 2:
-            sweep.default_runs.append(await one("defaults-2", {}))
-        sweep.runs.append((name, value, await one(f"{name}={value}", {name: value})))
-    sweep.default_runs.append(await one("defaults-3", {}))
+    for name, values in factors.items():
+        group = Group(name, await one(f"defaults-before-{name}", {}))
+        for value in values:
+            if value != sweep.defaults[name]:
+                group.runs.append((value, await one(f"{name}={value}", {name: value})))
+        sweep.groups.append(group)
     changed = {k: v for k, v in sweep.best_values().items() if v != sweep.defaults[k]}
     if changed:
-        sweep.combined = await one("combined", changed)
+        combined = await one("combined", changed)
+        label = ", ".join(f"{k}={v}" for k, v in changed.items())
+        sweep.groups.append(Group(COMBINED, await one("defaults-after", {}), [(label, combined)]))
     return sweep
 
 
 def target(sweep: Sweep) -> tuple[str, float, str, bool]:
-    """(name, defaults' median / best, bound, met): the defaults within 10 % of the best."""
-    label, best = sweep.best()
-    value = sweep.default_rate() / best.records_per_s if best.records_per_s else 0.0
-    met = value >= 1 - WITHIN
-    return (f"defaults / best of the sweep ({label})", value, f">= {1 - WITHIN:.2f}", met)
+    """(name, defaults / best, bound, met): the defaults within 10 % of the best run."""
+    label, ratio = sweep.best()
+    value = 1.0 / ratio if ratio else 0.0
+    return (f"defaults / best of the sweep ({label})", value, f">= {1 - WITHIN:.2f}", value >= 0.9)
 
 
 def markdown(sweep: Sweep | None) -> str:
-    """The sweep as a Markdown table: each run against the defaults' median."""
-    if sweep is None or not sweep.default_runs:
+    """The sweep as a Markdown table: each run against the defaults run of its group."""
+    if sweep is None or not sweep.groups:
         return ""
-    default = sweep.default_rate()
-    spread = [d.records_per_s for d in sweep.default_runs]
     lines = [
         "",
-        "Defaults sweep (one worker draining the same backlog; every setting at its default "
-        "but the one named):",
+        "Defaults sweep: one worker draining the same backlog, every setting at its default "
+        "but the one named; each group starts with a run of the defaults, and '/ defaults' "
+        "compares a run with that one:",
         "",
         "| setting | value | records/s | / defaults | CPU s / 1k | inference p99 ms |",
         "| --- | --- | ---: | ---: | ---: | ---: |",
     ]
-    for i, run in enumerate(sweep.default_runs, 1):
+    for group in sweep.groups:
+        d = group.default
         lines.append(
-            f"| (defaults, run {i}) | - | {run.records_per_s:,.0f} "
-            f"| {run.records_per_s / default:.2f} | {run.cpu_s_per_1k:.3f} "
-            f"| {run.inference_p99_ms:,.1f} |"
+            f"| {group.name} | (defaults) | {d.records_per_s:,.0f} | 1.00 "
+            f"| {d.cpu_s_per_1k:.3f} | {d.inference_p99_ms:,.1f} |"
         )
-    rows = [(name, value, run) for name, value, run in sweep.runs]
-    if sweep.combined is not None:
-        combined = ", ".join(f"{k}={v}" for k, v in sweep.best_values().items())
-        rows.append(("every best value combined", combined, sweep.combined))
-    for name, value, run in rows:
-        lines.append(
-            f"| {name} | {value} | {run.records_per_s:,.0f} | {run.records_per_s / default:.2f} "
-            f"| {run.cpu_s_per_1k:.3f} | {run.inference_p99_ms:,.1f} |"
-        )
+        for (value, run), (_, ratio) in zip(group.runs, group.ratios(), strict=True):
+            lines.append(
+                f"| | {value} | {run.records_per_s:,.0f} | {ratio:.2f} "
+                f"| {run.cpu_s_per_1k:.3f} | {run.inference_p99_ms:,.1f} |"
+            )
+    rates = [g.default.records_per_s for g in sweep.groups]
     defaults = ", ".join(f"{k}={v}" for k, v in sweep.defaults.items())
     lines += [
         "",
-        f"Defaults: {defaults}. Their three runs spread over "
-        f"{min(spread):,.0f} to {max(spread):,.0f} records/s.",
+        f"Defaults: {defaults}. Their {len(rates)} runs spread over "
+        f"{min(rates):,.0f} to {max(rates):,.0f} records/s.",
     ]
     return "\n".join(lines) + "\n"

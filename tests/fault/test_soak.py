@@ -53,7 +53,7 @@ from tests.soak_support import (
     triton_model_call,
     triton_model_ready,
 )
-from tests.support import Topics, local_kafka, worker_env
+from tests.support import COMMIT_SLACK_MS, Topics, local_kafka, worker_env
 
 SOAK_S = float(os.environ.get("SOAK_S", "60"))
 pytestmark = [pytest.mark.fault, pytest.mark.timeout(int(SOAK_S) + 240)]
@@ -69,10 +69,6 @@ LANES = (
 )
 MAX_IN_FLIGHT = 128
 COMMIT_INTERVAL_MS = 250
-#: A commit is sent COMMIT_INTERVAL_MS after the previous one returned, and holds the
-#: offsets done when it was sent: records finished during its round trip (and the
-#: event loop's lag on a loaded machine) count as "since the last commit" too.
-COMMIT_SLACK_MS = 100
 WORKER_SETTINGS = {
     "max_in_flight": str(MAX_IN_FLIGHT),
     "max_in_flight_per_partition": "64",

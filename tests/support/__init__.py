@@ -15,6 +15,7 @@ from tests.support.kafka import (
 )
 from tests.support.models import decode_sample, mlp_reference, result_outputs
 from tests.support.worker import (
+    COMMIT_SLACK_MS,
     report,
     rss_bytes,
     running_worker,
@@ -25,6 +26,7 @@ from tests.support.worker import (
 )
 
 __all__ = [
+    "COMMIT_SLACK_MS",
     "Collected",
     "Streams",
     "Topics",

@@ -16,6 +16,12 @@ from tests.support.kafka import Collected, Topics
 from worker.app import Worker
 from worker.settings import Settings, load_settings
 
+#: A commit is sent WORKER_COMMIT_INTERVAL_MS after the previous one returned, and holds
+#: the offsets done when it was sent: records finished during its round trip (and the
+#: event loop's lag on a loaded machine) count as "since the last commit" too. Bounds on
+#: what a SIGKILL makes the next owner redo add this to the interval.
+COMMIT_SLACK_MS = 100
+
 
 def worker_env(kafka: Any, triton: Any, topics: Topics, **extra: str) -> dict[str, str]:
     """WORKER_* settings for a worker on these topics (extra: SETTING_NAME=value)."""
