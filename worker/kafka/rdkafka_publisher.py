@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -37,13 +38,8 @@ _START_TIMEOUT_S = 10.0
 _FLUSH_TIMEOUT_S = 30.0
 
 
-def _settle(future: asyncio.Future[Any], error: Any, message: Any) -> None:
-    if future.done():
-        return
-    if error is not None:
-        future.set_exception(from_rd_error(error))
-    else:
-        future.set_result(message)
+#: One delivery report: the record's future, librdkafka's error (or None), the message.
+_Report = tuple[asyncio.Future[Any], Any, Any]
 
 
 class RdProducer:
@@ -54,6 +50,11 @@ class RdProducer:
         self._producer: confluent_kafka.Producer | None = None
         self._poller: threading.Thread | None = None
         self._closing = threading.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        # Delivery reports arrive on librdkafka's poll (or flush) thread and are settled
+        # on the event loop in batches: one wake-up of the loop per poll, not per record.
+        self._reports: deque[_Report] = deque()
+        self._handing_over = False
 
     @property
     def handle(self) -> confluent_kafka.Producer:
@@ -63,6 +64,7 @@ class RdProducer:
 
     async def start(self) -> None:
         """Create the producer and reach a broker (KafkaError when none answers)."""
+        self._loop = asyncio.get_running_loop()
         self._producer = confluent_kafka.Producer(self._config)
         # Polled first: an OAUTHBEARER token is asked for (oauth_cb) from poll.
         self._poller = threading.Thread(target=self._poll, name="rdkafka-producer", daemon=True)
@@ -80,17 +82,36 @@ class RdProducer:
         assert producer is not None
         while not self._closing.is_set():
             producer.poll(0.1)
+            self._hand_over()
+
+    def _hand_over(self) -> None:
+        """Ask the loop to settle the reports gathered so far (from any thread)."""
+        if self._reports and not self._handing_over and self._loop is not None:
+            self._handing_over = True
+            self._loop.call_soon_threadsafe(self._settle_reports)
+
+    def _settle_reports(self) -> None:
+        self._handing_over = False
+        reports = self._reports
+        while reports:
+            future, error, message = reports.popleft()
+            if future.done():
+                continue
+            if error is not None:
+                future.set_exception(from_rd_error(error))
+            else:
+                future.set_result(message)
 
     async def send(
         self, topic: str, value: bytes | None, key: bytes | None, headers: Headers | None
     ) -> asyncio.Future[Any]:
         """Queue one record; the future is its delivery report (aiokafka's error classes)."""
         producer = self.handle
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[Any] = loop.create_future()
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        reports = self._reports
 
         def delivered(error: Any, message: Any) -> None:
-            loop.call_soon_threadsafe(_settle, future, error, message)
+            reports.append((future, error, message))
 
         while True:
             try:
@@ -118,6 +139,7 @@ class RdProducer:
         self._closing.set()
         if self._poller is not None:
             await asyncio.to_thread(self._poller.join)
+        self._settle_reports()  # those the flush delivered
 
 
 class RdPublisher(Publisher):
