@@ -5,15 +5,12 @@ window slot, full partitions are paused, and the ``Rebalance`` listener hears of
 assignments and revocations (the revoke waits for the partitions' drain before
 librdkafka lets them go: the callbacks run inside ``consume``, which waits).
 
-librdkafka's consumer handle takes one call at a time: while ``consume`` waits for
-records, any other call waits behind it (and a rebalance callback runs inside
-``consume``). So that no task holding a lock of its own (a commit) waits there while
-a revoke callback needs that lock, every call from outside the fetch loop is queued
-and run by the loop between two ``consume`` calls; a callback's own calls go
-straight through; and a queued call still waiting when a rebalance starts fails at
-once with CommitFailedError (the caller retries later, as after a rebalance with
-aiokafka). Pause, resume and the cached end offsets are local calls, made by the
-loop itself.
+librdkafka's consumer takes one call at a time, and a rebalance callback runs
+inside ``consume``: so that no task holding a lock (a commit) waits behind
+``consume`` while a revoke callback needs that lock, calls from outside the loop are
+queued and run by the loop between two ``consume`` calls, a callback's own calls go
+straight through, and a queued call still waiting when a rebalance starts fails
+with CommitFailedError (retried later, as after a rebalance with aiokafka).
 """
 
 from __future__ import annotations
@@ -34,6 +31,7 @@ from confluent_kafka.aio import AIOConsumer
 from worker.flow.breaker import CircuitBreaker
 from worker.flow.window import Window
 from worker.kafka.intake import Dispatch, Rebalance
+from worker.kafka.rdkafka_threads import DaemonExecutor, unless_stopped
 from worker.kafka.rdkafka_types import (
     committed_of,
     from_rd_error,
@@ -50,11 +48,12 @@ log = structlog.get_logger(__name__)
 
 _T = TypeVar("_T")
 
-#: Longest wait in one consume; also bounds how late a queued commit runs. librdkafka's
-#: consume waits for the whole timeout unless max_poll_records arrive sooner: a long one
-#: would hold every commit (and the records fetched meanwhile) back by as much.
+#: Longest wait in one consume (and of a queued commit): librdkafka's consume waits for
+#: all of it unless max_poll_records arrive sooner.
 _POLL_TIMEOUT_S = 0.02
 
+#: Once stopping, how long a consumer call may take before it is left behind.
+_STUCK_S = 0.5
 #: How often the cached end offsets (for the lag gauges) are read.
 _HIGHWATER_INTERVAL_S = 1.0
 
@@ -107,7 +106,7 @@ class RdIntake:
         self.running = False
 
     async def start(self) -> None:
-        self.consumer = AIOConsumer(self._config, max_workers=4)
+        self.consumer = AIOConsumer(self._config, executor=DaemonExecutor(4, "rdkafka-consumer"))
         await self.consumer.subscribe(
             self._topics,
             on_assign=self._on_assign,
@@ -139,9 +138,10 @@ class RdIntake:
                 if all_paused:
                     await self._wait_for_room(assigned)
                     await self._serve_requests()
-                messages = await self.consumer.consume(
-                    self._max_poll_records, 0 if all_paused else _POLL_TIMEOUT_S
-                )
+                wait_s = 0 if all_paused else _POLL_TIMEOUT_S
+                consume = self.consumer.consume(self._max_poll_records, wait_s)
+                if (messages := await unless_stopped(self._stopping, consume, _STUCK_S)) is None:
+                    break  # stopping while librdkafka is stuck (a broker down): left behind
                 self._take(messages)
                 self._refresh_highwater()
                 await asyncio.sleep(0)
@@ -230,8 +230,6 @@ class RdIntake:
         self._paused = full
         self._metrics.paused_partitions.set(len(full))
 
-    # -- calls from outside the loop --------------------------------------------
-
     async def _call(self, call: Callable[[], Awaitable[_T]]) -> _T:
         """Run a consumer call now (in a callback, or with no loop running), or queue it
         for the loop; CommitFailedError when a rebalance starts before it ran."""
@@ -251,17 +249,20 @@ class RdIntake:
             if future.done():
                 continue
             try:
-                future.set_result(await call())
+                result = await unless_stopped(self._stopping, call(), _STUCK_S)
             except Exception as exc:  # handed to the caller
                 future.set_exception(exc)
+                continue
+            if result is None and self._stopping.is_set():
+                future.set_exception(from_rd_error("stopping", commit=True))
+            else:
+                future.set_result(result)
 
     def _fail_queued(self) -> None:
         while self._requests:
             _, future = self._requests.popleft()
             if not future.done():
                 future.set_exception(from_rd_error("rebalance in progress", commit=True))
-
-    # -- the consumer, for delivery ----------------------------------------------
 
     def assignment(self) -> set[TopicPartition]:
         """The partitions assigned now."""
@@ -369,8 +370,7 @@ class RdIntake:
             await self._rebalance.on_revoked(revoked)
             self._assigned -= revoked
             self._paused -= revoked
-            for tp in revoked:
-                self._highwater.pop(tp, None)
+            self._highwater = {tp: o for tp, o in self._highwater.items() if tp not in revoked}
             self._metrics.partitions_assigned.set(len(self._assigned))
             if self._incremental:
                 await consumer.incremental_unassign(partitions)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import threading
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
@@ -26,6 +27,7 @@ from aiokafka.structs import ConsumerRecord
 
 from worker import errors
 from worker.kafka.publisher import Headers, Publisher, write_with_retries
+from worker.kafka.rdkafka_threads import in_thread
 from worker.kafka.rdkafka_types import from_rd_error
 
 __all__ = ["RdProducer", "RdPublisher"]
@@ -70,10 +72,10 @@ class RdProducer:
         self._poller = threading.Thread(target=self._poll, name="rdkafka-producer", daemon=True)
         self._poller.start()
         try:
-            await asyncio.to_thread(self._producer.list_topics, timeout=_START_TIMEOUT_S)
+            await in_thread(functools.partial(self._producer.list_topics, timeout=_START_TIMEOUT_S))
         except confluent_kafka.KafkaException as exc:
             self._closing.set()
-            await asyncio.to_thread(self._poller.join)
+            await in_thread(self._poller.join)
             self._producer = None
             raise from_rd_error(exc) from None
 
@@ -135,10 +137,10 @@ class RdProducer:
         if producer is None:
             return
         self._producer = None
-        await asyncio.to_thread(producer.flush, _FLUSH_TIMEOUT_S)
+        await in_thread(producer.flush, _FLUSH_TIMEOUT_S)
         self._closing.set()
         if self._poller is not None:
-            await asyncio.to_thread(self._poller.join)
+            await in_thread(self._poller.join)
         self._settle_reports()  # those the flush delivered
 
 

@@ -27,6 +27,7 @@ from aiokafka.structs import TopicPartition
 from worker.delivery.transactions import Message, ProducerStartFailed, TransactionOutcome
 from worker.flow.retry import Backoff
 from worker.kafka.rdkafka_publisher import RdProducer
+from worker.kafka.rdkafka_threads import in_thread
 
 __all__ = ["GroupTransactions"]
 
@@ -70,7 +71,7 @@ class GroupTransactions:
             rd = RdProducer(self._config)
             try:
                 await rd.start()
-                await asyncio.to_thread(rd.handle.init_transactions, _CALL_TIMEOUT_S)
+                await in_thread(rd.handle.init_transactions, _CALL_TIMEOUT_S)
             except (KafkaError, confluent_kafka.KafkaException) as exc:
                 await _stop_quietly(rd)
                 error = exc.args[0] if isinstance(exc, confluent_kafka.KafkaException) else None
@@ -128,10 +129,8 @@ class GroupTransactions:
                 confluent_kafka.TopicPartition(tp.topic, tp.partition, offset)
                 for tp, offset in offsets.items()
             ]
-            await asyncio.to_thread(
-                handle.send_offsets_to_transaction, positions, group, _CALL_TIMEOUT_S
-            )
-            await asyncio.to_thread(handle.commit_transaction, _CALL_TIMEOUT_S)
+            await in_thread(handle.send_offsets_to_transaction, positions, group, _CALL_TIMEOUT_S)
+            await in_thread(handle.commit_transaction, _CALL_TIMEOUT_S)
         except confluent_kafka.KafkaException as exc:
             error = exc.args[0]
             fenced = error.code() in _GROUP_FENCED
@@ -178,7 +177,7 @@ class GroupTransactions:
         if rd is None:
             return
         with contextlib.suppress(confluent_kafka.KafkaException):
-            await asyncio.to_thread(rd.handle.abort_transaction, _CALL_TIMEOUT_S)
+            await in_thread(rd.handle.abort_transaction, _CALL_TIMEOUT_S)
         await self._close("after a failed transaction")
 
     async def _close(self, why: str) -> None:
