@@ -27,7 +27,9 @@ FLOW = (
     ("replay", "the replay command: dead letters back to their source topics"),
 )
 #: Top-level modules of worker/, around the packages.
-TOP_LEVEL = ("app", "record", "streaming", "errors", "audit", "cli", "produce")
+TOP_LEVEL = (
+    "app", "dispatch", "record", "fastpath", "streaming", "errors", "audit", "cli", "produce",
+)  # fmt: skip
 
 
 def module_name(path: Path) -> str:

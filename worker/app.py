@@ -15,19 +15,19 @@ from collections.abc import Coroutine, Mapping
 from typing import Any
 
 import structlog
-from aiokafka.structs import ConsumerRecord, TopicPartition
+from aiokafka.structs import TopicPartition
 
-from worker import errors
 from worker.audit import Audit
 from worker.checks.startup import run_startup_checks
 from worker.delivery import build_delivery
+from worker.dispatch import Dispatcher, fast_path_allowed
 from worker.errors import ExitCode
+from worker.fastpath import FastPath
 from worker.flow.bounded import bounded_step
 from worker.flow.breaker import CircuitBreaker
 from worker.flow.holds import ModelGate
 from worker.flow.limiter import AdaptiveLimiter
 from worker.flow.model_health import ModelHealth
-from worker.flow.ordering import Ticket, Turns
 from worker.flow.window import Window
 from worker.kafka.edge import build_edge, largest_record_bytes
 from worker.observability import HealthServer, InFlightRegistry, Metrics
@@ -75,7 +75,7 @@ class Worker:
             window=self.window,
             breaker=self.breaker,
             metrics=self.metrics,
-            dispatch=self._dispatch,
+            dispatch=lambda records: self.dispatcher.dispatch_many(records),
             rebalance=self,
             admits=lambda tp: self.delivery.admits(tp),
         )
@@ -116,15 +116,39 @@ class Worker:
             tracing=self.tracing,
             health=self.model_health,
         )
-        self._turns = Turns()
         self.inflight = InFlightRegistry(
             settings.ops.stuck_after_s, progress=lambda: self.delivery.offsets.progress()
         )
+        self.dispatcher = Dispatcher(
+            settings,
+            delivery=self.delivery,
+            window=self.window,
+            inflight=self.inflight,
+            handler=self.handler,
+            tracing=self.tracing,
+        )
+        if fast_path_allowed(settings, self.audit.enabled, self.tracing):
+            self.dispatcher.fast = FastPath(
+                RecordRules.from_settings(settings),
+                pool=self.pool,
+                sink=self.publisher,
+                offsets=self.delivery.offsets,
+                window=self.window,
+                inflight=self.inflight,
+                metrics=self.metrics,
+                breaker=self.breaker,
+                models=self.models,
+                health=self.model_health,
+                limiter=self.limiter,
+                guard=self.handler.guard,
+                model_metrics=self.handler.metrics_for,
+                tracing=self.tracing,
+                batch_max_size=settings.flow.batch_max_size,
+                fallback=self.dispatcher.fall_back,
+            )
         self.health: HealthServer | None = None
         self.triton_up = False
         self.started = asyncio.Event()
-        self._tasks: asyncio.TaskGroup | None = None
-        self._records: set[asyncio.Task[None]] = set()
         self._stop = asyncio.Event()
         self._forced = asyncio.Event()
         self._stopped = False
@@ -157,7 +181,7 @@ class Worker:
         await self.start()
         try:
             async with asyncio.TaskGroup() as tasks:
-                self._tasks = tasks
+                self.dispatcher.group = tasks
                 fetching = tasks.create_task(self.intake.run(), name="intake")
                 background = [
                     tasks.create_task(self.delivery.commit_loop(), name="commits"),
@@ -181,7 +205,7 @@ class Worker:
                 for task in background:
                     task.cancel()
         finally:
-            self._tasks = None
+            self.dispatcher.group = None
             await self.stop()
 
     def request_stop(self) -> None:
@@ -196,8 +220,7 @@ class Worker:
         """
         self._stop.set()
         self._forced.set()
-        for task in list(self._records):
-            task.cancel()
+        self.dispatcher.cancel_all()
 
     async def _drain(self) -> None:
         """Wait for in-flight records within the bound, then commit what is done."""
@@ -206,9 +229,8 @@ class Worker:
             await asyncio.wait_for(self.window.wait_empty(), timeout_s)
         except TimeoutError:
             log.warning("drain_timeout", in_flight=self.window.in_flight, timeout_s=timeout_s)
-            for task in list(self._records):
-                task.cancel()
-        await asyncio.gather(*self._records, return_exceptions=True)
+            self.dispatcher.cancel_all()
+        await asyncio.gather(*self.dispatcher.running, return_exceptions=True)
         await bounded_step(self.delivery.commit(), "final_commit", self._forced)
 
     async def stop(self) -> None:
@@ -225,83 +247,6 @@ class Worker:
             await self.health.stop()
         self.tracing.shutdown()
         log.info("worker_stopped")
-
-    # -- records -----------------------------------------------------------------
-
-    def _dispatch(self, record: ConsumerRecord[bytes, bytes]) -> None:
-        assert self._tasks is not None
-        generation = self.delivery.track(record)
-        tp = TopicPartition(record.topic, record.partition)
-        if self.delivery.settle_if_done(record, generation):
-            # Done before a crash or hand-over (the commit metadata says so): skipped.
-            self.window.release(tp)
-            return
-        # Tickets are taken here, synchronously, because dispatch runs in offset order.
-        # With sequences keyed by Kafka key every keyed record takes one: its model, known
-        # only once decoded, says whether it waits its turn (see RecordHandler.evaluate).
-        mode = self.settings.delivery.ordering
-        key_turn = (
-            self._turns.ticket((tp, record.key))
-            if (mode == "key" or self.settings.delivery.sequence_from_key)
-            and record.key is not None
-            else None
-        )
-        publish_turn = self._turns.ticket(tp) if mode == "partition" else None
-        task = self._tasks.create_task(self._process(record, generation, key_turn, publish_turn))
-        self._records.add(task)
-        task.add_done_callback(self._records.discard)
-
-    async def _process(
-        self,
-        record: ConsumerRecord[bytes, bytes],
-        generation: int,
-        key_turn: Ticket | None,
-        publish_turn: Ticket | None,
-    ) -> None:
-        tp = TopicPartition(record.topic, record.partition)
-        structlog.contextvars.bind_contextvars(
-            topic=record.topic, partition=record.partition, offset=record.offset
-        )
-        entry = self.inflight.add(record)
-        try:
-            key_mode = self.settings.delivery.ordering == "key"
-            if key_turn is not None and key_mode:
-                entry.state = "waiting_turn"
-                await key_turn.wait()
-            with self.tracing.consume(record):
-                outcome = await self.handler.evaluate(record, None if key_mode else key_turn, entry)
-                if publish_turn is not None:
-                    entry.state = "waiting_turn"
-                    await publish_turn.wait()
-
-                def safe() -> None:
-                    # The outcome is acknowledged, or staged in offset order: the next record
-                    # of the key or partition may go (exactly_once need not wait for commit).
-                    entry.state = "waiting_commit"
-                    for turn in (key_turn, publish_turn):
-                        if turn is not None:
-                            turn.done()
-
-                entry.state = "publishing"
-                await self.delivery.complete(
-                    record, generation, lambda: self.handler.deliver(outcome), safe
-                )
-        except errors.PartitionRevoked:
-            pass  # the partition moved away; its next owner redoes the record
-        except errors.Fatal:
-            raise
-        except Exception as exc:
-            # A bug in the bookkeeping around the record: never a crash for every member
-            # that takes the partition. The record stays uncommitted.
-            self.handler.internal_failure(exc)
-        finally:
-            # Forced stop (cancelled) lands here too: the record is not done and
-            # its offset is not committed.
-            for turn in (key_turn, publish_turn):
-                if turn is not None:
-                    turn.done()
-            self.window.release(tp)
-            self.inflight.remove(entry)
 
     # -- rebalances ---------------------------------------------------------------
 

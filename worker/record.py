@@ -21,6 +21,7 @@ from worker import errors, wire
 from worker.audit import Audit
 from worker.delivery.base import Sink
 from worker.flow.breaker import CircuitBreaker
+from worker.flow.guard import InternalErrorGuard
 from worker.flow.holds import ModelGate
 from worker.flow.limiter import AdaptiveLimiter
 from worker.flow.model_health import ModelHealth
@@ -105,27 +106,6 @@ class Outcome:
 _CONTROL_FLOW = (errors.Fatal, errors.PartitionRevoked)
 
 
-class _InternalErrorGuard:
-    """Counts records in a row that met a bug; past the limit the worker must stop."""
-
-    def __init__(self, limit: int) -> None:
-        self._limit = limit
-        self._run = 0
-
-    def observe(self, internal: bool) -> None:
-        """One more outcome; raises TooManyInternalErrors at the limit (before its dead letter)."""
-        if not internal:
-            self._run = 0
-            return
-        self._run += 1
-        if self._run >= self._limit:
-            raise errors.TooManyInternalErrors(
-                f"{self._run} records in a row met a bug (INTERNAL_ERROR); stopping rather "
-                f"than dead-letter the whole topic (WORKER_MAX_CONSECUTIVE_INTERNAL_ERRORS="
-                f"{self._limit}); the log has the tracebacks"
-            )
-
-
 class RecordHandler:
     """Turns a consumed record into a published result or dead letter."""
 
@@ -161,7 +141,7 @@ class RecordHandler:
             health,
         )
         self._streams = StreamCalls(rules.streams, pool, self._retrier, metrics)
-        self._guard = _InternalErrorGuard(rules.max_consecutive_internal_errors)
+        self.guard = InternalErrorGuard(rules.max_consecutive_internal_errors)
         # Per-model metric children: labels() is a locked dict lookup, too dear per record.
         self._model_metrics: dict[str, tuple[Any, Any]] = {}
 
@@ -266,7 +246,7 @@ class RecordHandler:
         """
         log.error("internal_error", error=f"{type(exc).__name__}: {exc}", exc_info=exc)
         self._metrics.internal_errors_total.inc()
-        self._guard.observe(True)
+        self.guard.observe(True)
 
     def _fail(self, outcome: Outcome, error: errors.WorkerError, attempts: int) -> None:
         record = outcome.record
@@ -306,13 +286,13 @@ class RecordHandler:
                 raise
             except Exception as exc:
                 self._internal(outcome, exc, 1)
-        self._guard.observe(isinstance(outcome.error, errors.InternalError))
+        self.guard.observe(isinstance(outcome.error, errors.InternalError))
         if outcome.error is not None:
             await self._publish_dead_letter(outcome)
             self._metrics.dead_letters_total.labels(code=outcome.error.code).inc()
         elif streamed is None:  # a stream's results are counted as they are published
             assert outcome.request is not None
-            self._metrics_for(outcome.request.model_name)[0].inc()
+            self.metrics_for(outcome.request.model_name)[0].inc()
         await self._audit.record(
             outcome.record,
             request_id=outcome.request.request_id if outcome.request else None,
@@ -358,7 +338,7 @@ class RecordHandler:
                 f"dead letter of {outcome.source} cannot be written: {type(exc).__name__}: {exc}"
             ) from exc
 
-    def _metrics_for(self, model_name: str) -> tuple[Any, Any]:
+    def metrics_for(self, model_name: str) -> tuple[Any, Any]:
         """(results published counter, inference latency histogram) of ``model_name``."""
         children = self._model_metrics.get(model_name)
         if children is None:
@@ -373,7 +353,7 @@ class RecordHandler:
     async def _infer(
         self, request: wire.DecodedRequest, spec: ModelSpec, budget: Budget, trace: Any
     ) -> Any:
-        latency = self._metrics_for(request.model_name)[1]
+        latency = self.metrics_for(request.model_name)[1]
         try_timeout_s = self._rules.retry.try_timeout_s
 
         async def once(timeout_s: float) -> Any:

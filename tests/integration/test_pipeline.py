@@ -185,6 +185,9 @@ async def test_window_bounds_in_flight_and_pauses_fetching(
     spy = _SpyWindow(8, 8)
     worker.window = spy
     worker.intake._window = spy
+    # faulty is not batched: its records take the per-record path, whose slots the
+    # dispatcher gives back.
+    worker.dispatcher.window = spy
     paused_seen = asyncio.Event()
     # The paused-partitions gauge is set from the partitions the intake pauses, whichever
     # client runs; a value above 0 is a pause.

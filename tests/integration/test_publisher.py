@@ -133,3 +133,49 @@ async def test_several_results_of_one_record_land_in_order_and_a_refused_one_sto
 
     values = [r.value for r in await read_all(kafka.bootstrap_servers, topics.output)]
     assert values == [f"r-{i}".encode() for i in range(20)] + [b"a"]
+
+
+async def test_results_of_many_records_are_sent_together_and_a_refused_one_is_reported(
+    kafka: Any, unique: str
+) -> None:
+    """publish_many: ten results acked together; the too-big one comes back as its error, and
+    written again alone (as the fast path's fallback does) it is OUTPUT_TOO_LARGE, the rest land."""
+    topics = Topics.fresh(unique)
+    await kafka.create_topics(
+        [topics.output, topics.dlq], partitions=1, configs={"max.message.bytes": str(LIMIT)}
+    )
+    publisher = Publisher(
+        kafka.bootstrap_servers,
+        output_topic=topics.output,
+        dlq_topic=topics.dlq,
+        client_id=f"publisher-{unique}",
+        linger_ms=5,
+        max_request_bytes=8 * 1024 * 1024,
+        client_kwargs={},
+    )
+    records = [ConsumerRecord("in", 0, i, 0, 0, b"k", b"", None, 1, 0, []) for i in range(10)]
+    await publisher.start()
+    try:
+        first = await publisher.publish_many([(r, f"a-{r.offset}".encode(), []) for r in records])
+        assert first == [None] * 10
+        values = [f"b-{r.offset}".encode() if r.offset != 4 else TOO_BIG for r in records]
+        second = await publisher.publish_many(
+            [(r, v, []) for r, v in zip(records, values, strict=True)]
+        )
+        assert isinstance(second[4], Exception), second
+        # The broker refuses whole batches: neighbours of the refused one may fail with it.
+        refused = []
+        for record, value, outcome in zip(records, values, second, strict=True):
+            if outcome is None:
+                continue
+            try:
+                await publisher.publish_result(record, value, [])
+            except errors.OutputTooLarge:
+                refused.append(record.offset)
+    finally:
+        await publisher.stop()
+
+    assert refused == [4]
+    landed = [r.value for r in await read_all(kafka.bootstrap_servers, topics.output)]
+    assert landed[:10] == [f"a-{i}".encode() for i in range(10)]
+    assert sorted(set(landed[10:])) == sorted(f"b-{i}".encode() for i in range(10) if i != 4)

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import NamedTuple
 
 from aiokafka.structs import TopicPartition
@@ -127,6 +127,21 @@ class PartitionOffsets:
         order = self._order
         done = self._done
         # Pop the done prefix: the head of ``_order`` is then the commit point.
+        while order and order[0] in done:
+            done.remove(order.popleft())
+
+    def done_many(self, offsets: Iterable[int]) -> None:
+        """``done`` for each of ``offsets``, the done prefix popped once for all of them."""
+        pending, done = self._pending, self._done
+        for offset in offsets:
+            try:
+                pending.remove(offset)
+            except KeyError:
+                raise ValueError(
+                    f"offset {offset} is not pending (never tracked, or already done)"
+                ) from None
+            done.add(offset)
+        order = self._order
         while order and order[0] in done:
             done.remove(order.popleft())
 
@@ -232,6 +247,14 @@ class OffsetTracker:
         if state is None or state.generation != generation:
             return False
         state.done(offset)
+        return True
+
+    def done_many(self, tp: TopicPartition, offsets: Iterable[int], generation: int) -> bool:
+        """Mark several records of ``tp`` done at once; False (nothing changes) if stale."""
+        state = self._partitions.get(tp)
+        if state is None or state.generation != generation:
+            return False
+        state.done_many(offsets)
         return True
 
     def commit_point(self, tp: TopicPartition) -> int | None:

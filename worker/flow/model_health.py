@@ -145,6 +145,14 @@ class ModelHealth:
         if model not in self._open:
             self._observe(model, failed=False)
 
+    def succeeded_many(self, model: _Model, count: int) -> None:
+        """``count`` inferences of the model succeeded (not probes): as many ``succeeded``."""
+        if model in self._open:
+            return
+        # Only the last ``window`` outcomes are kept: more successes than that change nothing.
+        for _ in range(min(count, self._window)):
+            self._observe(model, failed=False)
+
     def failed(self, model: _Model, error: errors.WorkerError, probe: bool) -> bool:
         """One inference of the model failed with ``error``; True when the record is held.
 

@@ -136,6 +136,19 @@ class Window:
         self._grant()
         self._notify_watchers()
 
+    def release_many(self, key: Hashable, count: int) -> None:
+        """Give back ``count`` slots of ``key`` at once (waiters served once, not per slot)."""
+        held = self._counts.get(key, 0)
+        if count <= 0 or held < count:
+            raise ValueError(f"release of {count} slots of {key!r} which holds {held}")
+        if held == count:
+            del self._counts[key]
+        else:
+            self._counts[key] = held - count
+        self._in_flight -= count
+        self._grant()
+        self._notify_watchers()
+
     def discard(self, key: Hashable) -> None:
         """Fail every waiter of ``key`` with DiscardedError (the key was revoked).
 

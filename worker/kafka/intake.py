@@ -3,8 +3,9 @@
 The loop keeps calling ``getmany`` even when every partition is paused, so the
 member never exceeds ``max_poll_interval_ms`` and never leaves its group while
 the window is full. The intake knows nothing of offsets or transactions: it hands
-each record that holds a window slot to ``dispatch`` and reports assignments and
-revocations to its ``Rebalance`` listener (the delivery mode decides the rest).
+the records that took a window slot in one pass to ``dispatch``, together, and
+reports assignments and revocations to its ``Rebalance`` listener (the delivery
+mode decides the rest).
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ __all__ = ["Dispatch", "Intake", "Rebalance"]
 
 log = structlog.get_logger(__name__)
 
-#: Called for each record given a window slot, in offset order per partition.
-Dispatch = Callable[[ConsumerRecord[bytes, bytes]], None]
+#: Called with the records given a window slot in one pass, in offset order per partition.
+Dispatch = Callable[[list[ConsumerRecord[bytes, bytes]]], None]
 
 #: Longest wait in one fetch; also bounds how late a freed slot resumes a paused partition.
 _POLL_TIMEOUT_MS = 100
@@ -133,9 +134,13 @@ class Intake(ConsumerRebalanceListener):  # type: ignore[misc]
     def _dispatch_backlog(self) -> None:
         if self._breaker.is_open:
             return  # Triton is out: records stay in the backlog and in Kafka.
+        taken: list[ConsumerRecord[bytes, bytes]] = []
         for tp, queue in self._backlog.items():
             while queue and self._admits(tp) and self._window.try_acquire(tp):
-                self._dispatch(queue.popleft())
+                taken.append(queue.popleft())
+        if taken:
+            # Handed over together: the worker may handle them as one batch.
+            self._dispatch(taken)
 
     def _can_take(self, tp: TopicPartition) -> bool:
         """A record of ``tp`` could be dispatched now: a slot is free and delivery admits it."""

@@ -251,6 +251,42 @@ class Publisher:
         for value, headers in results[failed:]:
             await self.write_result(value, record.key, headers)
 
+    async def publish_many(
+        self, results: Sequence[tuple[ConsumerRecord[bytes, bytes], bytes, Headers]]
+    ) -> list[BaseException | None]:
+        """Results of several records, handed to the producer together: every send
+        enqueued, then every ack awaited. Per result: None once acknowledged, else the
+        error that kept it out (not retried here: the caller writes it again with
+        ``publish_result``, alone, with its retries and size handling)."""
+        generation, producer, topic = self._generation, self._producer, self.output_topic
+        sent: list[asyncio.Future[Any] | BaseException] = []
+        for record, value, headers in results:
+            try:
+                sent.append(
+                    await producer.send(topic, value=value, key=record.key, headers=list(headers))
+                )
+            except Exception as exc:  # refused before sending (its size), or the producer's state
+                sent.append(exc)
+        outcomes: list[BaseException | None] = []
+        refused: BaseException | None = None
+        for future in sent:
+            if isinstance(future, BaseException):
+                outcomes.append(future)
+                continue
+            try:
+                await future
+            except (MessageSizeTooLargeError, OutOfOrderSequenceNumber) as exc:
+                refused = refused or exc
+                outcomes.append(exc)
+            except Exception as exc:
+                outcomes.append(exc)
+            else:
+                outcomes.append(None)
+        if refused is not None:
+            # As in _acked: this producer cannot write to that partition again.
+            await self._renew_producer(generation, refused)
+        return outcomes
+
     async def publish_dead_letter(
         self, record: ConsumerRecord[bytes, bytes], headers: Headers
     ) -> None:

@@ -87,6 +87,12 @@ METRICS_SPEC: tuple[MetricSpec, ...] = (
     MetricSpec("commit_metadata_overflows_total", "worker_commit_metadata_overflows_total",
                "counter", (), "Commits made without the done offsets beyond the commit point, "
                "because their encoding was too long."),
+    MetricSpec("fast_path_records_total", "worker_fast_path_records_total", "counter",
+               (), "Records answered by the batch-native fast path (decoded, inferred and "
+               "published with the other records of their fetch, no task of their own)."),
+    MetricSpec("fast_path_fallbacks_total", "worker_fast_path_fallbacks_total", "counter",
+               ("reason",), "Fast-path records handed to the per-record path: reason "
+               "inference (their micro-batch failed), encode, or publish (their send failed)."),
     MetricSpec("internal_errors_total", "worker_internal_errors_total", "counter",
                (), "Records that met a bug in the worker (dead-lettered INTERNAL_ERROR)."),
     MetricSpec("dead_letter_values_omitted_total", "worker_dead_letter_values_omitted_total",
@@ -153,6 +159,8 @@ class Metrics:
     transactions_total: Counter
     records_skipped_total: Counter
     commit_metadata_overflows_total: Counter
+    fast_path_records_total: Counter
+    fast_path_fallbacks_total: Counter
     internal_errors_total: Counter
     dead_letter_values_omitted_total: Counter
     models_not_ready: Gauge

@@ -24,19 +24,17 @@ import contextlib
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from math import prod
 from typing import Any
-
-from tritonclient.grpc import service_pb2
 
 from worker import errors
 from worker.observability.inflight import DETACHED, InFlight
+from worker.triton.merging import merge as _merge
+from worker.triton.merging import split as _split
 from worker.triton.pool import TritonPool
 from worker.wire import DecodedRequest
-from worker.wire.bytes_tensor import LENGTH_PREFIX
 from worker.wire.validation import ModelSpec
 
-__all__ = ["BatchStats", "MicroBatcher", "batchable"]
+__all__ = ["BatchStats", "MicroBatcher", "batch_key", "batchable"]
 
 #: Request parameters that tie a request to server-side state: never batched.
 _STATEFUL_PARAMETERS = frozenset({"sequence_id", "sequence_start", "sequence_end"})
@@ -73,7 +71,7 @@ def batchable(spec: ModelSpec, request: DecodedRequest) -> bool:
     return rows is not None and rows >= 1
 
 
-def _key(infer: Any) -> tuple[object, ...]:
+def batch_key(infer: Any) -> tuple[object, ...]:
     """What two requests must share to travel in one batch."""
     inputs = tuple((t.name, t.datatype, tuple(t.shape[1:])) for t in infer.inputs)
     outputs = tuple(o.SerializeToString(deterministic=True) for o in infer.outputs)
@@ -109,10 +107,6 @@ class BatchStats:
     batches: int
     rows: int
     bisections: int
-
-
-class _SplitError(errors.InferenceError):
-    """The batched response cannot be split per request (treated as a batch failure)."""
 
 
 class MicroBatcher:
@@ -168,7 +162,7 @@ class MicroBatcher:
         loop = asyncio.get_running_loop()
         entry = _Entry(request, rows, time.monotonic() + timeout_s, loop.create_future(), inflight)
         inflight.state = "waiting_batch"
-        self._enqueue(_key(request.infer_request), entry, capacity)
+        self._enqueue(batch_key(request.infer_request), entry, capacity)
         # No timer per request: the batch's send enforces each entry's deadline
         # (see _send). Cancelling this await cancels the future, and a batch not
         # yet sent leaves it out.
@@ -298,89 +292,3 @@ def _fail(entry: _Entry, error: errors.WorkerError) -> None:
     # Each caller gets its own exception object: tracebacks are per task.
     if not entry.future.done():
         entry.future.set_exception(type(error)(error.message))
-
-
-def _merge(requests: Sequence[Any]) -> Any:
-    """One request holding every request's rows, in order (all share a batch key)."""
-    first = requests[0]
-    merged = service_pb2.ModelInferRequest(
-        model_name=first.model_name, model_version=first.model_version
-    )
-    for name, value in first.parameters.items():
-        merged.parameters[name].CopyFrom(value)
-    total_rows = sum(int(r.inputs[0].shape[0]) for r in requests)
-    for index, tensor in enumerate(first.inputs):
-        merged.inputs.add(
-            name=tensor.name, datatype=tensor.datatype, shape=[total_rows, *tensor.shape[1:]]
-        )
-        merged.raw_input_contents.append(b"".join(r.raw_input_contents[index] for r in requests))
-    merged.outputs.extend(first.outputs)
-    return merged
-
-
-def _split(response: Any, rows: Sequence[int], total_rows: int) -> list[Any]:
-    """Cut a batched response into one response per request, by each one's rows."""
-    outputs = response.outputs
-    raws = response.raw_output_contents
-    if len(raws) != len(outputs):
-        raise _SplitError("batched response has no raw output contents to split")
-    parts = []
-    for _ in rows:
-        part = service_pb2.ModelInferResponse(
-            model_name=response.model_name, model_version=response.model_version
-        )
-        for name, value in response.parameters.items():
-            part.parameters[name].CopyFrom(value)
-        parts.append(part)
-    for tensor, raw in zip(outputs, raws, strict=True):
-        shape = list(tensor.shape)
-        if not shape or shape[0] != total_rows:
-            raise _SplitError(
-                f"output {tensor.name!r} has shape {shape}, expected {total_rows} batch rows"
-            )
-        row_elements = prod(shape[1:])
-        pieces = (
-            _split_bytes(raw, rows, row_elements)
-            if tensor.datatype == "BYTES"
-            else _split_fixed(raw, rows, total_rows)
-        )
-        for part, count, piece in zip(parts, rows, pieces, strict=True):
-            out = part.outputs.add(name=tensor.name, datatype=tensor.datatype)
-            out.shape.extend([count, *shape[1:]])
-            for name, value in tensor.parameters.items():
-                out.parameters[name].CopyFrom(value)
-            part.raw_output_contents.append(piece)
-    return parts
-
-
-def _split_fixed(raw: bytes, rows: Sequence[int], total_rows: int) -> list[bytes]:
-    row_bytes, remainder = divmod(len(raw), total_rows)
-    if remainder:
-        raise _SplitError(f"output of {len(raw)} bytes does not divide into {total_rows} rows")
-    view = memoryview(raw)
-    pieces, start = [], 0
-    for count in rows:
-        end = start + count * row_bytes
-        pieces.append(bytes(view[start:end]))
-        start = end
-    return pieces
-
-
-def _split_bytes(raw: bytes, rows: Sequence[int], row_elements: int) -> list[bytes]:
-    """Split length-prefixed BYTES elements: each request gets rows x row_elements of them."""
-    view = memoryview(raw)
-    pieces, start = [], 0
-    for count in rows:
-        end = start
-        for _ in range(count * row_elements):
-            if end + 4 > len(raw):
-                raise _SplitError("BYTES output ends inside an element")
-            (length,) = LENGTH_PREFIX.unpack_from(raw, end)
-            end += 4 + length
-        if end > len(raw):
-            raise _SplitError("BYTES output ends inside an element")
-        pieces.append(bytes(view[start:end]))
-        start = end
-    if start != len(raw):
-        raise _SplitError("BYTES output has more elements than the batch rows")
-    return pieces

@@ -285,6 +285,10 @@ class TritonPool:
             return False  # not (yet) served there: try another endpoint
         return self._judge(endpoint, key, spec, agreed)
 
+    def cached_spec(self, name: str, version: str) -> ModelSpec | None:
+        """The model's spec if it is cached (ready earlier in this process), else None."""
+        return self._specs.get((name, version))
+
     def has_spec(self, name: str, version: str) -> bool:
         """True when ``name`` at ``version`` was ready earlier in this process (spec cached)."""
         return (name, version) in self._specs

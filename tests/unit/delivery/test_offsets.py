@@ -347,3 +347,21 @@ class TrackerMachine(RuleBasedStateMachine):
 TrackerMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=60, deadline=None)
 TestTrackerMachine = TrackerMachine.TestCase
 TestTrackerMachine.__doc__ = "Stateful check of OffsetTracker against the model."
+
+
+def test_done_many_equals_done_one_by_one_and_drops_stale_generations() -> None:
+    """done_many marks a set at once (commit point and done runs as with done); stale: nothing."""
+    one, many = OffsetTracker(), OffsetTracker()
+    g1, g2 = one.assign(TP0, 0), many.assign(TP0, 0)
+    for offset in range(8):
+        one.track(TP0, offset)
+        many.track(TP0, offset)
+    for offset in (0, 1, 3, 5):
+        one.done(TP0, offset, g1)
+    assert many.done_many(TP0, [0, 1, 3, 5], g2) is True
+    assert many.commit_point(TP0) == one.commit_point(TP0) == 2
+    assert many.done_beyond_commit(TP0) == one.done_beyond_commit(TP0) == [3, 5]
+    assert many.done_many(TP0, [2, 4], g2 + 100) is False
+    assert many.pending(TP0) == 4
+    with pytest.raises(ValueError):
+        many.done_many(TP0, [2, 3], g2)  # 3 is done already: loud

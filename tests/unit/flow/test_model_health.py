@@ -259,3 +259,14 @@ async def test_retrier_metadata_calls_are_not_outcomes() -> None:
     assert gate.is_open(*M)
     assert await asyncio.wait_for(run.run(M, Budget.lasting(5), metadata, inference=False), 1)
     assert gate.is_open(*M)
+
+
+def test_succeeded_many_counts_as_that_many_successes_in_the_window() -> None:
+    """Nine failures then a batch of 100 successes: the window holds successes only."""
+    gate, changes = health()
+    fail(gate, 9)
+    gate.succeeded_many(M, 100)
+    assert fail(gate, 10) == [False] * 10  # 10 of the last 20: not above the rate
+    assert not gate.is_open(*M) and changes == []
+    assert fail(gate, 1) == [False]  # 11 of 20: trips
+    assert gate.is_open(*M)

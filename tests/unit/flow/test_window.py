@@ -286,3 +286,17 @@ async def test_discard_cancel_race_leaks_nothing() -> None:
         await task
     window.release("a")
     assert (window.in_flight, window.waiting) == (0, 0)
+
+
+async def test_release_many_frees_slots_at_once_and_wakes_waiters() -> None:
+    """Three slots of a key given back together: two waiters served, more than held is loud."""
+    window = Window(3, 3)
+    for _ in range(3):
+        assert window.try_acquire("a")
+    waiters = [asyncio.create_task(window.acquire("b")) for _ in range(2)]
+    await asyncio.sleep(0)  # let them queue
+    window.release_many("a", 3)
+    await asyncio.wait_for(asyncio.gather(*waiters), 1)
+    assert window.in_flight == 2 and window.in_flight_for("a") == 0
+    with pytest.raises(ValueError):
+        window.release_many("b", 3)
