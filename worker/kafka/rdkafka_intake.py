@@ -30,7 +30,7 @@ from confluent_kafka.aio import AIOConsumer
 
 from worker.flow.breaker import CircuitBreaker
 from worker.flow.window import Window
-from worker.kafka.intake import Dispatch, Rebalance
+from worker.kafka.intake import Dispatch, Rebalance, take_backlog
 from worker.kafka.rdkafka_threads import DaemonExecutor, unless_stopped
 from worker.kafka.rdkafka_types import (
     committed_of,
@@ -197,9 +197,8 @@ class RdIntake:
     def _dispatch_backlog(self) -> None:
         if self._breaker.is_open:
             return  # Triton is out: records stay in the backlog and in Kafka.
-        for tp, queue in self._backlog.items():
-            while queue and self._admits(tp) and self._window.try_acquire(tp):
-                self._dispatch(queue.popleft())
+        if taken := take_backlog(self._backlog, self._admits, self._window):
+            self._dispatch(taken)  # together: the worker may handle them as one batch
 
     def _can_take(self, tp: TopicPartition) -> bool:
         return not self._window.full_for(tp) and self._admits(tp)
