@@ -30,9 +30,7 @@ from worker.flow.holds import ModelGate
 from worker.flow.limiter import AdaptiveLimiter
 from worker.flow.model_health import ModelHealth
 from worker.flow.window import Window
-from worker.kafka import options as security
-from worker.kafka.intake import Intake
-from worker.kafka.publisher import PRODUCER_HEADROOM_BYTES, Publisher
+from worker.kafka.edge import build_edge, largest_record_bytes
 from worker.observability import HealthServer, InFlightRegistry, Metrics
 from worker.observability.readiness import readiness_of
 from worker.observability.tracing import Tracing, build_tracing
@@ -69,30 +67,12 @@ class Worker:
             metrics=self.metrics,
             trace_unary=settings.triton.triton_trace == "unary",
         )
-        # A dead letter carries the request as it came: up to max_request_bytes.
-        largest_record = (
-            max(settings.limits.max_output_bytes, settings.limits.max_request_bytes)
-            + PRODUCER_HEADROOM_BYTES
-        )
-        self.publisher = Publisher(
-            settings.kafka.bootstrap_servers,
-            output_topic=settings.topics.output_topic,
-            dlq_topic=settings.topics.dlq_topic,
-            client_id=settings.kafka.client_id,
-            linger_ms=settings.kafka.linger_ms,
-            max_request_bytes=largest_record,
-            client_kwargs=security.kafka_client_kwargs(settings.kafka_auth),
-            compression_type=settings.kafka.compression_type,
-            on_value_omitted=self.metrics.dead_letter_values_omitted_total.inc,
-        )
         self.breaker = CircuitBreaker(
             settings.retry.breaker_failure_threshold,
             on_change=lambda is_open: self.metrics.breaker_open.set(1 if is_open else 0),
         )
-        self.intake = Intake(
-            settings.kafka,
-            settings.topics.input_topics,
-            client_kwargs=security.kafka_client_kwargs(settings.kafka_auth),
+        self.publisher, self.intake = build_edge(
+            settings,
             window=self.window,
             breaker=self.breaker,
             metrics=self.metrics,
@@ -100,6 +80,7 @@ class Worker:
             rebalance=self,
             admits=lambda tp: self.delivery.admits(tp),
         )
+        largest_record = largest_record_bytes(settings)
         self.delivery = build_delivery(
             settings, self.publisher, self.intake, self.metrics, max_request_bytes=largest_record
         )

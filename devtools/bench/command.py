@@ -34,7 +34,16 @@ if TYPE_CHECKING:
     from devtools.bench.runner import Runner, Servers
 
 #: The variants, in the order they run (names in worker.benchmarks.report.VARIANTS).
-VARIANT_KEYS = ("sync", "naive", "worker", "worker_tuned", "triton", "triton_batched", "kafka")
+VARIANT_KEYS = (
+    "sync",
+    "naive",
+    "worker",
+    "worker_confluent",
+    "worker_tuned",
+    "triton",
+    "triton_batched",
+    "kafka",
+)
 #: Measurements beyond the table (worker.benchmarks.extras, worker.benchmarks.scaleout).
 EXTRA_KEYS = (
     "batching",

@@ -17,6 +17,7 @@ VARIANTS = {
     "sync": "(a) sync baseline",
     "naive": "(b) naive async",
     "worker": "(c) worker, defaults",
+    "worker_confluent": "(c') worker, defaults, librdkafka",
     "worker_tuned": "(d) worker, tuned",
     "triton": "(e) ceiling 1: Triton alone",
     "triton_batched": "(e') ceiling 1: Triton alone, batched",

@@ -46,6 +46,7 @@ from tests.support import (
     spawn_worker,
     worker_env,
 )
+from tests.support.worker import kafka_client_under_test
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -321,9 +322,14 @@ async def test_exactly_once_without_transactional_id_acl_exits_3_naming_the_id(
     log = log_path.read_text()
     assert code == 3, f"exit {code}\n{log[-3000:]}"
     fatal = [line for line in log.splitlines() if line.startswith("fatal: ")]
-    transactional_id = f"kafka-triton-worker-{topics.group}-{topics.input}-0"
+    # aiokafka: one id per input partition; librdkafka: one per worker (its client id).
+    transactional_id = (
+        f"kafka-triton-worker-{topics.group}-kafka-triton-worker-"
+        if kafka_client_under_test() == "confluent"
+        else f"kafka-triton-worker-{topics.group}-{topics.input}-0'"
+    )
     assert len(fatal) == 1, log[-3000:]
-    assert f"exactly_once: the broker refuses transactional id '{transactional_id}'" in fatal[0]
+    assert f"exactly_once: the broker refuses transactional id '{transactional_id}" in fatal[0]
     assert CAROL_PASSWORD not in log
 
 

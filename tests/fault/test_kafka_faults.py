@@ -86,16 +86,21 @@ async def test_partition_leader_failover(cluster3: KafkaCluster, triton: Any, un
     await asyncio.to_thread(cluster3.start_node, leader)
 
 
+@pytest.mark.parametrize("group_protocol", ["classic", "consumer"])
 async def test_group_scales_one_three_one_mid_stream(
-    kafka: Any, triton: Any, unique: str, tmp_path: Path
+    kafka: Any, triton: Any, unique: str, tmp_path: Path, group_protocol: str
 ) -> None:
-    """Workers join (1 → 3) and leave (3 → 1) mid-stream: all answered, duplicates bounded."""
+    """Workers join (1 → 3) and leave (3 → 1) mid-stream: all answered, duplicates bounded;
+    under the classic (eager) protocol and the consumer one (KIP-848, incremental)."""
     topics = Topics.fresh(unique)
     await create(kafka, topics, partitions=6)
     requests = samples.good_requests(6000, seed=63, models=("double",))
     await send(kafka.bootstrap_servers, topics.input, requests)
     # Throttled (small window, no batching) so the stream outlasts the workers' start-up.
     settings = {"max_in_flight": "8", "batch_max_size": "1", "commit_interval_ms": "200"}
+    settings["group_protocol"] = group_protocol
+    if group_protocol == "consumer":
+        settings["kafka_client"] = "confluent"  # the only client that speaks it
     ports = [free_port() for _ in range(3)]
     procs: list[subprocess.Popen[bytes]] = []
     try:
@@ -129,7 +134,7 @@ async def test_group_scales_one_three_one_mid_stream(
     assert set(got.results) == {r.request_id for r in requests}
     # Graceful hand-overs drain and commit: at most the records finished between a
     # commit and a revocation may be redone.
-    report("group scaled 1 → 3 → 1 mid-stream", len(requests), got)
+    report(f"group scaled 1 → 3 → 1 mid-stream ({group_protocol})", len(requests), got)
     assert got.duplicates <= 3 * 64
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 from typing import Any
 
@@ -62,7 +63,21 @@ async def test_group_in_use_is_described_not_joined(kafka: Any, triton: Any, uni
     topics = Topics.fresh(unique)
     await create(kafka, topics)
     settings = settings_for(kafka, triton, topics)
-    async with running_worker(settings):
+    from worker.app import Worker
+
+    worker = Worker(settings)
+    # librdkafka joins on its first poll, after start: wait for the assignment.
+    assigned = asyncio.Event()
+    real_assigned = worker.on_assigned
+
+    async def spy_assigned(partitions: set[Any]) -> None:
+        await real_assigned(partitions)
+        if partitions:
+            assigned.set()
+
+    worker.on_assigned = spy_assigned  # type: ignore[method-assign]
+    async with running_worker(settings, worker):
+        await asyncio.wait_for(assigned.wait(), 30)
         results = await run_checks(settings)
     group = _by_check(results)[f"consumer group {topics.group}"]
     assert group.outcome == "ok"

@@ -1,4 +1,5 @@
-"""The publisher on a real broker: a record refused for its size never blocks later writes."""
+"""The publisher on a real broker (either client): a record refused for its size never blocks
+later writes."""
 
 from __future__ import annotations
 
@@ -10,8 +11,12 @@ from aiokafka import AIOKafkaConsumer
 from aiokafka.structs import ConsumerRecord, TopicPartition
 
 from tests.support import Topics
+from tests.support.worker import kafka_client_under_test
 from worker import errors
 from worker.kafka.publisher import Publisher
+from worker.kafka.rdkafka_config import producer_config
+from worker.kafka.rdkafka_publisher import RdPublisher
+from worker.settings import load_settings
 from worker.wire import header_value
 
 pytestmark = pytest.mark.timeout(60)
@@ -19,6 +24,8 @@ pytestmark = pytest.mark.timeout(60)
 #: The topics' max.message.bytes, and a value the broker refuses under it.
 LIMIT = 64 * 1024
 TOO_BIG = b"x" * (LIMIT + 36 * 1024)
+#: The producers' own bound on a record: far above the topics' limit.
+MAX_BYTES = 8 * 1024 * 1024
 
 
 async def read_all(bootstrap: str, topic: str) -> list[ConsumerRecord[bytes, bytes]]:
@@ -39,6 +46,32 @@ async def read_all(bootstrap: str, topic: str) -> list[ConsumerRecord[bytes, byt
         await consumer.stop()
 
 
+def _publisher(kafka: Any, topics: Topics, unique: str) -> Publisher:
+    """The publisher of the client under test (WORKER_TEST_KAFKA_CLIENT)."""
+    if kafka_client_under_test() == "confluent":
+        settings = load_settings(
+            {
+                "WORKER_INPUT_TOPICS": topics.input,
+                "WORKER_OUTPUT_TOPIC": topics.output,
+                "WORKER_DLQ_TOPIC": topics.dlq,
+                "WORKER_BOOTSTRAP_SERVERS": kafka.bootstrap_servers,
+                "WORKER_CLIENT_ID": f"publisher-{unique}",
+                "WORKER_KAFKA_CLIENT": "confluent",
+            }
+        )
+        config = producer_config(settings.kafka, settings.kafka_auth, max_request_bytes=MAX_BYTES)
+        return RdPublisher(config, output_topic=topics.output, dlq_topic=topics.dlq)
+    return Publisher(
+        kafka.bootstrap_servers,
+        output_topic=topics.output,
+        dlq_topic=topics.dlq,
+        client_id=f"publisher-{unique}",
+        linger_ms=5,
+        max_request_bytes=MAX_BYTES,
+        client_kwargs={},
+    )
+
+
 async def test_writes_to_a_partition_go_on_after_the_broker_refuses_one_for_its_size(
     kafka: Any, unique: str
 ) -> None:
@@ -47,15 +80,7 @@ async def test_writes_to_a_partition_go_on_after_the_broker_refuses_one_for_its_
     await kafka.create_topics(
         [topics.output, topics.dlq], partitions=1, configs={"max.message.bytes": str(LIMIT)}
     )
-    publisher = Publisher(
-        kafka.bootstrap_servers,
-        output_topic=topics.output,
-        dlq_topic=topics.dlq,
-        client_id=f"publisher-{unique}",
-        linger_ms=5,
-        max_request_bytes=8 * 1024 * 1024,
-        client_kwargs={},
-    )
+    publisher = _publisher(kafka, topics, unique)
     await publisher.start()
     try:
         # 1. One at a time: the refused record follows an accepted one on the same
@@ -96,15 +121,7 @@ async def test_several_results_of_one_record_land_in_order_and_a_refused_one_sto
     await kafka.create_topics(
         [topics.output, topics.dlq], partitions=1, configs={"max.message.bytes": str(LIMIT)}
     )
-    publisher = Publisher(
-        kafka.bootstrap_servers,
-        output_topic=topics.output,
-        dlq_topic=topics.dlq,
-        client_id=f"publisher-{unique}",
-        linger_ms=5,
-        max_request_bytes=8 * 1024 * 1024,
-        client_kwargs={},
-    )
+    publisher = _publisher(kafka, topics, unique)
     record = ConsumerRecord("in", 0, 0, 0, 0, b"k", b"", None, 1, 0, [])
     await publisher.start()
     try:

@@ -36,8 +36,15 @@ def worker_env(kafka: Any, triton: Any, topics: Topics, **extra: str) -> dict[st
         "WORKER_COMMIT_INTERVAL_MS": "200",
         "WORKER_LOG_FORMAT": "json",
     }
+    # The whole suite runs against either client: WORKER_TEST_KAFKA_CLIENT=confluent.
+    env["WORKER_KAFKA_CLIENT"] = kafka_client_under_test()
     env.update({f"WORKER_{k.upper()}": v for k, v in extra.items()})
     return env
+
+
+def kafka_client_under_test() -> str:
+    """The Kafka client the tests run the worker with (WORKER_TEST_KAFKA_CLIENT, aiokafka)."""
+    return os.environ.get("WORKER_TEST_KAFKA_CLIENT", "aiokafka")
 
 
 def settings_for(kafka: Any, triton: Any, topics: Topics, **extra: str) -> Settings:

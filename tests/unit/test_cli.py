@@ -36,6 +36,17 @@ def _run(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
         ({"WORKER_OUTPUT_TOPIC": "r", "WORKER_DLQ_TOPIC": "d"}, (), "WORKER_INPUT_TOPICS"),
         (_REQUIRED, ("--max-in-flight", "0"), "--max-in-flight"),
         (_REQUIRED, ("--no-such-flag",), "--no-such-flag"),
+        ({**_REQUIRED, "WORKER_GROUP_PROTOCOL": "consumer"}, (), "WORKER_GROUP_PROTOCOL"),
+        (
+            {
+                **_REQUIRED,
+                "WORKER_KAFKA_CLIENT": "confluent",
+                "WORKER_MAX_POLL_INTERVAL_MS": "1000",
+                "WORKER_SESSION_TIMEOUT_MS": "6000",
+            },
+            (),
+            "WORKER_MAX_POLL_INTERVAL_MS",
+        ),
     ],
 )
 def test_invalid_configuration_exits_2_with_one_line(

@@ -2,20 +2,33 @@
 
 ``at_least_once``: done once the broker acknowledged the outcome; offsets committed
 through the consumer. ``exactly_once``: outcomes and offsets in one Kafka
-transaction per input partition.
+transaction per input partition (aiokafka), or in one transaction for every
+partition, fenced by the group generation (librdkafka).
 """
 
 from __future__ import annotations
 
+from typing import cast
+
 from worker.delivery.at_least_once import AtLeastOnce
 from worker.delivery.base import CommitEdge, Delivery, Sink
 from worker.delivery.exactly_once import ExactlyOnce
+from worker.delivery.exactly_once_group import GroupEdge, GroupFencedExactlyOnce
 from worker.delivery.offsets import OffsetTracker
+from worker.kafka import rdkafka_config
 from worker.kafka.options import kafka_client_kwargs
 from worker.observability import Metrics
 from worker.settings import Settings
 
-__all__ = ["AtLeastOnce", "CommitEdge", "Delivery", "ExactlyOnce", "Sink", "build_delivery"]
+__all__ = [
+    "AtLeastOnce",
+    "CommitEdge",
+    "Delivery",
+    "ExactlyOnce",
+    "GroupFencedExactlyOnce",
+    "Sink",
+    "build_delivery",
+]
 
 
 def build_delivery(
@@ -28,6 +41,17 @@ def build_delivery(
 ) -> Delivery:
     """The delivery mode ``WORKER_DELIVERY`` names, over its own offset tracker."""
     offsets = OffsetTracker()
+    if settings.delivery.delivery == "exactly_once" and settings.kafka.kafka_client == "confluent":
+        # librdkafka's consumer gives its group metadata: one producer, fenced by the group.
+        return GroupFencedExactlyOnce(
+            settings,
+            offsets,
+            cast(GroupEdge, edge),
+            metrics,
+            producer_config=rdkafka_config.producer_config(
+                settings.kafka, settings.kafka_auth, max_request_bytes=max_request_bytes
+            ),
+        )
     if settings.delivery.delivery == "exactly_once":
         return ExactlyOnce(
             settings,

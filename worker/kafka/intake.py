@@ -26,7 +26,7 @@ from worker.kafka._compat import fetch_committed, rebalancing
 from worker.observability import Metrics
 from worker.settings import KafkaSettings
 
-__all__ = ["Dispatch", "Intake", "Rebalance"]
+__all__ = ["Dispatch", "Intake", "Rebalance", "take_backlog"]
 
 log = structlog.get_logger(__name__)
 
@@ -43,6 +43,19 @@ class Rebalance(Protocol):
     async def on_revoked(self, partitions: set[TopicPartition]) -> None: ...
 
     async def on_assigned(self, partitions: set[TopicPartition]) -> None: ...
+
+
+def take_backlog(
+    backlog: Mapping[TopicPartition, deque[ConsumerRecord[bytes, bytes]]],
+    admits: Callable[[TopicPartition], bool],
+    window: Window,
+) -> list[ConsumerRecord[bytes, bytes]]:
+    """Take, in order, the records of ``backlog`` that delivery admits and that get a slot."""
+    taken: list[ConsumerRecord[bytes, bytes]] = []
+    for tp, queue in backlog.items():
+        while queue and admits(tp) and window.try_acquire(tp):
+            taken.append(queue.popleft())
+    return taken
 
 
 class Intake(ConsumerRebalanceListener):  # type: ignore[misc]
@@ -134,13 +147,8 @@ class Intake(ConsumerRebalanceListener):  # type: ignore[misc]
     def _dispatch_backlog(self) -> None:
         if self._breaker.is_open:
             return  # Triton is out: records stay in the backlog and in Kafka.
-        taken: list[ConsumerRecord[bytes, bytes]] = []
-        for tp, queue in self._backlog.items():
-            while queue and self._admits(tp) and self._window.try_acquire(tp):
-                taken.append(queue.popleft())
-        if taken:
-            # Handed over together: the worker may handle them as one batch.
-            self._dispatch(taken)
+        if taken := take_backlog(self._backlog, self._admits, self._window):
+            self._dispatch(taken)  # together: the worker may handle them as one batch
 
     def _can_take(self, tp: TopicPartition) -> bool:
         """A record of ``tp`` could be dispatched now: a slot is free and delivery admits it."""

@@ -14,6 +14,8 @@ __all__ = [
     "ConfigError",
     "DeliveryMode",
     "Doc",
+    "GroupProtocol",
+    "KafkaClient",
     "LogFormat",
     "LogLevel",
     "OffsetReset",
@@ -41,6 +43,8 @@ TritonTrace = Literal["stream", "unary"]
 AuditMode = Literal["none", "log", "topic", "both"]
 Compression = Literal["none", "gzip", "snappy", "lz4", "zstd"]
 StreamOutput = Literal["final", "each"]
+KafkaClient = Literal["aiokafka", "confluent"]
+GroupProtocol = Literal["classic", "consumer"]
 
 
 class ConfigError(Exception):

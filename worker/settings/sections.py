@@ -18,6 +18,8 @@ from worker.settings.fields import (
     ConfigError,
     DeliveryMode,
     Doc,
+    GroupProtocol,
+    KafkaClient,
     LogFormat,
     LogLevel,
     OffsetReset,
@@ -102,6 +104,13 @@ class TopicSettings(_Section, frozen=True, kw_only=True):
 class KafkaSettings(_Section, frozen=True, kw_only=True):
     """The Kafka clients: group membership, fetching, producing."""
 
+    kafka_client: Annotated[KafkaClient, Doc(
+        "The Kafka client library: aiokafka (pure Python), or confluent (librdkafka through "
+        "confluent-kafka; README: Choosing the Kafka client).")] = "aiokafka"
+    group_protocol: Annotated[GroupProtocol, Doc(
+        "Consumer group protocol: classic (eager rebalances), or consumer (KIP-848, "
+        "incremental, assignments computed by the broker; needs WORKER_KAFKA_CLIENT "
+        "confluent).")] = "classic"
     bootstrap_servers: Annotated[str, host_ports(), Doc("Kafka bootstrap servers.")] = (
         "localhost:9092")
     group_id: Annotated[str, Doc("Consumer group; workers sharing it share partitions.")] = (
@@ -125,6 +134,13 @@ class KafkaSettings(_Section, frozen=True, kw_only=True):
         "Kafka session timeout: how soon a dead member is noticed.")] = 10_000
     revoke_timeout_s: Annotated[float, seconds, Doc(
         "Bound on waiting for a revoked partition's in-flight records.")] = 10.0
+
+    def _check_combinations(self) -> None:
+        self._refuse([
+            ("WORKER_GROUP_PROTOCOL",
+             self.group_protocol == "consumer" and self.kafka_client != "confluent",
+             "consumer needs WORKER_KAFKA_CLIENT confluent (aiokafka speaks only classic)"),
+        ])
 
 
 class TritonSettings(_Section, frozen=True, kw_only=True):
@@ -245,7 +261,7 @@ class DeliverySettings(_Section, frozen=True, kw_only=True):
         "at_least_once")
     transactional_id_prefix: Annotated[str, Doc(
         "exactly_once: prefix of the producers' transactional ids (one per input "
-        "partition).")] = "kafka-triton-worker"
+        "partition with aiokafka, one per worker with confluent).")] = "kafka-triton-worker"
     max_uncommitted_per_partition: Annotated[int, Meta(ge=1), Doc(
         "How far past its commit point a partition may dispatch; beyond it the partition "
         "pauses. Bounds the work a crash can redo behind a record stuck in retries.")] = 10_000

@@ -1,0 +1,181 @@
+"""``exactly_once`` on librdkafka: one transactional producer per worker, fenced by the group.
+
+Outcomes are staged per partition as in ``exactly_once`` (the same staging, size
+refusals and replacements); every commit interval the contiguous done prefix of
+*every* partition goes into one transaction with the partitions' next offsets,
+sent with the consumer's group metadata (KIP-447). A member that lost its
+partitions (a zombie past its session, a hand-over it missed) has its offsets
+refused by the group coordinator and its transaction aborted; a new owner starts
+from the committed offsets through a stable offset fetch, which waits for a
+transaction still pending on them. No per-partition producer, no fencing by
+transactional id, no seek after assignment.
+
+The transactional id names the group and the member's client id; a member's
+transaction left open by a crash is aborted by the broker after
+``transaction.timeout.ms`` (``TRANSACTION_TIMEOUT_MS``), and until then the
+stable offset fetch holds that partition's new owner back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, Protocol
+
+import structlog
+from aiokafka.structs import TopicPartition
+
+from worker.delivery.base import CommitEdge
+from worker.delivery.exactly_once import ExactlyOnce, _Partition
+from worker.delivery.offsets import OffsetTracker
+from worker.delivery.transactions import Message, ProducerStartFailed
+from worker.kafka.rdkafka_transactions import GroupTransactions
+from worker.observability import Metrics
+from worker.settings import Settings
+
+__all__ = ["TRANSACTION_TIMEOUT_MS", "GroupEdge", "GroupFencedExactlyOnce"]
+
+log = structlog.get_logger(__name__)
+
+#: The transactions' timeout: how long a crashed member's open transaction holds back
+#: the new owner of its partitions (far above one transaction's duration).
+TRANSACTION_TIMEOUT_MS = 10_000
+
+
+class GroupEdge(CommitEdge, Protocol):
+    """The consumer, with its group metadata for the transactions."""
+
+    async def group_metadata(self) -> Any: ...
+
+
+class GroupFencedExactlyOnce(ExactlyOnce):
+    """exactly_once with one producer for every partition, fenced by the group generation."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        offsets: OffsetTracker,
+        edge: GroupEdge,
+        metrics: Metrics,
+        *,
+        producer_config: dict[str, Any],
+    ) -> None:
+        super().__init__(settings, offsets, edge, metrics, client_kwargs={}, max_request_bytes=0)
+        self._group = edge
+        kafka = settings.kafka
+        transactional_id = (
+            f"{settings.delivery.transactional_id_prefix}-{kafka.group_id}-{kafka.client_id}"
+        )
+        self._txn = GroupTransactions(
+            {
+                **producer_config,
+                "transactional.id": transactional_id,
+                "transaction.timeout.ms": TRANSACTION_TIMEOUT_MS,
+            }
+        )
+
+        #: The last transaction was refused for size on several messages.
+        self._suspects = False
+
+    def transactional_id(self, tp: TopicPartition) -> str:
+        """The worker's one transactional id (whatever the partition)."""
+        return self._txn.transactional_id
+
+    async def assigned(self, partitions: set[TopicPartition]) -> None:
+        """Start the producer once; each partition's state is ready at once (no seek:
+        librdkafka fetches from the stable committed offsets)."""
+        if not self._txn.running:
+            try:
+                await self._txn.start()
+            except ProducerStartFailed as error:
+                log.error("exactly_once_producer_unusable", error=str(error))
+                self.fail(error)
+                return
+        for tp in sorted(partitions):
+            if tp in self._partitions:
+                continue
+            part = _Partition(self._txn)  # type: ignore[arg-type]  # shared by every partition
+            part.ready.set()
+            self._partitions[tp] = part
+        self._notify()
+
+    async def commit(self, only: Iterable[TopicPartition] | None = None) -> None:
+        """Commit every partition's staged done prefix with its offset, in one transaction
+        (``only`` is ignored: the one transaction carries them all)."""
+        txn = self._txn
+        async with txn.lock:
+            batch: list[tuple[TopicPartition, _Partition, int, list[int]]] = []
+            for tp, part in self._partitions.items():
+                point = self.offsets.commit_point(tp)
+                if point is None:
+                    continue
+                point = min([point, *part.replacing])
+                ready = sorted(o for o in part.staged if o < point)
+                if ready:
+                    batch.append((tp, part, point, ready))
+            if not batch:
+                return
+            if not txn.running:
+                try:
+                    await txn.replace()
+                except ProducerStartFailed as error:
+                    self.fail(error)
+                    return
+            messages: list[Message] = [
+                m for _, part, _, ready in batch for o in ready for m in part.staged[o].messages
+            ]
+            try:
+                group = await self._group.group_metadata()
+            except Exception as exc:  # a rebalance began: the next flush tries again
+                log.info("transaction_deferred", error=f"{type(exc).__name__}: {exc}")
+                return
+            outcome = await txn.run_transaction(
+                messages, {tp: point for tp, _, point, _ in batch}, group, one_by_one=self._suspects
+            )
+            if outcome.fenced:
+                for tp, part, _, _ in batch:
+                    self._drop(tp, part, "fenced: the group has moved on")
+                return
+            if len(outcome.too_large) > 1:
+                # A refused batch names every message in it, the innocent too: the next
+                # transaction sends them one by one to find the one(s) too large.
+                self._suspects = True
+                return
+            if outcome.too_large:
+                self._suspects = False
+                start = 0
+                for _, part, _, ready in batch:
+                    count = sum(len(part.staged[o].messages) for o in ready)
+                    mine = tuple(i - start for i in outcome.too_large if start <= i < start + count)
+                    if mine:
+                        self._replace_refused(part, ready, mine)
+                    start += count
+                return
+            if not outcome.committed:
+                self._metrics.commit_failures_total.inc()
+                return
+            self._suspects = False
+        for tp, part, point, ready in batch:
+            for offset in ready:
+                staged = part.staged.pop(offset)
+                if not staged.committed.done():
+                    staged.committed.set_result(None)
+            self.offsets.mark_committed({tp: point})
+        self._metrics.transactions_total.inc()
+        self._metrics.commits_total.inc()
+
+    async def revoked(self, partitions: set[TopicPartition]) -> None:
+        """Commit what is done (the member still owns them), then forget them; the producer
+        stays for the partitions that remain."""
+        await self.commit()
+        for tp in partitions:
+            part = self._partitions.get(tp)
+            if part is not None:
+                self._drop(tp, part, "revoked")
+        self.forget(partitions)
+        self._notify()
+
+    async def close(self) -> None:
+        for tp, part in list(self._partitions.items()):
+            self._drop(tp, part, "closing")
+        async with self._txn.lock:
+            await self._txn.stop()

@@ -1,0 +1,234 @@
+"""Results and dead letters through librdkafka (``WORKER_KAFKA_CLIENT=confluent``).
+
+The same ``Publisher`` (idempotent, ``acks=all``; a record counts as done once the
+broker acks it; dead letters slimmed when refused for their size), with librdkafka
+underneath: ``produce`` only queues the record, librdkafka's own threads frame,
+compress and batch it, and a poll thread hands each delivery report back to the
+event loop as the result of the record's future. librdkafka keeps the idempotent
+sequence numbers itself (a batch refused for its size does not wedge the partition,
+see the publisher's integration tests), so there is no producer renewal here. A
+record that must be judged on its own size goes through a second producer whose
+batches hold one record each.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import threading
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import confluent_kafka
+from aiokafka.errors import KafkaError
+from aiokafka.structs import ConsumerRecord
+
+from worker import errors
+from worker.kafka.publisher import Headers, Publisher, write_with_retries
+from worker.kafka.rdkafka_threads import in_thread
+from worker.kafka.rdkafka_types import from_rd_error
+
+__all__ = ["RdProducer", "RdPublisher"]
+
+#: Wait before trying again a record refused because librdkafka's queue is full.
+_QUEUE_FULL_WAIT_S = 0.005
+
+#: Bound on connecting at start-up and on flushing at stop.
+_START_TIMEOUT_S = 10.0
+_FLUSH_TIMEOUT_S = 30.0
+
+
+#: One delivery report: the record's future, librdkafka's error (or None), the message.
+_Report = tuple[asyncio.Future[Any], Any, Any]
+
+
+class RdProducer:
+    """A librdkafka producer whose ``send`` returns an asyncio future of the delivery report."""
+
+    def __init__(self, config: Mapping[str, Any]) -> None:
+        self._config = dict(config)
+        self._producer: confluent_kafka.Producer | None = None
+        self._poller: threading.Thread | None = None
+        self._closing = threading.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        # Delivery reports arrive on librdkafka's poll (or flush) thread and are settled
+        # on the event loop in batches: one wake-up of the loop per poll, not per record.
+        self._reports: deque[_Report] = deque()
+        self._handing_over = False
+
+    @property
+    def handle(self) -> confluent_kafka.Producer:
+        """The librdkafka producer (started)."""
+        assert self._producer is not None
+        return self._producer
+
+    async def start(self) -> None:
+        """Create the producer and reach a broker (KafkaError when none answers)."""
+        self._loop = asyncio.get_running_loop()
+        self._producer = confluent_kafka.Producer(self._config)
+        # Polled first: an OAUTHBEARER token is asked for (oauth_cb) from poll.
+        self._poller = threading.Thread(target=self._poll, name="rdkafka-producer", daemon=True)
+        self._poller.start()
+        try:
+            await in_thread(functools.partial(self._producer.list_topics, timeout=_START_TIMEOUT_S))
+        except confluent_kafka.KafkaException as exc:
+            self._closing.set()
+            await in_thread(self._poller.join)
+            self._producer = None
+            raise from_rd_error(exc) from None
+
+    def _poll(self) -> None:
+        producer = self._producer
+        assert producer is not None
+        while not self._closing.is_set():
+            producer.poll(0.1)
+            self._hand_over()
+
+    def _hand_over(self) -> None:
+        """Ask the loop to settle the reports gathered so far (from any thread)."""
+        if self._reports and not self._handing_over and self._loop is not None:
+            self._handing_over = True
+            self._loop.call_soon_threadsafe(self._settle_reports)
+
+    def _settle_reports(self) -> None:
+        self._handing_over = False
+        reports = self._reports
+        while reports:
+            future, error, message = reports.popleft()
+            if future.done():
+                continue
+            if error is not None:
+                future.set_exception(from_rd_error(error))
+            else:
+                future.set_result(message)
+
+    async def send(
+        self, topic: str, value: bytes | None, key: bytes | None, headers: Headers | None
+    ) -> asyncio.Future[Any]:
+        """Queue one record; the future is its delivery report (aiokafka's error classes)."""
+        producer = self.handle
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        reports = self._reports
+
+        def delivered(error: Any, message: Any) -> None:
+            reports.append((future, error, message))
+
+        while True:
+            try:
+                producer.produce(
+                    topic,
+                    value=value,
+                    key=key,
+                    headers=list(headers) if headers else None,
+                    on_delivery=delivered,
+                )
+                return future
+            except BufferError:
+                # librdkafka's queue is full: its threads are sending; try again shortly.
+                await asyncio.sleep(_QUEUE_FULL_WAIT_S)
+            except confluent_kafka.KafkaException as exc:
+                raise from_rd_error(exc) from None
+
+    async def stop(self) -> None:
+        """Flush what is queued (bounded) and stop the poll thread. Idempotent."""
+        producer = self._producer
+        if producer is None:
+            return
+        self._producer = None
+        await in_thread(producer.flush, _FLUSH_TIMEOUT_S)
+        self._closing.set()
+        if self._poller is not None:
+            await in_thread(self._poller.join)
+        self._settle_reports()  # those the flush delivered
+
+
+class RdPublisher(Publisher):
+    """The idempotent publisher of results and dead letters, on librdkafka."""
+
+    def __init__(
+        self,
+        config: Mapping[str, Any],
+        *,
+        output_topic: str,
+        dlq_topic: str,
+        write_attempts: int = 5,
+        on_value_omitted: Callable[[], None] | None = None,
+    ) -> None:
+        # Publisher.__init__ is not called: it builds aiokafka's producer.
+        self.output_topic = output_topic
+        self.dlq_topic = dlq_topic
+        self._write_attempts = write_attempts
+        self._on_value_omitted = on_value_omitted
+        self._rd = RdProducer(config)
+        # One record per batch: a record refused for its size did not share its batch.
+        self._solo = RdProducer({**config, "batch.num.messages": 1, "linger.ms": 0})
+        self._solo_started = False
+        self._solo_lock = asyncio.Lock()
+
+    async def start(self) -> None:
+        await self._rd.start()
+
+    async def stop(self) -> None:
+        """Flush what is pending and close. Idempotent."""
+        await self._rd.stop()
+        await self._solo.stop()
+
+    async def _send(
+        self,
+        topic: str,
+        value: bytes | None,
+        key: bytes | None,
+        headers: Headers,
+        failure: type[errors.WriteFailed],
+    ) -> Any:
+        async def send_once() -> Any:
+            return await (await self._rd.send(topic, value, key, headers))
+
+        return await write_with_retries(
+            send_once, what=f"write to {topic!r}", attempts=self._write_attempts, failure=failure
+        )
+
+    async def _send_alone(
+        self,
+        topic: str,
+        value: bytes | None,
+        key: bytes | None,
+        headers: Headers,
+        failure: type[errors.WriteFailed],
+    ) -> Any:
+        async with self._solo_lock:
+            if not self._solo_started:
+                await self._solo.start()
+                self._solo_started = True
+
+        async def send_once() -> Any:
+            return await (await self._solo.send(topic, value, key, headers))
+
+        return await write_with_retries(
+            send_once, what=f"write to {topic!r}", attempts=self._write_attempts, failure=failure
+        )
+
+    async def publish_results(
+        self, record: ConsumerRecord[bytes, bytes], results: Sequence[tuple[bytes, Headers]]
+    ) -> None:
+        """Several results of one record, in order: queued together, then acknowledged;
+        from the first not acknowledged on, written again one by one (see Publisher)."""
+        if len(results) == 1:
+            await self.write_result(results[0][0], record.key, results[0][1])
+            return
+        sent: list[asyncio.Future[Any]] = []
+        with contextlib.suppress(KafkaError):
+            for value, headers in results:
+                sent.append(await self._rd.send(self.output_topic, value, record.key, headers))
+        acks = await asyncio.gather(*sent, return_exceptions=True)
+        failed = next(
+            (i for i, ack in enumerate(acks) if isinstance(ack, BaseException)), len(sent)
+        )
+        for value, headers in results[failed:]:
+            await self.write_result(value, record.key, headers)
+
+    async def send_audit(self, topic: str, value: bytes, key: bytes | None) -> Any:
+        """Write an audit record and wait for the broker's ack."""
+        return await (await self._rd.send(topic, value, key, None))

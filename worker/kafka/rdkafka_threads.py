@@ -1,0 +1,80 @@
+"""Daemon threads for librdkafka's blocking calls, so that a call stuck on an unreachable
+broker never holds the process at exit.
+
+A forced stop abandons a close or a flush that does not return (``bounded_step``);
+asyncio's default executor and ``ThreadPoolExecutor`` join their threads at exit,
+which would keep the process alive until librdkafka gave up. These threads are
+daemons: abandoned calls end with the process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from collections.abc import Awaitable, Callable
+from concurrent.futures import Executor, Future
+from typing import Any, TypeVar
+
+__all__ = ["DaemonExecutor", "in_thread", "unless_stopped"]
+
+_T = TypeVar("_T")
+
+
+class DaemonExecutor(Executor):
+    """A fixed pool of daemon threads running submitted calls in order of submission."""
+
+    def __init__(self, workers: int, name: str) -> None:
+        self._calls: queue.SimpleQueue[tuple[Future[Any], Callable[[], Any]] | None] = (
+            queue.SimpleQueue()
+        )
+        self._threads = [
+            threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True)
+            for i in range(workers)
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def _work(self) -> None:
+        while (item := self._calls.get()) is not None:
+            future, call = item
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(call())
+            except BaseException as exc:  # handed to the caller
+                future.set_exception(exc)
+
+    def submit(self, fn: Callable[..., _T], /, *args: Any, **kwargs: Any) -> Future[_T]:
+        future: Future[_T] = Future()
+        self._calls.put((future, lambda: fn(*args, **kwargs)))
+        return future
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        for _ in self._threads:
+            self._calls.put(None)
+
+
+_SHARED = DaemonExecutor(4, "rdkafka-call")
+
+
+async def in_thread(fn: Callable[..., _T], *args: Any) -> _T:
+    """``fn(*args)`` on a daemon thread, awaited."""
+    return await asyncio.get_running_loop().run_in_executor(_SHARED, fn, *args)
+
+
+async def unless_stopped(stopping: asyncio.Event, call: Awaitable[_T], grace_s: float) -> _T | None:
+    """The call's result; None when ``stopping`` is set and the call has not returned
+    ``grace_s`` later (its daemon thread is left to librdkafka: a broker down)."""
+    task = asyncio.ensure_future(call)
+    if not stopping.is_set():
+        stop = asyncio.ensure_future(stopping.wait())
+        try:
+            await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+    if not task.done():
+        done, _ = await asyncio.wait({task}, timeout=grace_s)
+        if not done:
+            return None
+    return task.result()

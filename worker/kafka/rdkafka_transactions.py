@@ -1,0 +1,201 @@
+"""One transactional producer for the whole worker, on librdkafka, fenced by the group (KIP-447).
+
+``send_offsets_to_transaction`` carries the consumer's group metadata (group
+generation or member epoch, member id): the group coordinator refuses the offsets of
+a member that is no longer in the generation that owns the partitions, and the
+transaction is aborted, so a zombie's outcomes never become visible. A new owner
+reads the committed offsets with a stable offset fetch (librdkafka asks for it
+under ``read_committed``), which waits for any transaction still pending on them.
+So one producer per worker is enough, whatever partitions it holds.
+
+Every path through ``run_transaction`` ends in a commit, an abort, or the producer
+closed; the next transaction starts a fresh producer when the last one was closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import confluent_kafka
+import structlog
+from aiokafka.errors import KafkaError, MessageSizeTooLargeError
+from aiokafka.structs import TopicPartition
+
+from worker.delivery.transactions import Message, ProducerStartFailed, TransactionOutcome
+from worker.flow.retry import Backoff
+from worker.kafka.rdkafka_publisher import RdProducer
+from worker.kafka.rdkafka_threads import in_thread
+
+__all__ = ["GroupTransactions"]
+
+log = structlog.get_logger(__name__)
+
+_START_ATTEMPTS = 5
+_START_BACKOFF = Backoff(first_s=0.5, max_s=4.0)
+#: Bound on one transactional call (init, offsets, commit, abort).
+_CALL_TIMEOUT_S = 30.0
+
+#: The group coordinator refused the offsets: this member no longer owns the partitions.
+#: (A rebalance in progress or a stale member epoch is not: the transaction is aborted
+#: and tried again with the metadata read afresh.)
+_GROUP_FENCED = {
+    confluent_kafka.KafkaError.ILLEGAL_GENERATION,
+    confluent_kafka.KafkaError.UNKNOWN_MEMBER_ID,
+    confluent_kafka.KafkaError.FENCED_INSTANCE_ID,
+    confluent_kafka.KafkaError.FENCED_MEMBER_EPOCH,
+    confluent_kafka.KafkaError._ASSIGNMENT_LOST,
+}
+
+
+class GroupTransactions:
+    """The worker's transactional producer: one transaction at a time, under ``lock``."""
+
+    def __init__(self, config: Mapping[str, Any]) -> None:
+        self.transactional_id = str(config["transactional.id"])
+        self._config = dict(config)
+        self._rd: RdProducer | None = None
+        #: Held by a transaction and by stop(), so the producer never stops mid-transaction.
+        self.lock = asyncio.Lock()
+
+    @property
+    def running(self) -> bool:
+        return self._rd is not None
+
+    async def start(self) -> None:
+        """Start and initialise the transactional id (which aborts what a previous producer
+        of the same id left open); retry a broker out of reach, not a refused id."""
+        for attempt in range(1, _START_ATTEMPTS + 1):
+            rd = RdProducer(self._config)
+            try:
+                await rd.start()
+                await in_thread(rd.handle.init_transactions, _CALL_TIMEOUT_S)
+            except (KafkaError, confluent_kafka.KafkaException) as exc:
+                await _stop_quietly(rd)
+                error = exc.args[0] if isinstance(exc, confluent_kafka.KafkaException) else None
+                code = error.code() if isinstance(error, confluent_kafka.KafkaError) else None
+                if code == confluent_kafka.KafkaError.TRANSACTIONAL_ID_AUTHORIZATION_FAILED:
+                    raise ProducerStartFailed(
+                        f"exactly_once: the broker refuses transactional id "
+                        f"{self.transactional_id!r}: grant Write and Describe on the "
+                        "transactional ids (WORKER_TRANSACTIONAL_ID_PREFIX*)"
+                    ) from None
+                log.warning("transactional_producer_start_failed", attempt=attempt, error=str(exc))
+                if attempt == _START_ATTEMPTS:
+                    raise ProducerStartFailed(
+                        f"exactly_once: the transactional producer did not start after "
+                        f"{attempt} tries: {exc}"
+                    ) from None
+                await asyncio.sleep(_START_BACKOFF.delay_s(attempt))
+                continue
+            self._rd = rd
+            return
+
+    async def run_transaction(
+        self,
+        messages: Sequence[Message],
+        offsets: Mapping[TopicPartition, int],
+        group: Any,
+        *,
+        one_by_one: bool = False,
+    ) -> TransactionOutcome:
+        """Write ``messages`` and commit ``offsets`` for the group of ``group`` (the consumer's
+        group metadata) in one transaction. The caller holds ``lock``.
+
+        Refused for size: aborted, the refused messages named. The broker refuses a
+        whole batch, so each message of it is named: ``one_by_one`` sends each message
+        once the previous one is acknowledged (a batch of its own) and stops at the first
+        refusal, which is then exact. Refused by the group coordinator: aborted,
+        ``fenced``. Any other failure: aborted (or the producer closed when it cannot
+        abort), not committed.
+        """
+        rd = self._rd
+        if rd is None:
+            return TransactionOutcome(committed=False)
+        handle = rd.handle
+        try:
+            handle.begin_transaction()
+            results = await (self._each_alone if one_by_one else self._all)(rd, messages)
+            too_large = tuple(
+                i for i, r in enumerate(results) if isinstance(r, MessageSizeTooLargeError)
+            )
+            failed = next((r for r in results if isinstance(r, BaseException)), None)
+            if failed is not None:
+                await self._abort(f"{type(failed).__name__}: {failed}")
+                return TransactionOutcome(committed=False, too_large=too_large)
+            positions = [
+                confluent_kafka.TopicPartition(tp.topic, tp.partition, offset)
+                for tp, offset in offsets.items()
+            ]
+            await in_thread(handle.send_offsets_to_transaction, positions, group, _CALL_TIMEOUT_S)
+            await in_thread(handle.commit_transaction, _CALL_TIMEOUT_S)
+        except confluent_kafka.KafkaException as exc:
+            error = exc.args[0]
+            fenced = error.code() in _GROUP_FENCED
+            if fenced:
+                log.warning(
+                    "transactional_producer_fenced", by="group coordinator", error=error.str()
+                )
+            if error.fatal():
+                await self._close(f"fatal: {error.str()}")
+            else:
+                await self._abort(error.str())
+            return TransactionOutcome(committed=False, fenced=fenced)
+        return TransactionOutcome(committed=True)
+
+    @staticmethod
+    async def _all(rd: RdProducer, messages: Sequence[Message]) -> list[Any]:
+        futures: list[asyncio.Future[Any]] = []
+        for topic, value, key, headers in messages:
+            try:
+                futures.append(await rd.send(topic, value, key, headers))
+            except MessageSizeTooLargeError as exc:  # over the producer's own limit
+                futures.append(asyncio.get_running_loop().create_future())
+                futures[-1].set_exception(exc)
+        return await asyncio.gather(*futures, return_exceptions=True)
+
+    @staticmethod
+    async def _each_alone(rd: RdProducer, messages: Sequence[Message]) -> list[Any]:
+        results: list[Any] = []
+        for topic, value, key, headers in messages:
+            try:
+                results.append(await (await rd.send(topic, value, key, headers)))
+            except KafkaError as exc:
+                results.append(exc)
+                break
+        return results
+
+    async def _abort(self, why: str) -> None:
+        """Abort (readers move on at once), then close the producer: the next transaction
+        starts a fresh one (same id, new epoch). After a batch refused for its size,
+        librdkafka's next transaction on the same producer fails on the sequence gap
+        ("skipped sequence numbers"), so the producer is not reused after any failure."""
+        log.warning("transaction_failed", error=why)
+        rd = self._rd
+        if rd is None:
+            return
+        with contextlib.suppress(confluent_kafka.KafkaException):
+            await in_thread(rd.handle.abort_transaction, _CALL_TIMEOUT_S)
+        await self._close("after a failed transaction")
+
+    async def _close(self, why: str) -> None:
+        log.warning("transactional_producer_closed", reason=why)
+        await self.stop()
+
+    async def replace(self) -> None:
+        """Start a producer if there is none."""
+        if self._rd is None:
+            await self.start()
+
+    async def stop(self) -> None:
+        """Close the producer (an open transaction is aborted by the broker). Idempotent."""
+        rd, self._rd = self._rd, None
+        if rd is not None:
+            await _stop_quietly(rd)
+
+
+async def _stop_quietly(rd: RdProducer) -> None:
+    with contextlib.suppress(KafkaError, confluent_kafka.KafkaException, RuntimeError):
+        await rd.stop()
