@@ -17,7 +17,7 @@ from tritonclient.grpc import service_pb2
 from worker import errors
 from worker.observability.metrics import Metrics
 from worker.triton import pool as pool_module
-from worker.triton.endpoints import EndpointSet, Target, parse_targets
+from worker.triton.endpoints import EndpointSet, Target, parse_targets, system_resolver
 from worker.wire.validation import ModelSpec, TensorSpec
 
 MODEL = ("double", "")
@@ -318,3 +318,11 @@ def test_with_tls_an_address_is_checked_against_the_name() -> None:
     assert by_name._extra_channel_args == ()
     plain = pool_module.TritonPool("triton.svc:8001", 1)._make("10.0.0.7:8001", Target("t", 1))
     assert plain._extra_channel_args == ()
+
+
+def test_the_system_resolver_asks_the_real_resolver_once_per_address() -> None:
+    """The name service's answer, sorted and deduplicated (getaddrinfo lists each address
+    once per socket type and protocol); a literal address is itself."""
+    local = asyncio.run(system_resolver("localhost", 8001))
+    assert "127.0.0.1" in local and local == sorted(set(local))
+    assert asyncio.run(system_resolver("127.0.0.2", 8001)) == ["127.0.0.2"]
