@@ -212,14 +212,17 @@ def _slope(points: Sequence[tuple[float, int, float]]) -> float:
     """Results per second between the first sample with results and the last one.
 
     A drain finished within one sample period has a single sample with results: its
-    rate is then taken from the sample before it (none done yet), a lower bound.
+    rate is then taken from the sample before it (none done yet), or from the worker's
+    start (time 0) when it had none: a lower bound.
     """
     first = next((i for i, p in enumerate(points) if p[1] > 0), None)
     if first is None:
         return 0.0
-    start = first if first == 0 or len(points) - first >= 2 else first - 1
-    (t0, n0, _), (t1, n1, _) = points[start], points[-1]
-    return (n1 - n0) / max(t1 - t0, 1e-3) if t1 > t0 else 0.0
+    if len(points) - first >= 2:
+        (t0, n0, _), (t1, n1, _) = points[first], points[-1]
+    else:
+        (t0, n0), (t1, n1, _) = (points[first - 1][:2] if first else (0.0, 0)), points[-1]
+    return (n1 - n0) / max(t1 - t0, 1e-3)
 
 
 def _rss_mib(pid: int) -> float:

@@ -14,7 +14,7 @@ def test_slope_runs_from_the_first_sample_with_results_to_the_last() -> None:
 
 
 def test_a_drain_done_within_one_sample_is_timed_from_the_sample_before() -> None:
-    """One sample with results: rate from the previous (empty) sample, a lower bound."""
+    """One sample with results: rate from the previous (empty) sample, else from the start."""
     assert _slope([(0.5, 0, 80.0), (1.0, 200, 81.0)]) == pytest.approx(200 / 0.5)
-    assert _slope([(0.5, 200, 80.0)]) == 0.0
+    assert _slope([(0.8, 200, 80.0)]) == pytest.approx(200 / 0.8)  # done before any sample
     assert _slope([(0.5, 0, 80.0)]) == 0.0
