@@ -85,6 +85,22 @@ class OAuthTokenProvider(AbstractTokenProvider):  # type: ignore[misc]
         return token
 
 
+def sasl_credentials(auth: KafkaAuthSettings, mechanism: str | None) -> tuple[str, str]:
+    """The SASL user name and password (PLAIN, SCRAM); ConfigError naming what is missing."""
+    if auth.sasl_username is None:
+        raise ConfigError(
+            "WORKER_SASL_USERNAME", f"WORKER_SASL_USERNAME: required for SASL {mechanism}"
+        )
+    password = sasl_password(auth)
+    if password is None:
+        raise ConfigError(
+            "WORKER_SASL_PASSWORD",
+            f"WORKER_SASL_PASSWORD: required for SASL {mechanism} "
+            "(or set WORKER_SASL_PASSWORD_FILE)",
+        )
+    return auth.sasl_username, password
+
+
 def _kafka_ssl_context(auth: KafkaAuthSettings) -> ssl.SSLContext:
     check_file(auth.ssl_cafile, "WORKER_SSL_CAFILE")
     check_file(auth.ssl_certfile, "WORKER_SSL_CERTFILE")
@@ -130,17 +146,7 @@ def kafka_client_kwargs(auth: KafkaAuthSettings) -> dict[str, Any]:
             auth.sasl_oauth_token_file, auth.sasl_oauth_token_command
         )
         return kwargs
-    if auth.sasl_username is None:
-        raise ConfigError(
-            "WORKER_SASL_USERNAME", f"WORKER_SASL_USERNAME: required for SASL {mechanism}"
-        )
-    password = sasl_password(auth)
-    if password is None:
-        raise ConfigError(
-            "WORKER_SASL_PASSWORD",
-            f"WORKER_SASL_PASSWORD: required for SASL {mechanism} "
-            "(or set WORKER_SASL_PASSWORD_FILE)",
-        )
-    kwargs["sasl_plain_username"] = auth.sasl_username
+    username, password = sasl_credentials(auth, mechanism)
+    kwargs["sasl_plain_username"] = username
     kwargs["sasl_plain_password"] = password
     return kwargs

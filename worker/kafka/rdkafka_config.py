@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from worker.kafka.options import sasl_password
+from worker.kafka.options import sasl_credentials
 from worker.settings import ConfigError, KafkaAuthSettings, KafkaSettings
 from worker.settings.secrets import check_file, read_secret
 
@@ -133,18 +133,8 @@ def security_config(auth: KafkaAuthSettings) -> dict[str, Any]:
             )
         config["oauth_cb"] = lambda _config_str: oauth_token(auth)
         return config
-    if auth.sasl_username is None:
-        raise ConfigError(
-            "WORKER_SASL_USERNAME", f"WORKER_SASL_USERNAME: required for SASL {mechanism}"
-        )
-    password = sasl_password(auth)
-    if password is None:
-        raise ConfigError(
-            "WORKER_SASL_PASSWORD",
-            f"WORKER_SASL_PASSWORD: required for SASL {mechanism} "
-            "(or set WORKER_SASL_PASSWORD_FILE)",
-        )
-    config["sasl.username"] = auth.sasl_username
+    username, password = sasl_credentials(auth, mechanism)
+    config["sasl.username"] = username
     config["sasl.password"] = password
     return config
 
