@@ -10,12 +10,14 @@ model) and runs as its own process, measured in turn:
    producer and collector are not counted), as are Triton's and Kafka's.
 
 The tuned worker is then fed at fixed rates to draw latency against offered
-load, and Triton alone is driven at half that peak for the latency target.
+load. Both workers and Kafka alone run on each Kafka client (aiokafka, and
+librdkafka through confluent-kafka) in the same run.
 "Triton alone, batched" drives Triton through the worker's own client path
 (stream pool and micro-batcher) with the tuned settings; with Kafka alone it
 makes the ceiling the tuned worker is compared with. Last, every variant that
-can be fed at a fixed rate (both workers, Triton alone both ways, Kafka alone)
-is fed one common rate, each on fresh topics, for latencies side by side.
+can be fed at a fixed rate (the workers, Triton alone both ways, Kafka alone)
+is fed one common rate, half the tuned worker's peak, each on fresh topics,
+for latencies side by side.
 """
 
 from __future__ import annotations
@@ -40,9 +42,11 @@ VARIANT_KEYS = (
     "worker",
     "worker_confluent",
     "worker_tuned",
+    "worker_tuned_confluent",
     "triton",
     "triton_batched",
     "kafka",
+    "kafka_confluent",
 )
 #: Measurements beyond the table (worker.benchmarks.extras, worker.benchmarks.scaleout).
 EXTRA_KEYS = (
@@ -180,7 +184,6 @@ async def _bench(args: argparse.Namespace, servers: Servers, console: Console) -
         tuned[name.removeprefix("WORKER_")] = value
     results: dict[str, VariantResult] = {}
     sweep: list[LoadPoint] = []
-    triton_half: LoadPoint | None = None
     runner = Runner(args, servers, args.out)
     progress = Progress(
         TextColumn("{task.description:<30}"),
@@ -204,12 +207,9 @@ async def _bench(args: argparse.Namespace, servers: Servers, console: Console) -
             results[key] = await runner.kafka_variant(
                 key, name, command, env, count, progress, settings, sweep_into
             )
-        if sweep and "triton" in wanted:
-            half_rate = results["worker_tuned"].records_per_s / 2
-            triton_half = await runner.triton_at(half_rate, progress)
         common = await _common_rate(args, runner, results, tuned, progress)
     extras = await _extras(args, servers, wanted, tuned, console)
-    targets = report.ratios(results, sweep, triton_half) + report.extra_ratios(extras)
+    targets = report.ratios(results, common) + report.extra_ratios(extras)
     meta = {
         "model": args.model,
         "records": args.records,
@@ -230,7 +230,6 @@ async def _bench(args: argparse.Namespace, servers: Servers, console: Console) -
             "meta": meta,
             "variants": results,
             "worker_tuned_latency_vs_load": sweep,
-            "triton_at_half_worker_peak": triton_half,
             "ceiling": report.ceiling(results),
             "at_common_rate": common,
             "targets": targets,

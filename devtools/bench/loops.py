@@ -7,6 +7,10 @@
   for produce acks (what a quick script does);
 - ``kafka``: consume and produce the same records, decoding and encoding the
   JSON, no inference (the Kafka ceiling);
+- ``kafka_confluent``: the same on librdkafka (confluent-kafka's own consumer
+  and producer, as a user of that client writes it: ``consume`` of up to 1,000
+  records off the event loop, ``produce`` with a delivery callback, the batch's
+  acks awaited before the next fetch), the Kafka ceiling of the other client;
 - ``triton``: unary infers of the same payloads driven at saturation (or at a
   fixed rate), no Kafka (the Triton ceiling); prints its measurement as JSON;
 - ``triton_batched``: the same payloads through the worker's own client path
@@ -155,6 +159,40 @@ async def run_kafka(args: argparse.Namespace) -> None:
         await asyncio.gather(*acks)
 
 
+async def run_kafka_confluent(args: argparse.Namespace) -> None:
+    """Kafka alone on librdkafka: the same work as ``run_kafka``, the other client."""
+    from confluent_kafka import Consumer, Producer
+
+    consumer = Consumer(
+        {
+            "bootstrap.servers": args.bootstrap,
+            "group.id": args.group,
+            "enable.auto.commit": True,
+            "auto.offset.reset": "earliest",
+        }
+    )
+    producer = Producer({"bootstrap.servers": args.bootstrap, "linger.ms": 5, "acks": "all"})
+    consumer.subscribe([args.input])
+    failed: list[str] = []
+
+    def delivered(err: Any, _msg: Any) -> None:
+        if err is not None:
+            failed.append(str(err))
+
+    while not failed:
+        records = await asyncio.to_thread(consumer.consume, 1000, 1.0)
+        for record in records:
+            value = record.value()
+            if record.error() is not None or value is None:
+                continue
+            doc = orjson.loads(value)
+            result = orjson.dumps({"id": doc.get("id", ""), "outputs": doc["inputs"]})
+            producer.produce(args.output, result, key=record.key(), on_delivery=delivered)
+            producer.poll(0)
+        await asyncio.to_thread(producer.flush)
+    raise RuntimeError(f"a produce failed: {failed[0]}")
+
+
 async def run_triton(args: argparse.Namespace) -> None:
     """Unary infers of the benchmark payloads, no Kafka; prints a JSON measurement."""
     requests = samples_for(args.model, args.records, args.seed)
@@ -265,10 +303,20 @@ def _cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+_LOOPS: dict[str, Callable[[argparse.Namespace], Awaitable[None]]] = {
+    "sync": run_sync,
+    "naive": run_naive,
+    "kafka": run_kafka,
+    "kafka_confluent": run_kafka_confluent,
+    "triton": run_triton,
+    "triton_batched": run_triton_batched,
+}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``python -m devtools.bench.loops``."""
     parser = argparse.ArgumentParser(prog="python -m devtools.bench.loops")
-    parser.add_argument("variant", choices=["sync", "naive", "kafka", "triton", "triton_batched"])
+    parser.add_argument("variant", choices=sorted(_LOOPS))
     parser.add_argument("--bootstrap", default="localhost:9092")
     parser.add_argument("--triton", default="localhost:8001")
     parser.add_argument("--input", default="")
@@ -283,17 +331,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=32, help="triton_batched: rows")
     parser.add_argument("--batch-delay-ms", type=float, default=2.0, help="triton_batched")
     args = parser.parse_args(argv)
-    loops = {
-        "sync": run_sync,
-        "naive": run_naive,
-        "kafka": run_kafka,
-        "triton": run_triton,
-        "triton_batched": run_triton_batched,
-    }
     from worker.app import run_async
 
     async def run() -> int:
-        await loops[args.variant](args)
+        await _LOOPS[args.variant](args)
         return 0
 
     return run_async(run())

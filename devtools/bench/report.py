@@ -19,9 +19,19 @@ VARIANTS = {
     "worker": "(c) worker, defaults",
     "worker_confluent": "(c') worker, defaults, librdkafka",
     "worker_tuned": "(d) worker, tuned",
+    "worker_tuned_confluent": "(d') worker, tuned, librdkafka",
     "triton": "(e) ceiling 1: Triton alone",
     "triton_batched": "(e') ceiling 1: Triton alone, batched",
     "kafka": "(f) ceiling 2: Kafka alone",
+    "kafka_confluent": "(f') ceiling 2: Kafka alone, librdkafka",
+}
+
+#: Each worker variant's Kafka alone: the same client, the same records.
+KAFKA_ALONE_OF = {
+    "worker": "kafka",
+    "worker_tuned": "kafka",
+    "worker_confluent": "kafka_confluent",
+    "worker_tuned_confluent": "kafka_confluent",
 }
 
 
@@ -53,7 +63,15 @@ class LoadPoint:
 
 
 #: Variants that can be fed at a fixed rate: measured side by side at one common rate.
-COMMON_RATE_KEYS = ("worker", "worker_tuned", "triton", "triton_batched", "kafka")
+COMMON_RATE_KEYS = (
+    "worker",
+    "worker_tuned",
+    "worker_tuned_confluent",
+    "triton",
+    "triton_batched",
+    "kafka",
+    "kafka_confluent",
+)
 #: What the tuned worker is held to: the slower of these two (same client path, same rows).
 CEILING_KEYS = ("kafka", "triton_batched")
 
@@ -73,9 +91,16 @@ class CommonRate:
 def common_rate(
     results: dict[str, VariantResult], requested: float | None
 ) -> tuple[float, str] | None:
-    """The common offered rate: ``requested``, else half the slowest fixed-rate variant's peak."""
+    """The common offered rate: ``requested``, else half the tuned worker's peak.
+
+    Without the tuned worker: half the slowest fixed-rate variant's peak.
+    """
     if requested:
         return requested, "given (--common-rate)"
+    if "worker_tuned" in results:
+        return results[
+            "worker_tuned"
+        ].records_per_s / 2, f"half the peak of {VARIANTS['worker_tuned']}"
     peaks = {k: results[k].records_per_s for k in COMMON_RATE_KEYS if k in results}
     if not peaks:
         return None
@@ -93,10 +118,12 @@ def at_common_rate(rate: float, chosen_as: str, points: dict[str, LoadPoint]) ->
     return CommonRate(rate, chosen_as, points, sums)
 
 
-def ceiling(results: dict[str, VariantResult]) -> tuple[str, float] | None:
+def ceiling(
+    results: dict[str, VariantResult], keys: tuple[str, str] = CEILING_KEYS
+) -> tuple[str, float] | None:
     """The ceiling of the tuned worker: min(Kafka alone, Triton alone batched), and which binds."""
-    parts = {k: results[k].records_per_s for k in CEILING_KEYS if k in results}
-    if len(parts) < len(CEILING_KEYS):
+    parts = {k: results[k].records_per_s for k in keys if k in results}
+    if len(parts) < len(keys):
         return None
     binding = min(parts, key=lambda k: parts[k])
     return binding, parts[binding]
@@ -112,53 +139,101 @@ class Ratio:
     passed: bool
 
 
-def ratios(
-    results: dict[str, VariantResult],
-    worker_sweep: Sequence[LoadPoint],
-    triton_at_half: LoadPoint | None,
-) -> list[Ratio]:
-    """The issue's targets, for the default and the tuned worker."""
+def ratios(results: dict[str, VariantResult], common: CommonRate | None = None) -> list[Ratio]:
+    """The targets: each worker against the baselines, its Kafka alone, the ceiling, the parts."""
     out: list[Ratio] = []
     sync, naive = results.get("sync"), results.get("naive")
-    ceilings = [results[k].records_per_s for k in ("triton", "kafka") if k in results]
-    for key in ("worker", "worker_tuned"):
+    for key in ("worker", "worker_tuned", "worker_confluent", "worker_tuned_confluent"):
         worker = results.get(key)
         if worker is None:
             continue
         label = VARIANTS[key].split(" ", 1)[1]
         rate = worker.records_per_s
-        if sync is not None and sync.records_per_s > 0:
+        if key in ("worker", "worker_tuned") and sync is not None and sync.records_per_s > 0:
             value = rate / sync.records_per_s
             out.append(Ratio(f"{label} / sync", value, ">= 25", value >= 25))
-        if naive is not None and naive.records_per_s > 0:
+        if key in ("worker", "worker_tuned") and naive is not None and naive.records_per_s > 0:
             value = rate / naive.records_per_s
-            out.append(Ratio(f"{label} / naive async", value, ">= 1.0", value >= 1.0))
-        if ceilings and min(ceilings) > 0:
-            value = rate / min(ceilings)
-            out.append(Ratio(f"{label} / min(ceilings)", value, ">= 0.8", value >= 0.8))
-    tuned, bound_by = results.get("worker_tuned"), ceiling(results)
-    if tuned is not None and bound_by is not None and bound_by[1] > 0:
-        value = tuned.records_per_s / bound_by[1]
-        out.append(
-            Ratio(
-                "worker, tuned / the ceiling, min(Kafka alone, Triton alone batched)",
-                value,
-                ">= 0.8",
-                value >= 0.8,
+            out.append(Ratio(f"{label} / naive async", value, ">= 1.5", value >= 1.5))
+        kafka = results.get(KAFKA_ALONE_OF[key])
+        if kafka is not None and kafka.cpu_s_per_1k > 0:
+            value = worker.cpu_s_per_1k / kafka.cpu_s_per_1k
+            out.append(
+                Ratio(
+                    f"{label}: CPU per record / {VARIANTS[kafka.variant].split(': ', 1)[1]}'s",
+                    value,
+                    "<= 1.5",
+                    value <= 1.5,
+                )
             )
-        )
-    if triton_at_half is not None and worker_sweep:
-        half = min(worker_sweep, key=lambda p: abs(p.offered_per_s - triton_at_half.offered_per_s))
-        bound = 2 * triton_at_half.latency_ms["p99"] + 10
-        value = half.latency_ms["p99"]
+    for key, keys, ceiling_name in (
+        ("worker_tuned", CEILING_KEYS, "Kafka alone"),
+        (
+            "worker_tuned_confluent",
+            ("kafka_confluent", "triton_batched"),
+            "Kafka alone on librdkafka",
+        ),
+    ):
+        tuned, bound_by = results.get(key), ceiling(results, keys)
+        if tuned is not None and bound_by is not None and bound_by[1] > 0:
+            value = tuned.records_per_s / bound_by[1]
+            out.append(
+                Ratio(
+                    f"{VARIANTS[key].split(' ', 1)[1]} / the ceiling, "
+                    f"min({ceiling_name}, Triton alone batched)",
+                    value,
+                    ">= 0.8",
+                    value >= 0.8,
+                )
+            )
+    out += _client_ratios(results)
+    if common is not None:
+        out += _latency_ratios(common)
+    return out
+
+
+def _latency_ratios(common: CommonRate) -> list[Ratio]:
+    """At the common rate: each tuned worker's p99 against its Kafka alone's plus Triton's."""
+    out: list[Ratio] = []
+    triton = common.points.get("triton_batched")
+    for key, alone_key in (
+        ("worker_tuned", "kafka"),
+        ("worker_tuned_confluent", "kafka_confluent"),
+    ):
+        worker, alone = common.points.get(key), common.points.get(alone_key)
+        if worker is None or alone is None or triton is None:
+            continue
+        bound = alone.latency_ms["p99"] + triton.latency_ms["p99"] + 10
+        value = worker.latency_ms["p99"]
         out.append(
             Ratio(
-                f"tuned p99 at {half.offered_per_s:,.0f}/s (ms)",
+                f"{VARIANTS[key].split(' ', 1)[1]}: p99 at {common.offered_per_s:,.0f}/s (ms)",
                 value,
-                f"<= 2 x Triton p99 + 10 = {bound:.1f}",
+                f"<= {VARIANTS[alone_key].split(': ', 1)[1]} p99 + Triton alone batched p99 "
+                f"+ 10 = {bound:.1f}",
                 value <= bound,
             )
         )
+    return out
+
+
+def _client_ratios(results: dict[str, VariantResult]) -> list[Ratio]:
+    """librdkafka against aiokafka, the same run: CPU per record and tuned records/s."""
+    out: list[Ratio] = []
+    for key, other in (("worker", "worker_confluent"), ("worker_tuned", "worker_tuned_confluent")):
+        a, c = results.get(key), results.get(other)
+        if a is None or c is None or a.cpu_s_per_1k <= 0 or a.records_per_s <= 0:
+            continue
+        label = VARIANTS[key].split(" ", 1)[1]
+        value = c.cpu_s_per_1k / a.cpu_s_per_1k
+        out.append(
+            Ratio(f"{label}: CPU per record, librdkafka / aiokafka", value, "<= 0.5", value <= 0.5)
+        )
+        if key == "worker_tuned":
+            value = c.records_per_s / a.records_per_s
+            out.append(
+                Ratio(f"{label}: records/s, librdkafka / aiokafka", value, ">= 1.5", value >= 1.5)
+            )
     return out
 
 
@@ -199,17 +274,21 @@ def markdown(
             f"| {_fmt(r.cpu_s_per_1k, 3)} | {_fmt(r.peak_rss_mib)} "
             f"| {_fmt(r.triton_cpu_s_per_1k, 3)} | {_fmt(r.kafka_cpu_s_per_1k, 3)} |"
         )
-    bound_by, tuned = ceiling(results), results.get("worker_tuned")
-    if bound_by is not None:
+    for keys, tuned_key in (
+        (CEILING_KEYS, "worker_tuned"),
+        (("kafka_confluent", "triton_batched"), "worker_tuned_confluent"),
+    ):
+        bound_by, tuned = ceiling(results, keys), results.get(tuned_key)
+        if bound_by is None:
+            continue
         parts = " and ".join(
-            f"{VARIANTS[k].split(': ', 1)[1]} {results[k].records_per_s:,.0f}/s"
-            for k in CEILING_KEYS
+            f"{VARIANTS[k].split(': ', 1)[1]} {results[k].records_per_s:,.0f}/s" for k in keys
         )
         line = f"The ceiling: min({parts}) = {bound_by[1]:,.0f} rows/s"
         if tuned is not None and bound_by[1] > 0:
             line += (
-                f"; the tuned worker {tuned.records_per_s:,.0f}/s is "
-                f"{tuned.records_per_s / bound_by[1]:.2f} of it"
+                f"; {VARIANTS[tuned_key].split(') ', 1)[1].replace('worker', 'the worker')} "
+                f"{tuned.records_per_s:,.0f}/s is {tuned.records_per_s / bound_by[1]:.2f} of it"
             )
         lines += ["", line + "."]
     if sweep:

@@ -53,11 +53,11 @@ class Runner:
         self, key: str, tuned: Mapping[str, str]
     ) -> tuple[list[str], dict[str, str], dict[str, str]]:
         """The child process of a Kafka variant: argv, extra env, settings to report."""
-        if key in ("worker", "worker_confluent", "worker_tuned"):
-            settings = dict(tuned) if key == "worker_tuned" else {}
-            if key == "worker_confluent":
-                # The same defaults on the other Kafka client, in the same run.
-                settings = {"KAFKA_CLIENT": "confluent"}
+        if key.startswith("worker"):
+            settings = dict(tuned) if key.startswith("worker_tuned") else {}
+            if key.endswith("_confluent"):
+                # The same settings on the other Kafka client, in the same run.
+                settings["KAFKA_CLIENT"] = "confluent"
             return [sys.executable, "-m", "worker", "run"], settings, settings
         argv = [sys.executable, "-m", "devtools.bench.loops", key]
         argv += ["--bootstrap", self.servers.bootstrap, "--triton", self.servers.triton]

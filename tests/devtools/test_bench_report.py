@@ -9,13 +9,13 @@ from devtools.bench import report
 from devtools.bench.report import LoadPoint, VariantResult
 
 
-def _result(key: str, per_s: float) -> VariantResult:
+def _result(key: str, per_s: float, cpu_s_per_1k: float = 0.1) -> VariantResult:
     return VariantResult(
         variant=key,
         records=1000,
         records_per_s=per_s,
         latency_ms={"p50": 1.0, "p95": 2.0, "p99": 3.0},
-        cpu_s_per_1k=0.1,
+        cpu_s_per_1k=cpu_s_per_1k,
         peak_rss_mib=80.0,
         cpu_of="variant process",
     )
@@ -35,11 +35,14 @@ RESULTS = {
 }
 
 
-def test_common_rate_is_half_the_slowest_fixed_rate_peak_unless_given() -> None:
-    """Half the defaults worker's 5,000/s (sync is not fed a rate); a given rate wins."""
+def test_common_rate_is_half_the_tuned_peak_else_the_slowest_unless_given() -> None:
+    """Half the tuned worker's 6,000/s; without it half the slowest (defaults 5,000/s)."""
     rate, how = report.common_rate(RESULTS, None) or (0.0, "")
-    assert rate == 2500.0
-    assert report.VARIANTS["worker"] in how
+    assert rate == 3000.0
+    assert report.VARIANTS["worker_tuned"] in how
+    untuned = {k: v for k, v in RESULTS.items() if k != "worker_tuned"}
+    rate, how = report.common_rate(untuned, None) or (0.0, "")
+    assert rate == 2500.0 and report.VARIANTS["worker"] in how
     assert report.common_rate(RESULTS, 700.0) == (700.0, "given (--common-rate)")
     assert report.common_rate({"sync": RESULTS["sync"]}, None) is None
 
@@ -61,15 +64,71 @@ def test_sum_of_parts_adds_kafka_alone_and_each_triton_alone_p99() -> None:
 def test_the_ceiling_is_the_slower_of_kafka_alone_and_triton_alone_batched() -> None:
     """Kafka alone (12,000/s) binds: tuned 6,000/s is 0.5 of it (fails), 10,000/s passes."""
     assert report.ceiling(RESULTS) == ("kafka", 12000.0)
-    targets = {t.name: t for t in report.ratios(RESULTS, [], None)}
+    targets = {t.name: t for t in report.ratios(RESULTS)}
     ratio = targets["worker, tuned / the ceiling, min(Kafka alone, Triton alone batched)"]
     assert (ratio.value, ratio.passed) == (0.5, False)
     faster = {**RESULTS, "worker_tuned": _result("worker_tuned", 10000.0)}
-    ratio = next(t for t in report.ratios(faster, [], None) if "the ceiling" in t.name)
+    ratio = next(t for t in report.ratios(faster) if "the ceiling" in t.name)
     assert ratio.value == 10000.0 / 12000.0 and ratio.passed
-    # The old ceiling, with Triton unbatched (9,000/s), stays as it was.
-    assert targets["worker, tuned / min(ceilings)"].value == 6000.0 / 9000.0
     assert report.ceiling({k: v for k, v in RESULTS.items() if k != "triton_batched"}) is None
+
+
+def test_baselines_and_cpu_per_record_against_kafka_alone_of_the_same_client() -> None:
+    """naive 3,000/s: defaults 5,000/s is 1.67 (>= 1.5); CPU is held to the same client's Kafka."""
+    results = {
+        **RESULTS,
+        "naive": _result("naive", 3000.0),
+        "kafka": _result("kafka", 12000.0, cpu_s_per_1k=0.05),
+        "worker": _result("worker", 5000.0, cpu_s_per_1k=0.1),
+        "worker_confluent": _result("worker_confluent", 5000.0, cpu_s_per_1k=0.06),
+        "kafka_confluent": _result("kafka_confluent", 30000.0, cpu_s_per_1k=0.05),
+    }
+    targets = {t.name: t for t in report.ratios(results)}
+    naive = targets["worker, defaults / naive async"]
+    assert (round(naive.value, 2), naive.target, naive.passed) == (1.67, ">= 1.5", True)
+    cpu = targets["worker, defaults: CPU per record / Kafka alone's"]
+    assert (cpu.value, cpu.passed) == (2.0, False)
+    cpu = targets["worker, defaults, librdkafka: CPU per record / Kafka alone, librdkafka's"]
+    assert (round(cpu.value, 2), cpu.passed) == (1.2, True)
+    client = targets["worker, defaults: CPU per record, librdkafka / aiokafka"]
+    assert (client.value, client.passed) == (0.6, False)
+
+
+def test_tuned_librdkafka_against_aiokafka_and_its_own_ceiling() -> None:
+    """Tuned 6,000/s on aiokafka, 9,600/s on librdkafka: 1.6 (>= 1.5); its ceiling 12,000."""
+    results = {
+        **RESULTS,
+        "worker_tuned_confluent": _result("worker_tuned_confluent", 9600.0, cpu_s_per_1k=0.04),
+        "kafka_confluent": _result("kafka_confluent", 30000.0),
+    }
+    targets = {t.name: t for t in report.ratios(results)}
+    rate = targets["worker, tuned: records/s, librdkafka / aiokafka"]
+    assert (rate.value, rate.passed) == (1.6, True)
+    cpu = targets["worker, tuned: CPU per record, librdkafka / aiokafka"]
+    assert (round(cpu.value, 2), cpu.passed) == (0.4, True)
+    name = (
+        "worker, tuned, librdkafka / the ceiling, "
+        "min(Kafka alone on librdkafka, Triton alone batched)"
+    )
+    assert (targets[name].value, targets[name].passed) == (9600.0 / 20000.0, False)
+
+
+def test_p99_at_the_common_rate_is_held_to_the_sum_of_the_parts_plus_10_ms() -> None:
+    """Kafka alone 40 + Triton batched 7 + 10 = 57: the tuned worker's 50 passes, 60 fails."""
+    points = {
+        "worker_tuned": _point(3000, 50.0),
+        "worker_tuned_confluent": _point(3000, 60.0),
+        "triton_batched": _point(3000, 7.0),
+        "kafka": _point(3000, 40.0),
+        "kafka_confluent": _point(3000, 40.0),
+    }
+    common = report.at_common_rate(3000.0, "half the tuned peak", points)
+    targets = {t.name: t for t in report.ratios(RESULTS, common)}
+    aiokafka = targets["worker, tuned: p99 at 3,000/s (ms)"]
+    assert (aiokafka.value, aiokafka.passed) == (50.0, True)
+    assert aiokafka.target.endswith("= 57.0")
+    librdkafka = targets["worker, tuned, librdkafka: p99 at 3,000/s (ms)"]
+    assert (librdkafka.value, librdkafka.passed) == (60.0, False)
 
 
 def test_markdown_and_json_show_the_ceiling_and_the_common_rate(tmp_path: Path) -> None:
@@ -79,10 +138,10 @@ def test_markdown_and_json_show_the_ceiling_and_the_common_rate(tmp_path: Path) 
     }
     common = report.at_common_rate(2500.0, "half the slowest peak", points)
     meta = {"model": "mlp", "records": 1000, "sync_records": 100, "partitions": 4, "machine": "m"}
-    text = report.markdown(RESULTS, [], report.ratios(RESULTS, [], None), meta, common)
+    text = report.markdown(RESULTS, [], report.ratios(RESULTS), meta, common)
     assert (
         "The ceiling: min(Kafka alone 12,000/s and Triton alone, batched 20,000/s) "
-        "= 12,000 rows/s; the tuned worker 6,000/s is 0.50 of it." in text
+        "= 12,000 rows/s; the worker, tuned 6,000/s is 0.50 of it." in text
     )
     assert "Latency at one common offered rate, 2,500/s (half the slowest peak)" in text
     assert "| (c) worker, defaults | 2,500 | 2,500 | 25.0 | 45.0 | 50.0 |" in text
