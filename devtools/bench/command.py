@@ -58,6 +58,7 @@ EXTRA_KEYS = (
     "shm",
     "scale_out",
     "decoupled",
+    "profile",
 )
 MODELS = ("double", "mlp", "echo_bytes")
 
@@ -170,7 +171,7 @@ def run_bench(args: argparse.Namespace) -> int:
 async def _bench(args: argparse.Namespace, servers: Servers, console: Console) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from devtools.bench import decoupled, report
+    from devtools.bench import decoupled, report, stages
     from devtools.bench.runner import Runner
 
     wanted = [v for v in args.variants.split(",") if v]
@@ -223,6 +224,7 @@ async def _bench(args: argparse.Namespace, servers: Servers, console: Console) -
     table = report.markdown(results, sweep, targets, meta, common)
     table += report.extras_markdown(extras)
     table += decoupled.markdown(extras.get("decoupled"))  # type: ignore[arg-type]
+    table += stages.markdown(extras.get("profile"))  # type: ignore[arg-type]
     (args.out / "bench.md").write_text(table)
     report.write_json(
         args.out / "bench.json",
@@ -364,6 +366,18 @@ async def _extras(
         with console.status("decoupled: token streams, Triton alone, then the worker..."):
             out["decoupled"] = await decoupled.measure(
                 servers.bootstrap, servers.triton, args.out, requests=args.records
+            )
+    if "profile" in wanted:
+        from devtools.bench import stages
+
+        with console.status("profile: py-spy on the per-record path, then the fast path..."):
+            out["profile"] = await stages.profile(
+                servers.bootstrap,
+                servers.triton,
+                args.out,
+                model=args.model,
+                records=max(100_000, args.records),
+                base=tuned,
             )
     if args.backlog:
         with console.status(f"backlog: producing {args.backlog:,} records, then draining..."):

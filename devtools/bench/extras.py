@@ -16,7 +16,7 @@ import asyncio
 import time
 import urllib.request
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -146,9 +146,13 @@ async def drain(
     timeout_s: float = 600.0,
     distinct: int = 1,
     request: samples.SampleRequest | None = None,
+    on_sample: Callable[[int, int], Awaitable[None]] | None = None,
 ) -> Drain:
     """Produce ``backlog`` records (copies of ``request``, else ``distinct`` samples for
-    ``model``), start one worker, sample it until ``until_results``."""
+    ``model``), start one worker, sample it until ``until_results``.
+
+    ``on_sample(pid, results)`` is awaited after every sample (the profiler attaches so).
+    """
     run = f"drain-{uuid.uuid4().hex[:8]}"
     topic_in, topic_out, topic_dlq = f"{run}-in", f"{run}-out", f"{run}-dlq"
     await create_topics(bootstrap, [topic_in, topic_out, topic_dlq], partitions)
@@ -184,6 +188,8 @@ async def drain(
                 continue  # not listening yet
             done = int(metrics.get("worker_results_published_total", 0))
             points.append((time.monotonic() - started, done, _rss_mib(child.pid)))
+            if on_sample is not None:
+                await on_sample(child.pid, done)
             if done >= target:
                 break
         peak = peak_rss_bytes(child.pid) / (1 << 20)

@@ -55,12 +55,15 @@ class DaemonExecutor(Executor):
             self._calls.put(None)
 
 
-_SHARED = DaemonExecutor(4, "rdkafka-call")
+#: Started on first use: a worker on aiokafka imports this module but never starts them.
+_SHARED: list[DaemonExecutor] = []
 
 
 async def in_thread(fn: Callable[..., _T], *args: Any) -> _T:
     """``fn(*args)`` on a daemon thread, awaited."""
-    return await asyncio.get_running_loop().run_in_executor(_SHARED, fn, *args)
+    if not _SHARED:
+        _SHARED.append(DaemonExecutor(4, "rdkafka-call"))
+    return await asyncio.get_running_loop().run_in_executor(_SHARED[0], fn, *args)
 
 
 async def unless_stopped(stopping: asyncio.Event, call: Awaitable[_T], grace_s: float) -> _T | None:
