@@ -144,15 +144,7 @@ async def test_results_of_many_records_are_sent_together_and_a_refused_one_is_re
     await kafka.create_topics(
         [topics.output, topics.dlq], partitions=1, configs={"max.message.bytes": str(LIMIT)}
     )
-    publisher = Publisher(
-        kafka.bootstrap_servers,
-        output_topic=topics.output,
-        dlq_topic=topics.dlq,
-        client_id=f"publisher-{unique}",
-        linger_ms=5,
-        max_request_bytes=8 * 1024 * 1024,
-        client_kwargs={},
-    )
+    publisher = _publisher(kafka, topics, unique)
     records = [ConsumerRecord("in", 0, i, 0, 0, b"k", b"", None, 1, 0, []) for i in range(10)]
     await publisher.start()
     try:

@@ -229,6 +229,30 @@ class RdPublisher(Publisher):
         for value, headers in results[failed:]:
             await self.write_result(value, record.key, headers)
 
+    async def publish_many(
+        self, results: Sequence[tuple[ConsumerRecord[bytes, bytes], bytes, Headers]]
+    ) -> list[BaseException | None]:
+        """Results of several records (the fast path): every send queued, then every
+        report awaited; None per result acknowledged, else its error (see Publisher)."""
+        sent: list[asyncio.Future[Any] | BaseException] = []
+        for record, value, headers in results:
+            try:
+                sent.append(await self._rd.send(self.output_topic, value, record.key, headers))
+            except Exception as exc:  # refused before sending: the caller writes it alone
+                sent.append(exc)
+        outcomes: list[BaseException | None] = []
+        for future in sent:
+            if isinstance(future, BaseException):
+                outcomes.append(future)
+                continue
+            try:
+                await future
+            except Exception as exc:
+                outcomes.append(exc)
+            else:
+                outcomes.append(None)
+        return outcomes
+
     async def send_audit(self, topic: str, value: bytes, key: bytes | None) -> Any:
         """Write an audit record and wait for the broker's ack."""
         return await (await self._rd.send(topic, value, key, None))
