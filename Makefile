@@ -2,23 +2,27 @@
 # (virtualenvs, Python packages, Kafka jars, the Triton wheel) is installed here.
 #
 # `make test` runs the whole suite on the oldest supported Python (the default
-# virtualenv, .venv) and on the newest (.venv-3.13), and the unit tests on the
-# ones between, since asyncio behaves differently across versions.
+# virtualenv, .venv) and on the newest (.venv-3.13), both on aiokafka, and the
+# whole suite but the dev stack's own tests on the one between (3.12) with the
+# workers on librdkafka (WORKER_TEST_KAFKA_CLIENT=confluent): every Python runs
+# every integration and fault test, and so does each Kafka client.
 
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
-# Python versions beside the default one: the newest runs everything, the others the unit tests.
+# Python versions beside the default one: the newest runs everything on aiokafka, the
+# librdkafka ones everything but tests/devtools on librdkafka, the unit ones unit tests.
 FULL_PYTHONS ?= 3.13
-UNIT_PYTHONS ?= 3.12
+CONFLUENT_PYTHONS ?= 3.12
+UNIT_PYTHONS ?=
 
 .PHONY: help tools venv fetch test test-one matrix unit lint demo bench dev-up dev-down clean
 
 help:
 	@echo "make demo      - start a local Kafka + Triton, run the worker end to end, print a summary"
-	@echo "make test      - lint, type-check, the whole suite on Python 3.11 and 3.13, unit tests on 3.12"
+	@echo "make test      - lint, type-check, the whole suite on Python 3.11 and 3.13 (aiokafka) and 3.12 (librdkafka)"
 	@echo "make test-one  - lint, type-check and the whole suite on the default Python only"
 	@echo "make bench     - run the benchmark"
 
@@ -55,11 +59,17 @@ test: test-one matrix
 test-one: fetch lint
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-matrix: $(foreach v,$(FULL_PYTHONS) $(UNIT_PYTHONS),.venv-$(v)/.installed)
+matrix: $(foreach v,$(FULL_PYTHONS) $(CONFLUENT_PYTHONS) $(UNIT_PYTHONS),.venv-$(v)/.installed)
 	@for v in $(FULL_PYTHONS); do \
 		echo "== Python $$v: the whole suite"; \
 		.venv-$$v/bin/python -m devtools dev fetch && \
 		.venv-$$v/bin/python -m pytest -p no:cacheprovider $(PYTEST_ARGS) || exit 1; \
+	done
+	@for v in $(CONFLUENT_PYTHONS); do \
+		echo "== Python $$v: the whole suite but tests/devtools, the workers on librdkafka"; \
+		.venv-$$v/bin/python -m devtools dev fetch && \
+		WORKER_TEST_KAFKA_CLIENT=confluent .venv-$$v/bin/python -m pytest -p no:cacheprovider \
+			-m "not devtools" $(PYTEST_ARGS) || exit 1; \
 	done
 	@for v in $(UNIT_PYTHONS); do \
 		echo "== Python $$v: unit tests"; \

@@ -180,7 +180,8 @@ async def run_kafka_confluent(args: argparse.Namespace) -> None:
             failed.append(str(err))
 
     while not failed:
-        records = await asyncio.to_thread(consumer.consume, 1000, 1.0)
+        # A short wait: consume() waits for the whole 1,000 or the timeout, whichever first.
+        records = await asyncio.to_thread(consumer.consume, 1000, 0.02)
         for record in records:
             value = record.value()
             if record.error() is not None or value is None:

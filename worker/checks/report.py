@@ -23,7 +23,7 @@ import asyncio
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -85,9 +85,8 @@ def _topic_result(name: str, topic: dict[str, Any] | None, operation: int) -> Ch
     return CheckResult(name, "ok", f"{len(partitions)} partitions, {permission}")
 
 
-async def _group_result(admin: AIOKafkaAdminClient, group_id: str) -> CheckResult:
+def _group_result(group_id: str, group: dict[str, Any]) -> CheckResult:
     name = f"consumer group {group_id}"
-    group = await probes.describe_group(admin, group_id)
     code = int(group["error_code"])
     if code:
         return CheckResult(name, "fail", _KAFKA_ERRORS.get(code, f"Kafka error code {code}"))
@@ -103,8 +102,9 @@ async def _group_result(admin: AIOKafkaAdminClient, group_id: str) -> CheckResul
 
 async def kafka_checks(settings: Settings, timeout_s: float) -> list[CheckResult]:
     """Broker reachable; topics exist with the needed permissions; the group can be joined."""
+    if settings.kafka.kafka_client == "confluent":
+        return await _kafka_checks_rd(settings, timeout_s)
     topics = probes.topics_to_check(settings)
-    later = [name for name, _, _ in topics] + [f"consumer group {settings.kafka.group_id}"]
     admin = AIOKafkaAdminClient(
         bootstrap_servers=settings.kafka.bootstrap_servers,
         client_id=f"{settings.kafka.client_id}-check",
@@ -121,30 +121,69 @@ async def kafka_checks(settings: Settings, timeout_s: float) -> list[CheckResult
             )
     except Exception as exc:
         await admin.close()
-        reason = f"{settings.kafka.bootstrap_servers}: {probes.reason(exc)}"
-        return [
-            CheckResult("Kafka reachable", "fail", reason),
-            *(CheckResult(name, "skip", "Kafka unreachable") for name in later),
-        ]
+        return _unreachable(settings, exc)
     try:
-        brokers = len(metadata["brokers"])
-        results = [
-            CheckResult(
-                "Kafka reachable",
-                "ok",
-                f"{brokers} broker(s), cluster {metadata['cluster_id']}",
-            )
-        ]
-        by_name = {t["topic"]: t for t in metadata["topics"]}
-        results += [_topic_result(name, by_name.get(t), op) for name, t, op in topics]
-        try:
-            async with asyncio.timeout(timeout_s):
-                results.append(await _group_result(admin, settings.kafka.group_id))
-        except Exception as exc:
-            results.append(CheckResult(later[-1], "fail", probes.reason(exc)))
-        return results
+        return await _kafka_rows(
+            settings, metadata, probes.describe_group(admin, settings.kafka.group_id), timeout_s
+        )
     finally:
         await admin.close()
+
+
+async def _kafka_checks_rd(settings: Settings, timeout_s: float) -> list[CheckResult]:
+    """The same rows, asked through librdkafka's admin API (WORKER_KAFKA_CLIENT=confluent)."""
+    from worker.kafka.rdkafka_admin import RdAdmin
+
+    admin = RdAdmin(settings, timeout_s)
+    try:
+        try:
+            async with asyncio.timeout(timeout_s):
+                metadata = await admin.describe_topics(
+                    [topic for _, topic, _ in probes.topics_to_check(settings)]
+                )
+        except Exception as exc:
+            return _unreachable(settings, exc)
+        return await _kafka_rows(
+            settings, metadata, admin.describe_group(settings.kafka.group_id), timeout_s
+        )
+    finally:
+        admin.close()
+
+
+def _unreachable(settings: Settings, exc: BaseException) -> list[CheckResult]:
+    later = [name for name, _, _ in probes.topics_to_check(settings)]
+    later.append(f"consumer group {settings.kafka.group_id}")
+    reason = f"{settings.kafka.bootstrap_servers}: {probes.reason(exc)}"
+    return [
+        CheckResult("Kafka reachable", "fail", reason),
+        *(CheckResult(name, "skip", "Kafka unreachable") for name in later),
+    ]
+
+
+async def _kafka_rows(
+    settings: Settings,
+    metadata: dict[str, Any],
+    group: Coroutine[Any, Any, dict[str, Any]],
+    timeout_s: float,
+) -> list[CheckResult]:
+    """The broker's row, a row per topic, and the group's row (``group`` describes it)."""
+    brokers = len(metadata["brokers"])
+    results = [
+        CheckResult(
+            "Kafka reachable", "ok", f"{brokers} broker(s), cluster {metadata['cluster_id']}"
+        )
+    ]
+    by_name = {t["topic"]: t for t in metadata["topics"]}
+    results += [
+        _topic_result(name, by_name.get(t), op) for name, t, op in probes.topics_to_check(settings)
+    ]
+    group_id = settings.kafka.group_id
+    try:
+        async with asyncio.timeout(timeout_s):
+            results.append(_group_result(group_id, await group))
+    except Exception as exc:
+        results.append(CheckResult(f"consumer group {group_id}", "fail", probes.reason(exc)))
+    return results
 
 
 # -- Triton --------------------------------------------------------------------------

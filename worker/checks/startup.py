@@ -67,12 +67,17 @@ async def check_kafka(settings: Settings, timeout_s: float = CHECK_TIMEOUT_S) ->
         return  # no broker answered: the consumer's own start reports it
 
 
+def _who(settings: Settings) -> str:
+    if settings.kafka_auth.sasl_username:
+        return f"user {settings.kafka_auth.sasl_username!r}"
+    return "this client"
+
+
 async def _check_kafka(settings: Settings, kwargs: dict[str, Any]) -> None:
-    who = (
-        f"user {settings.kafka_auth.sasl_username!r}"
-        if settings.kafka_auth.sasl_username
-        else "this client"
-    )
+    if settings.kafka.kafka_client == "confluent":
+        await _check_kafka_rd(settings)
+        return
+    who = _who(settings)
     for address in settings.kafka.bootstrap_servers.split(","):
         host, port = _split_host_port(address)
         where = f"Kafka {host}:{port}"
@@ -109,9 +114,38 @@ async def _check_kafka(settings: Settings, kwargs: dict[str, Any]) -> None:
         return
 
 
+async def _check_kafka_rd(settings: Settings) -> None:
+    """The same checks through librdkafka's admin API, with the worker's own configuration."""
+    from confluent_kafka import KafkaException
+
+    from worker.kafka.rdkafka_admin import RdAdmin, refusal_message
+
+    where, who = f"Kafka {settings.kafka.bootstrap_servers}", _who(settings)
+    admin = RdAdmin(settings, CHECK_TIMEOUT_S)
+    try:
+        topics = [topic for _, topic, _ in probes.topics_to_check(settings)]
+        metadata = await admin.describe_topics(topics)
+        _refuse_topics(metadata, where, who)
+        group = await admin.describe_group(settings.kafka.group_id)
+        _refuse_group(int(group["error_code"]), settings, where, who)
+    except KafkaException:
+        if admin.refusal is not None:
+            raise StartupCheckFailed(
+                refusal_message(admin.refusal, where, who, settings.kafka_auth.sasl_mechanism)
+            ) from None
+        return  # no broker answered: the consumer's own start reports it
+    finally:
+        admin.close()
+
+
 async def _check_authorization(conn: Any, settings: Settings, where: str, who: str) -> None:
     topics = [topic for _, topic, _ in probes.topics_to_check(settings)]
-    metadata = await probes.describe_topics(conn.send, topics)
+    _refuse_topics(await probes.describe_topics(conn.send, topics), where, who)
+    coordinator = await conn.send(FindCoordinatorRequest(settings.kafka.group_id, 0))
+    _refuse_group(coordinator.error_code, settings, where, who)
+
+
+def _refuse_topics(metadata: dict[str, Any], where: str, who: str) -> None:
     refused = sorted(
         t["topic"] for t in metadata["topics"] if t["error_code"] == _TOPIC_AUTHORIZATION_FAILED
     )
@@ -121,8 +155,10 @@ async def _check_authorization(conn: Any, settings: Settings, where: str, who: s
             "(missing ACL: Describe and Read on input topics, Describe and Write on the "
             "output, dead-letter and audit topics)"
         )
-    coordinator = await conn.send(FindCoordinatorRequest(settings.kafka.group_id, 0))
-    if coordinator.error_code == _GROUP_AUTHORIZATION_FAILED:
+
+
+def _refuse_group(code: int, settings: Settings, where: str, who: str) -> None:
+    if code == _GROUP_AUTHORIZATION_FAILED:
         raise StartupCheckFailed(
             f"{where}: {who} is not authorized for consumer group {settings.kafka.group_id!r} "
             "(missing ACL: Describe and Read on the group)"

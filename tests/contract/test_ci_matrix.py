@@ -1,0 +1,34 @@
+"""`make test` runs every Python the project claims, and the whole suite on each Kafka client."""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+#: The newest Python the project is tested on (classifiers and the Makefile say the same).
+NEWEST_MINOR = 13
+
+
+def _makefile_var(name: str) -> list[str]:
+    found = re.search(rf"^{name} \?=(.*)$", (ROOT / "Makefile").read_text(), re.M)
+    assert found, f"Makefile lacks {name}"
+    return found.group(1).split()
+
+
+def test_every_claimed_python_runs_the_integration_and_fault_suites() -> None:
+    """requires-python >=3.11: 3.11 (the default venv), 3.12 and 3.13 each run everything."""
+    claimed = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["requires-python"]
+    lowest = int(re.fullmatch(r">=3\.(\d+)", claimed).group(1))  # type: ignore[union-attr]
+    whole = {f"3.{lowest}", *_makefile_var("FULL_PYTHONS"), *_makefile_var("CONFLUENT_PYTHONS")}
+    assert whole == {f"3.{m}" for m in range(lowest, NEWEST_MINOR + 1)}
+
+
+def test_the_librdkafka_pass_runs_integration_and_fault_tests_on_the_workers() -> None:
+    """The pass on librdkafka sets the client for the workers and leaves out only tests/devtools."""
+    assert _makefile_var("CONFLUENT_PYTHONS")
+    makefile = (ROOT / "Makefile").read_text()
+    loop = makefile.split("for v in $(CONFLUENT_PYTHONS)", 1)[1].split("done", 1)[0]
+    assert "WORKER_TEST_KAFKA_CLIENT=confluent" in loop
+    assert '-m "not devtools"' in loop

@@ -1,0 +1,159 @@
+"""The broker questions of ``check`` and the start-up gate on librdkafka's admin API
+(``WORKER_KAFKA_CLIENT=confluent``): the worker's own TLS and SASL configuration asks them.
+
+The answers take the shapes of the aiokafka path's (``worker/checks/probes.py``): the
+cluster and each topic with its error code and the operations this principal may
+perform as a bit field (``AclOperation`` codes are Kafka's), and the group with its
+error code, state, members and operations. Topics are described, never created.
+
+librdkafka reports a refused TLS handshake or SASL authentication through its error
+callback (served by ``poll``), not through the request, which waits for a broker
+until it times out: ``refusal`` is the first such report, which the callers raise as
+a configuration error; a broker merely unreachable is not one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from concurrent.futures import Future
+from typing import Any
+
+from aiokafka.errors import for_code
+from confluent_kafka import KafkaError, KafkaException, TopicCollection
+from confluent_kafka.admin import AdminClient
+
+from worker.flow.retry import Backoff
+from worker.kafka import rdkafka_config
+from worker.kafka.rdkafka_threads import in_thread
+from worker.settings import Settings
+
+__all__ = ["NOT_REPORTED", "RdAdmin", "refusal_message"]
+
+#: The operations field's value when the broker did not report them (as on the wire).
+NOT_REPORTED = -(2**31)
+#: librdkafka's codes of a refused handshake: authentication, TLS.
+_REFUSALS = (KafkaError._AUTHENTICATION, KafkaError._SSL)
+#: How long one poll for the error callback waits.
+_POLL_S = 0.05
+#: Waits between tries of a group lookup answered with a retriable error.
+_RETRY = Backoff(first_s=0.1, max_s=1.0)
+
+
+def _bits(operations: Sequence[Any] | None) -> int:
+    if not operations:
+        return NOT_REPORTED
+    return sum(1 << int(op.value) for op in operations)
+
+
+def _code(exc: BaseException) -> int:
+    if isinstance(exc, KafkaException) and exc.args and isinstance(exc.args[0], KafkaError):
+        return int(exc.args[0].code())
+    raise exc
+
+
+def refusal_message(error: KafkaError, where: str, who: str, mechanism: str | None) -> str:
+    """One line for a refused handshake, naming the setting to look at."""
+    text = error.str().split(" (after ", 1)[0]
+    if error.code() == KafkaError._SSL:
+        if "certificate verify failed" in text:
+            return f"{where}: TLS certificate not trusted ({text}); check WORKER_SSL_CAFILE"
+        return f"{where}: TLS handshake failed ({text}); check the WORKER_SSL_* files"
+    return f"{where}: SASL {mechanism} authentication failed for {who}: {text}"
+
+
+class RdAdmin:
+    """One librdkafka admin client with the worker's settings; ``close`` when done."""
+
+    def __init__(self, settings: Settings, timeout_s: float) -> None:
+        self._timeout_s = timeout_s
+        self.refusal: KafkaError | None = None
+
+        def on_error(error: KafkaError) -> None:  # called from poll(), on a thread
+            if error.code() in _REFUSALS and self.refusal is None:
+                self.refusal = error
+
+        config = {
+            "bootstrap.servers": settings.kafka.bootstrap_servers,
+            "client.id": f"{settings.kafka.client_id}-check",
+            "socket.timeout.ms": int(timeout_s * 1000),
+            **rdkafka_config.security_config(settings.kafka_auth),
+            "error_cb": on_error,
+        }
+        self._admin = AdminClient(config)
+
+    async def _result(self, future: Future[Any]) -> Any:
+        """The admin call's result, or the first refusal librdkafka reported meanwhile
+        (its error callback is served by ``poll``)."""
+        call = asyncio.wrap_future(future)
+        while not call.done():
+            await in_thread(self._admin.poll, _POLL_S)
+            if self.refusal is not None and not call.done():
+                call.cancel()
+                raise KafkaException(self.refusal)
+        return call.result()
+
+    async def describe_topics(self, topics: Sequence[str]) -> dict[str, Any]:
+        """Brokers, cluster id, and each topic's error code, partitions and operations."""
+        cluster = await self._result(self._admin.describe_cluster(request_timeout=self._timeout_s))
+        names = sorted(set(topics))
+        futures = self._admin.describe_topics(
+            TopicCollection(names),
+            include_authorized_operations=True,
+            request_timeout=self._timeout_s,
+        )
+        described = []
+        for name in names:
+            try:
+                topic = await self._result(futures[name])
+            except KafkaException as exc:
+                described.append({"topic": name, "error_code": _code(exc), "partitions": []})
+                continue
+            described.append(
+                {
+                    "topic": name,
+                    "error_code": 0,
+                    "partitions": [
+                        {"partition": p.id, "leader": p.leader.id if p.leader else -1}
+                        for p in topic.partitions
+                    ],
+                    "topic_authorized_operations": _bits(topic.authorized_operations),
+                }
+            )
+        return {
+            "brokers": [{"node_id": n.id, "host": n.host, "port": n.port} for n in cluster.nodes],
+            "cluster_id": cluster.cluster_id,
+            "topics": described,
+        }
+
+    async def describe_group(self, group_id: str) -> dict[str, Any]:
+        """The group's error code, protocol type, state, members and operations."""
+        # A fresh cluster answers "coordinator loading" while it creates the offsets
+        # topic: retriable errors are tried again (the caller bounds the total time).
+        failures = 0
+        while True:
+            futures = self._admin.describe_consumer_groups(
+                [group_id], include_authorized_operations=True, request_timeout=self._timeout_s
+            )
+            try:
+                group = await self._result(futures[group_id])
+                break
+            except KafkaException as exc:
+                code = _code(exc)
+                # Kafka's own retriable flag per code (librdkafka's flag is not set on these).
+                if code <= 0 or not for_code(code).retriable:
+                    return {"error_code": code, "members": []}
+            failures += 1
+            await asyncio.sleep(_RETRY.delay_s(failures))
+        return {
+            "error_code": 0,
+            # librdkafka says only whether the group is a simple one (no protocol type).
+            "protocol_type": "" if group.is_simple_consumer_group else "consumer",
+            "state": group.state.name.title() if group.state is not None else "Dead",
+            "members": list(group.members),
+            "authorized_operations": _bits(group.authorized_operations),
+        }
+
+    def close(self) -> None:
+        """Drop the client (librdkafka's admin has no close: its threads end with it)."""
+        self._admin = None  # type: ignore[assignment]
