@@ -81,6 +81,13 @@ def add_bench_parser(commands: argparse._SubParsersAction[argparse.ArgumentParse
     )
     bench.add_argument("--records", type=int, default=20_000, help="records per variant")
     bench.add_argument(
+        "--drain-records",
+        type=int,
+        default=60_000,
+        help="backlog of each drain (batching, windows, the defaults sweep, compression): "
+        "long enough that a worker's start-up does not weigh on its rate",
+    )
+    bench.add_argument(
         "--sync-records", type=int, default=2_000, help="records for the slow sync baseline"
     )
     bench.add_argument("--model", default="mlp", choices=MODELS)
@@ -139,6 +146,7 @@ def run_bench(args: argparse.Namespace) -> int:
     console = Console()
     if args.smoke:
         args.records, args.sync_records, args.sweep_s = 300, 100, 1.0
+        args.drain_records = 300
         args.variants = ",".join(VARIANT_KEYS)
     args.out.mkdir(parents=True, exist_ok=True)
     stack = None
@@ -215,6 +223,7 @@ async def _bench(args: argparse.Namespace, servers: Servers, console: Console) -
         "model": args.model,
         "records": args.records,
         "sync_records": args.sync_records,
+        "drain_records": args.drain_records,
         "partitions": args.partitions,
         "machine": report.machine(),
         "command": "python -m devtools bench " + " ".join(sys.argv[2:]),
@@ -293,7 +302,7 @@ async def _extras(
                     args.out,
                     label=label,
                     model=args.model,
-                    backlog=args.records,
+                    backlog=args.drain_records,
                     settings={**tuned, "BATCH_MAX_SIZE": size},
                     sample_s=0.5,
                 )
@@ -306,7 +315,7 @@ async def _extras(
                 servers.triton,
                 args.out,
                 model=args.model,
-                records=args.records,
+                records=args.drain_records,
                 base={k: v for k, v in tuned.items() if not k.startswith("MAX_IN_FLIGHT")},
             )
     if "defaults" in wanted:
@@ -328,7 +337,7 @@ async def _extras(
                 servers.triton,
                 args.out,
                 model=args.model,
-                records=args.records,
+                records=args.drain_records,
                 on_run=on_run,
             )
     if "compression" in wanted:
@@ -338,7 +347,7 @@ async def _extras(
                 servers.triton,
                 args.out,
                 model=args.model,
-                records=args.records,
+                records=args.drain_records,
                 base=tuned,
             )
     if "commits" in wanted:
