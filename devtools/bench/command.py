@@ -23,10 +23,12 @@ for latencies side by side.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import shutil
 import sys
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -34,6 +36,9 @@ if TYPE_CHECKING:
 
     from devtools.bench.report import CommonRate, LoadPoint, VariantResult
     from devtools.bench.runner import Runner, Servers
+    from devtools.devstack.stack import LocalStack
+
+_T = TypeVar("_T")
 
 #: The variants, in the order they run (names in worker.benchmarks.report.VARIANTS).
 VARIANT_KEYS = (
@@ -170,13 +175,15 @@ def run_bench(args: argparse.Namespace) -> int:
             stack.kafka.bootstrap_servers, stack.triton.grpc_address, stack.triton.pid, kafka_pids
         )
     try:
-        return run_async(_bench(args, servers, console))
+        return run_async(_bench(args, servers, console, stack))
     finally:
         if stack is not None:
             stack.stop()
 
 
-async def _bench(args: argparse.Namespace, servers: Servers, console: Console) -> int:
+async def _bench(
+    args: argparse.Namespace, servers: Servers, console: Console, stack: LocalStack | None = None
+) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from devtools.bench import decoupled, report, stages
@@ -208,16 +215,34 @@ async def _bench(args: argparse.Namespace, servers: Servers, console: Console) -
             name = report.VARIANTS[key]
             if key in ("triton", "triton_batched"):
                 client = tuned if key == "triton_batched" else None
-                results[key] = await runner.triton(name, progress, client)
+
+                async def ceiling(name: str = name, client: Any = client) -> VariantResult:
+                    return await runner.triton(name, progress, client)
+
+                results[key] = await again_if_triton_died(key, ceiling, servers, stack, console)
                 continue
             count = args.sync_records if key == "sync" else args.records
             command, env, settings = runner.command(key, tuned)
             sweep_into = sweep if key == "worker_tuned" else None
-            results[key] = await runner.kafka_variant(
-                key, name, command, env, count, progress, settings, sweep_into
-            )
+
+            async def variant(
+                key: str = key,
+                name: str = name,
+                count: int = count,
+                command: Any = command,
+                env: Any = env,
+                settings: Any = settings,
+                sweep_into: Any = sweep_into,
+            ) -> VariantResult:
+                if sweep_into is not None:
+                    sweep_into.clear()  # a measurement made again starts its sweep again
+                return await runner.kafka_variant(
+                    key, name, command, env, count, progress, settings, sweep_into
+                )
+
+            results[key] = await again_if_triton_died(key, variant, servers, stack, console)
         common = await _common_rate(args, runner, results, tuned, progress)
-    extras = await _extras(args, servers, wanted, tuned, console)
+    extras = await _extras(args, servers, wanted, tuned, console, stack)
     targets = report.ratios(results, common) + report.extra_ratios(extras)
     meta = {
         "model": args.model,
@@ -282,41 +307,76 @@ async def _common_rate(
     return report.at_common_rate(rate, how, points)
 
 
+async def again_if_triton_died(
+    label: str,
+    measure: Callable[[], Awaitable[_T]],
+    servers: Servers,
+    stack: LocalStack | None,
+    console: Console,
+) -> _T:
+    """``measure()``; when it failed because the local Triton died under it, Triton is
+    restarted and the measurement made once more (Triton 2.51 has crashed mid-run here,
+    in ``TRITONSERVER_InferenceRequestDelete``, while a worker stopped or started)."""
+    try:
+        return await measure()
+    except Exception:
+        if stack is None or stack.triton.running():
+            raise
+    console.print(
+        f"[yellow]{label}: Triton died during the measurement (its log: "
+        f"{stack.triton.log_path}); restarted, measuring again[/yellow]"
+    )
+    await asyncio.to_thread(stack.triton.restart)
+    servers.triton_pid = stack.triton.pid
+    return await measure()
+
+
 async def _extras(
     args: argparse.Namespace,
     servers: Servers,
     wanted: list[str],
     tuned: dict[str, str],
     console: Console,
+    stack: LocalStack | None = None,
 ) -> dict[str, object]:
     """Scale-out, adaptive window, shared memory, decoupled and backlog memory, as asked for."""
     from devtools.bench import decoupled, extras, scaleout
 
+    async def guarded(label: str, measure: Callable[[], Awaitable[Any]]) -> Any:
+        return await again_if_triton_died(label, measure, servers, stack, console)
+
     out: dict[str, object] = {}
     if "batching" in wanted:
         with console.status("batching: the tuned worker with and without micro-batching..."):
-            out["batching"] = [
-                await extras.drain(
+
+            async def batching() -> list[Any]:
+                return [
+                    await extras.drain(
+                        servers.bootstrap,
+                        servers.triton,
+                        args.out,
+                        label=label,
+                        model=args.model,
+                        backlog=args.drain_records,
+                        settings={**tuned, "BATCH_MAX_SIZE": size},
+                        sample_s=0.5,
+                    )
+                    for label, size in (("unbatched", "1"), ("batched", tuned["BATCH_MAX_SIZE"]))
+                ]
+
+            out["batching"] = await guarded("batching", batching)
+    if "windows" in wanted:
+        with console.status("window sweep: fixed windows and the adaptive one..."):
+            out["windows"] = await guarded(
+                "windows",
+                lambda: extras.window_sweep(
                     servers.bootstrap,
                     servers.triton,
                     args.out,
-                    label=label,
                     model=args.model,
-                    backlog=args.drain_records,
-                    settings={**tuned, "BATCH_MAX_SIZE": size},
-                    sample_s=0.5,
-                )
-                for label, size in (("unbatched", "1"), ("batched", tuned["BATCH_MAX_SIZE"]))
-            ]
-    if "windows" in wanted:
-        with console.status("window sweep: fixed windows and the adaptive one..."):
-            out["windows"] = await extras.window_sweep(
-                servers.bootstrap,
-                servers.triton,
-                args.out,
-                model=args.model,
-                records=args.drain_records,
-                base={k: v for k, v in tuned.items() if not k.startswith("MAX_IN_FLIGHT")},
+                    records=args.drain_records,
+                    base={k: v for k, v in tuned.items() if not k.startswith("MAX_IN_FLIGHT")},
+                ),
             )
     if "defaults" in wanted:
         from devtools.bench import sweep
@@ -332,74 +392,100 @@ async def _extras(
                     f"{run.records_per_s:,.0f} records/s"
                 )
 
-            out["defaults"] = await sweep.run_sweep(
-                servers.bootstrap,
-                servers.triton,
-                args.out,
-                model=args.model,
-                records=args.drain_records,
-                on_run=on_run,
+            out["defaults"] = await guarded(
+                "defaults",
+                lambda: sweep.run_sweep(
+                    servers.bootstrap,
+                    servers.triton,
+                    args.out,
+                    model=args.model,
+                    records=args.drain_records,
+                    on_run=on_run,
+                ),
             )
     if "compression" in wanted:
         with console.status("compression: the worker's own batches none, lz4, zstd..."):
-            out["compression"] = await extras.compression(
-                servers.bootstrap,
-                servers.triton,
-                args.out,
-                model=args.model,
-                records=args.drain_records,
-                base=tuned,
+            out["compression"] = await guarded(
+                "compression",
+                lambda: extras.compression(
+                    servers.bootstrap,
+                    servers.triton,
+                    args.out,
+                    model=args.model,
+                    records=args.drain_records,
+                    base=tuned,
+                ),
             )
     if "commits" in wanted:
         from devtools.bench import commits
 
         with console.status("commit intervals: SIGKILL mid-drain, duplicates and commits/s..."):
-            out["commits"] = await commits.commit_intervals(
-                servers.bootstrap, servers.triton, args.out, records=args.records, settings={}
+            out["commits"] = await guarded(
+                "commits",
+                lambda: commits.commit_intervals(
+                    servers.bootstrap, servers.triton, args.out, records=args.records, settings={}
+                ),
             )
     if "shm" in wanted:
         with console.status("shared memory: 4 MiB tensors with and without..."):
-            out["shm"] = await extras.shm_gain(
-                servers.triton, tensor_bytes=4 << 20, requests=max(20, min(400, args.records // 50))
+            out["shm"] = await guarded(
+                "shm",
+                lambda: extras.shm_gain(
+                    servers.triton,
+                    tensor_bytes=4 << 20,
+                    requests=max(20, min(400, args.records // 50)),
+                ),
             )
     if "scale_out" in wanted:
         with console.status("scale-out: one worker, then three in one group..."):
-            points = [
-                await scaleout.measure_workers(
-                    servers.bootstrap, servers.triton, args.out, workers=n, records=600
-                )
-                for n in (1, 3)
-            ]
-        out["scale_out"] = points
+
+            async def scale_out() -> list[Any]:
+                return [
+                    await scaleout.measure_workers(
+                        servers.bootstrap, servers.triton, args.out, workers=n, records=600
+                    )
+                    for n in (1, 3)
+                ]
+
+            out["scale_out"] = await guarded("scale_out", scale_out)
     if "decoupled" in wanted:
         with console.status("decoupled: token streams, Triton alone, then the worker..."):
-            out["decoupled"] = await decoupled.measure(
-                servers.bootstrap, servers.triton, args.out, requests=args.records
+            out["decoupled"] = await guarded(
+                "decoupled",
+                lambda: decoupled.measure(
+                    servers.bootstrap, servers.triton, args.out, requests=args.records
+                ),
             )
     if "profile" in wanted:
         from devtools.bench import stages
 
         with console.status("profile: py-spy on the per-record path, then the fast path..."):
-            out["profile"] = await stages.profile(
-                servers.bootstrap,
-                servers.triton,
-                args.out,
-                model=args.model,
-                records=max(100_000, args.records),
-                base=tuned,
+            out["profile"] = await guarded(
+                "profile",
+                lambda: stages.profile(
+                    servers.bootstrap,
+                    servers.triton,
+                    args.out,
+                    model=args.model,
+                    records=max(100_000, args.records),
+                    base=tuned,
+                ),
             )
     if args.backlog:
         with console.status(f"backlog: producing {args.backlog:,} records, then draining..."):
-            out["backlog"] = await extras.drain(
-                servers.bootstrap,
-                servers.triton,
-                args.out,
-                label="backlog",
-                model=args.model,
-                backlog=args.backlog,
-                settings={},
-                until_results=min(args.backlog, args.backlog_drain),
-                sample_s=2.0,
-                timeout_s=900,
+            out["backlog"] = await guarded(
+                "backlog",
+                lambda: extras.drain(
+                    servers.bootstrap,
+                    servers.triton,
+                    args.out,
+                    label="backlog",
+                    model=args.model,
+                    backlog=args.backlog,
+                    settings={},
+                    until_results=min(args.backlog, args.backlog_drain),
+                    sample_s=2.0,
+                    timeout_s=900,
+                ),
             )
     return out

@@ -147,11 +147,13 @@ async def drain(
     distinct: int = 1,
     request: samples.SampleRequest | None = None,
     on_sample: Callable[[int, int], Awaitable[None]] | None = None,
+    stall_s: float = 60.0,
 ) -> Drain:
     """Produce ``backlog`` records (copies of ``request``, else ``distinct`` samples for
     ``model``), start one worker, sample it until ``until_results``.
 
     ``on_sample(pid, results)`` is awaited after every sample (the profiler attaches so).
+    A drain with no new result for ``stall_s`` fails (Triton died under it, say).
     """
     run = f"drain-{uuid.uuid4().hex[:8]}"
     topic_in, topic_out, topic_dlq = f"{run}-in", f"{run}-out", f"{run}-dlq"
@@ -177,6 +179,7 @@ async def drain(
     points: list[tuple[float, int, float]] = []
     started = time.monotonic()
     metrics: dict[str, float] = {}
+    progressed, last_done = started, -1
     try:
         while time.monotonic() - started < timeout_s:
             await asyncio.sleep(sample_s)  # a fixed sampling period, not synchronisation
@@ -187,7 +190,12 @@ async def drain(
             except OSError:
                 continue  # not listening yet
             done = int(metrics.get("worker_results_published_total", 0))
-            points.append((time.monotonic() - started, done, _rss_mib(child.pid)))
+            now = time.monotonic()
+            if done != last_done:
+                progressed, last_done = now, done
+            elif now - progressed > stall_s:
+                raise RuntimeError(f"{label}: no new result for {stall_s:.0f} s ({label}.log)")
+            points.append((now - started, done, _rss_mib(child.pid)))
             if on_sample is not None:
                 await on_sample(child.pid, done)
             if done >= target:
