@@ -51,7 +51,7 @@ def test_defaults() -> None:
     assert settings.triton.triton_url == "localhost:8001"
     assert settings.limits.default_model is None
     assert settings.flow.max_in_flight == 256
-    assert settings.flow.max_in_flight_per_partition == 64
+    assert settings.flow.max_in_flight_per_partition == 128
     assert settings.triton.triton_streams == 2
     assert settings.kafka.commit_interval_ms == 250
     assert settings.ops.shutdown_timeout_s == 30.0
