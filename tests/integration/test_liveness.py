@@ -164,14 +164,16 @@ async def test_fetch_loop_sleeps_while_its_partition_is_at_its_limit(
     await consumer.start()
     port = free_port()
     log = tmp_path / "worker.log"
-    # Default window settings (256 in flight in all, 64 per partition), default commit
-    # interval. The slow requests still in flight at the end are not waited for.
+    # The default window (256 in flight in all), 64 per partition (below the backlog of
+    # 120: the partition reaches its own limit), the default commit interval. The slow
+    # requests still in flight at the end are not waited for.
     env = worker_env(
         kafka,
         triton,
         topics,
         metrics_port=str(port),
         shutdown_timeout_s="1",
+        max_in_flight_per_partition=str(_PER_PARTITION_LIMIT),
     )
     del env["WORKER_COMMIT_INTERVAL_MS"]  # the default
     proc = spawn_worker(env, log)
