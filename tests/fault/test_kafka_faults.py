@@ -70,7 +70,10 @@ async def test_partition_leader_failover(cluster3: KafkaCluster, triton: Any, un
     )
     requests = samples.good_requests(1500, seed=62, models=("double",))
     leader = await cluster3.leader(topics.input, 0)
-    async with running_worker(settings_for(cluster3, triton, topics)):
+    # 64 in flight from the one partition (the default is 128): the stream outlasts the
+    # first 300 results and the leader's stop, so the failover happens mid-stream.
+    settings = settings_for(cluster3, triton, topics, max_in_flight_per_partition="64")
+    async with running_worker(settings):
         await send(cluster3.bootstrap_servers, topics.input, requests)
         got = await collect(cluster3.bootstrap_servers, topics, 300)
         await asyncio.to_thread(cluster3.stop_node, leader)
