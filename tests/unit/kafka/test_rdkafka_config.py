@@ -59,6 +59,11 @@ def test_consumer_config_carries_the_group_and_fetch_settings() -> None:
     assert config["max.poll.interval.ms"] == 60000
     assert config["session.timeout.ms"] == 6000
     assert config["group.protocol"] == "classic"
+    # Prefetch bounded: 16 MiB, two polls' worth per partition (not librdkafka's 100,000).
+    assert config["queued.max.messages.kbytes"] == 16 * 1024
+    assert config["queued.min.messages"] == 1000
+    more = _settings(MAX_POLL_RECORDS="2000")
+    assert consumer_config(more.kafka, more.kafka_auth)["queued.min.messages"] == 4000
     confluent_kafka.Consumer(config).close()  # librdkafka accepts every property
 
 
