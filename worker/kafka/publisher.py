@@ -267,21 +267,15 @@ class Publisher:
                 )
             except Exception as exc:  # refused before sending (its size), or the producer's state
                 sent.append(exc)
-        outcomes: list[BaseException | None] = []
-        refused: BaseException | None = None
-        for future in sent:
-            if isinstance(future, BaseException):
-                outcomes.append(future)
-                continue
-            try:
-                await future
-            except (MessageSizeTooLargeError, OutOfOrderSequenceNumber) as exc:
-                refused = refused or exc
-                outcomes.append(exc)
-            except Exception as exc:
-                outcomes.append(exc)
-            else:
-                outcomes.append(None)
+        outcomes = await settle_acks(sent)
+        refused = next(
+            (
+                o
+                for o in outcomes
+                if isinstance(o, MessageSizeTooLargeError | OutOfOrderSequenceNumber)
+            ),
+            None,
+        )
         if refused is not None:
             # As in _acked: this producer cannot write to that partition again.
             await self._renew_producer(generation, refused)
@@ -354,6 +348,25 @@ class Publisher:
         return await write_with_retries(
             send_once, what=f"write to {topic!r}", attempts=self._write_attempts, failure=failure
         )
+
+
+async def settle_acks(
+    sent: Sequence[asyncio.Future[Any] | BaseException],
+) -> list[BaseException | None]:
+    """Each send's outcome, awaited in order: None once acknowledged, else its error (an
+    error raised before sending stands for itself)."""
+    outcomes: list[BaseException | None] = []
+    for future in sent:
+        if isinstance(future, BaseException):
+            outcomes.append(future)
+            continue
+        try:
+            await future
+        except Exception as exc:
+            outcomes.append(exc)
+        else:
+            outcomes.append(None)
+    return outcomes
 
 
 async def write_with_retries(

@@ -26,7 +26,7 @@ from aiokafka.errors import KafkaError
 from aiokafka.structs import ConsumerRecord
 
 from worker import errors
-from worker.kafka.publisher import Headers, Publisher, write_with_retries
+from worker.kafka.publisher import Headers, Publisher, settle_acks, write_with_retries
 from worker.kafka.rdkafka_threads import in_thread
 from worker.kafka.rdkafka_types import from_rd_error
 
@@ -240,18 +240,7 @@ class RdPublisher(Publisher):
                 sent.append(await self._rd.send(self.output_topic, value, record.key, headers))
             except Exception as exc:  # refused before sending: the caller writes it alone
                 sent.append(exc)
-        outcomes: list[BaseException | None] = []
-        for future in sent:
-            if isinstance(future, BaseException):
-                outcomes.append(future)
-                continue
-            try:
-                await future
-            except Exception as exc:
-                outcomes.append(exc)
-            else:
-                outcomes.append(None)
-        return outcomes
+        return await settle_acks(sent)
 
     async def send_audit(self, topic: str, value: bytes, key: bytes | None) -> Any:
         """Write an audit record and wait for the broker's ack."""
