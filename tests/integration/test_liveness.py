@@ -1,4 +1,5 @@
-"""Liveness of the fetch loop: a partition at its in-flight limit makes the worker sleep, not spin.
+"""Liveness of the fetch loop: a partition at its in-flight limit, or a topic with nothing
+in it, makes the worker sleep, not spin.
 
 The worker runs as a process of its own so that its CPU time can be read from
 /proc/<pid>/stat while it waits for slow inferences to free slots.
@@ -38,6 +39,9 @@ _MAX_CPU_SHARE = 0.05
 #: The worker's default window: the partition's limit is reached, the global one is not.
 _PER_PARTITION_LIMIT = 64
 _GLOBAL_LIMIT = 256
+#: An idle worker polls about 10 times a second on either client (measured ~1 % of a core
+#: on both; librdkafka's 50 polls a second, before its idle back-off, measured 3.7-4.2 %).
+_MAX_IDLE_CPU_SHARE = 0.025
 
 
 def _cpu_s(pid: int) -> float:
@@ -196,3 +200,47 @@ async def test_fetch_loop_sleeps_while_its_partition_is_at_its_limit(
     # The scenario held: the partition sat at its own limit, far below the global one.
     assert max(seen.in_flight) == _PER_PARTITION_LIMIT, seen.describe()
     assert set(seen.window_limit) == {_GLOBAL_LIMIT}, seen.describe()
+
+
+async def _assigned(
+    proc: subprocess.Popen[bytes], port: int, log: Path, timeout_s: float = 60
+) -> None:
+    """Wait until the worker reports its one partition assigned."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert proc.poll() is None, f"worker exited early, see {log}"
+        scraped = await asyncio.to_thread(_get, port, "/metrics")
+        if scraped and scraped[0] == 200 and _gauge(scraped[1], "worker_partitions_assigned") == 1:
+            return
+        assert time.monotonic() < deadline, f"no partition assigned in {timeout_s} s, see {log}"
+        # Polling another process's metrics; each answer was awaited above.
+        await asyncio.sleep(0.2)
+
+
+async def test_an_idle_worker_sleeps(kafka: Any, triton: Any, unique: str, tmp_path: Path) -> None:
+    """An empty input topic: the worker polls Kafka now and then, and /healthz stays up."""
+    topics = Topics.fresh(unique)
+    await create(kafka, topics, partitions=1)
+    port = free_port()
+    log = tmp_path / "worker.log"
+    env = worker_env(kafka, triton, topics, metrics_port=str(port))
+    proc = spawn_worker(env, log)
+    try:
+        await _assigned(proc, port, log)
+        cpu_before, wall_before = _cpu_s(proc.pid), time.monotonic()
+        _, metrics = await _probes(port, wall_before + _WINDOW_S)
+        cpu_s, wall_s = _cpu_s(proc.pid) - cpu_before, time.monotonic() - wall_before
+        health = _get(port, "/healthz")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            await asyncio.to_thread(proc.wait, 20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    seen = f"worker CPU {cpu_s:.3f} s over {wall_s:.2f} s ({100 * cpu_s / wall_s:.1f} % of a core)"
+    print(f"\nIDLE | {seen}")
+
+    assert cpu_s / wall_s < _MAX_IDLE_CPU_SHARE, seen
+    assert health is not None and health[0] == 200, seen
+    assert metrics and all(_gauge(text, "worker_in_flight") == 0 for text in metrics), seen

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
 import structlog
@@ -26,7 +26,7 @@ from worker.kafka._compat import fetch_committed, rebalancing
 from worker.observability import Metrics
 from worker.settings import KafkaSettings
 
-__all__ = ["Dispatch", "Intake", "Rebalance", "take_backlog"]
+__all__ = ["Dispatch", "Feed", "Intake", "Rebalance"]
 
 log = structlog.get_logger(__name__)
 
@@ -45,20 +45,58 @@ class Rebalance(Protocol):
     async def on_assigned(self, partitions: set[TopicPartition]) -> None: ...
 
 
-def take_backlog(
-    backlog: Mapping[TopicPartition, deque[ConsumerRecord[bytes, bytes]]],
-    admits: Callable[[TopicPartition], bool],
-    window: Window,
-) -> list[ConsumerRecord[bytes, bytes]]:
-    """Take, in order, the records of ``backlog`` that delivery admits and that get a slot."""
-    taken: list[ConsumerRecord[bytes, bytes]] = []
-    for tp, queue in backlog.items():
-        while queue and admits(tp) and window.try_acquire(tp):
-            taken.append(queue.popleft())
-    return taken
+class Feed:
+    """What both intakes share: fetched records wait in a backlog per partition and go to
+    ``dispatch`` once delivery admits them and they hold a window slot."""
+
+    def __init__(
+        self,
+        *,
+        window: Window,
+        breaker: CircuitBreaker,
+        metrics: Metrics,
+        dispatch: Dispatch,
+        rebalance: Rebalance,
+        admits: Callable[[TopicPartition], bool],
+    ) -> None:
+        self._window = window
+        self._metrics = metrics
+        self._breaker = breaker
+        self._dispatch = dispatch
+        self._rebalance = rebalance
+        # False while the partition may not run further past its commit point.
+        self._admits = admits
+        self._backlog: dict[TopicPartition, deque[ConsumerRecord[bytes, bytes]]] = {}
+        self._stopping = asyncio.Event()
+        self.running = False
+
+    def request_stop(self) -> None:
+        """Stop fetching and dispatching; in-flight records carry on."""
+        self._stopping.set()
+
+    def _dispatch_backlog(self) -> None:
+        """Dispatch, in order, the backlog's records that delivery admits and that get a slot."""
+        if self._breaker.is_open:
+            return  # Triton is out: records stay in the backlog and in Kafka.
+        taken: list[ConsumerRecord[bytes, bytes]] = []
+        for tp, queue in self._backlog.items():
+            while queue and self._admits(tp) and self._window.try_acquire(tp):
+                taken.append(queue.popleft())
+        if taken:
+            self._dispatch(taken)  # together: the worker may handle them as one batch
+
+    def _can_take(self, tp: TopicPartition) -> bool:
+        """A record of ``tp`` could be dispatched now: a slot is free and delivery admits it."""
+        return not self._window.full_for(tp) and self._admits(tp)
+
+    def _room(self, partitions: set[TopicPartition]) -> Coroutine[Any, Any, object]:
+        """Returns once one of ``partitions`` can take a record (or the breaker closes)."""
+        if self._breaker.is_open:
+            return self._breaker.wait_closed()
+        return self._window.wait_until(lambda: any(self._can_take(tp) for tp in partitions))
 
 
-class Intake(ConsumerRebalanceListener):  # type: ignore[misc]
+class Intake(Feed, ConsumerRebalanceListener):  # type: ignore[misc]
     """Owns the consumer. Records go to ``dispatch`` only once they hold a window slot."""
 
     def __init__(
@@ -74,17 +112,15 @@ class Intake(ConsumerRebalanceListener):  # type: ignore[misc]
         rebalance: Rebalance,
         admits: Callable[[TopicPartition], bool] = lambda _: True,
     ) -> None:
+        super().__init__(
+            window=window,
+            breaker=breaker,
+            metrics=metrics,
+            dispatch=dispatch,
+            rebalance=rebalance,
+            admits=admits,
+        )
         self._topics = list(topics)
-        self._window = window
-        self._metrics = metrics
-        self._breaker = breaker
-        self._dispatch = dispatch
-        self._rebalance = rebalance
-        # False while the partition may not run further past its commit point.
-        self._admits = admits
-        self._backlog: dict[TopicPartition, deque[ConsumerRecord[bytes, bytes]]] = {}
-        self._stopping = asyncio.Event()
-        self.running = False
         self.consumer = AIOKafkaConsumer(
             bootstrap_servers=kafka.bootstrap_servers,
             group_id=kafka.group_id,
@@ -103,10 +139,6 @@ class Intake(ConsumerRebalanceListener):  # type: ignore[misc]
         self.consumer.subscribe(self._topics, listener=self)
         await self.consumer.start()
         self.running = True
-
-    def request_stop(self) -> None:
-        """Stop fetching and dispatching; in-flight records carry on."""
-        self._stopping.set()
 
     async def run(self) -> None:
         """Fetch, dispatch into the window, pause what is full; until ``request_stop``."""
@@ -135,24 +167,9 @@ class Intake(ConsumerRebalanceListener):  # type: ignore[misc]
         self._backlog.clear()
 
     async def _wait_for_room(self, assigned: set[TopicPartition]) -> None:
-        room = (
-            self._breaker.wait_closed()
-            if self._breaker.is_open
-            else self._window.wait_until(lambda: any(self._can_take(tp) for tp in assigned))
-        )
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(_POLL_TIMEOUT_MS / 1000):
-                await room
-
-    def _dispatch_backlog(self) -> None:
-        if self._breaker.is_open:
-            return  # Triton is out: records stay in the backlog and in Kafka.
-        if taken := take_backlog(self._backlog, self._admits, self._window):
-            self._dispatch(taken)  # together: the worker may handle them as one batch
-
-    def _can_take(self, tp: TopicPartition) -> bool:
-        """A record of ``tp`` could be dispatched now: a slot is free and delivery admits it."""
-        return not self._window.full_for(tp) and self._admits(tp)
+                await self._room(assigned)
 
     def _sync_pauses(self) -> None:
         consumer = self.consumer

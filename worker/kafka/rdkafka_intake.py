@@ -20,17 +20,17 @@ import contextlib
 import contextvars
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import confluent_kafka
 import structlog
-from aiokafka.structs import ConsumerRecord, OffsetAndMetadata, TopicPartition
+from aiokafka.structs import OffsetAndMetadata, TopicPartition
 from confluent_kafka.aio import AIOConsumer
 
 from worker.flow.breaker import CircuitBreaker
 from worker.flow.window import Window
-from worker.kafka.intake import Dispatch, Rebalance, take_backlog
+from worker.kafka.intake import Dispatch, Feed, Rebalance
 from worker.kafka.rdkafka_threads import DaemonExecutor, unless_stopped
 from worker.kafka.rdkafka_types import (
     committed_of,
@@ -48,9 +48,13 @@ log = structlog.get_logger(__name__)
 
 _T = TypeVar("_T")
 
-#: Longest wait in one consume (and of a queued commit): librdkafka's consume waits for
-#: all of it unless max_poll_records arrive sooner.
+#: Wait in one consume while records come (librdkafka's consume waits for all of it
+#: unless max_poll_records arrive sooner); a call queued from outside the loop (a commit)
+#: waits behind it.
 _POLL_TIMEOUT_S = 0.02
+#: Each consume that finds nothing doubles the wait, up to this: an idle worker, or one
+#: whose records wait for room, polls about 10 times a second (as ``Intake`` does).
+_IDLE_POLL_TIMEOUT_S = 0.1
 
 #: Once stopping, how long a consumer call may take before it is left behind.
 _STUCK_S = 0.5
@@ -64,7 +68,7 @@ _COMMITTED_TIMEOUT_S = 10.0
 _IN_CALLBACK: contextvars.ContextVar[bool] = contextvars.ContextVar("in_callback", default=False)
 
 
-class RdIntake:
+class RdIntake(Feed):
     """Owns the librdkafka consumer. Records go to ``dispatch`` only once they hold a slot."""
 
     def __init__(
@@ -80,17 +84,18 @@ class RdIntake:
         rebalance: Rebalance,
         admits: Callable[[TopicPartition], bool] = lambda _: True,
     ) -> None:
+        super().__init__(
+            window=window,
+            breaker=breaker,
+            metrics=metrics,
+            dispatch=dispatch,
+            rebalance=rebalance,
+            admits=admits,
+        )
         self._config = dict(config)
         self._topics = list(topics)
         self._max_poll_records = max_poll_records
         self._incremental = config.get("group.protocol") == "consumer"
-        self._window = window
-        self._metrics = metrics
-        self._breaker = breaker
-        self._dispatch = dispatch
-        self._rebalance = rebalance
-        self._admits = admits
-        self._backlog: dict[TopicPartition, deque[ConsumerRecord[bytes, bytes]]] = {}
         self._assigned: set[TopicPartition] = set()
         self._paused: set[TopicPartition] = set()
         self._highwater: dict[TopicPartition, int] = {}
@@ -101,9 +106,7 @@ class RdIntake:
         self._rebalancing = False
         #: The group metadata as a rebalance callback began (valid while it runs).
         self._group_snapshot: Any = None
-        self._stopping = asyncio.Event()
         self.consumer: AIOConsumer | None = None
-        self.running = False
 
     async def start(self) -> None:
         self.consumer = AIOConsumer(self._config, executor=DaemonExecutor(4, "rdkafka-consumer"))
@@ -115,10 +118,6 @@ class RdIntake:
         )
         self.running = True
 
-    def request_stop(self) -> None:
-        """Stop fetching and dispatching; in-flight records carry on."""
-        self._stopping.set()
-
     @property
     def _rd(self) -> confluent_kafka.Consumer:
         assert self.consumer is not None
@@ -128,6 +127,7 @@ class RdIntake:
         """Fetch, dispatch into the window, pause what is full; until ``request_stop``."""
         assert self.consumer is not None
         self._looping = True
+        wait_s = _POLL_TIMEOUT_S
         try:
             while not self._stopping.is_set():
                 await self._serve_requests()
@@ -135,13 +135,17 @@ class RdIntake:
                 self._sync_pauses()
                 assigned = self._assigned
                 all_paused = bool(assigned) and assigned <= self._paused
-                if all_paused:
-                    await self._wait_for_room(assigned)
+                # Records held for room, and nothing new last time: wait for a slot here
+                # (woken by it, or by a queued call), not inside consume (woken by neither).
+                held = self._held_for_room() if wait_s > _POLL_TIMEOUT_S else set()
+                if all_paused or held:
+                    await self._wait_for_room(assigned if all_paused else held, wait_s)
                     await self._serve_requests()
-                wait_s = 0 if all_paused else _POLL_TIMEOUT_S
-                consume = self.consumer.consume(self._max_poll_records, wait_s)
+                timeout_s = 0 if all_paused or held else wait_s
+                consume = self.consumer.consume(self._max_poll_records, timeout_s)
                 if (messages := await unless_stopped(self._stopping, consume, _STUCK_S)) is None:
                     break  # stopping while librdkafka is stuck (a broker down): left behind
+                wait_s = _POLL_TIMEOUT_S if messages else min(2 * wait_s, _IDLE_POLL_TIMEOUT_S)
                 self._take(messages)
                 self._refresh_highwater()
                 await asyncio.sleep(0)
@@ -181,27 +185,20 @@ class RdIntake:
                 if high >= 0:
                     self._highwater[tp] = high
 
-    async def _wait_for_room(self, assigned: set[TopicPartition]) -> None:
-        room = (
-            self._breaker.wait_closed()
-            if self._breaker.is_open
-            else self._window.wait_until(lambda: any(self._can_take(tp) for tp in assigned))
-        )
-        waits = {asyncio.ensure_future(room), asyncio.ensure_future(self._request_queued.wait())}
+    def _held_for_room(self) -> set[TopicPartition]:
+        """The assigned partitions whose fetched records wait for a window slot."""
+        return {tp for tp in self._assigned if self._backlog.get(tp) and not self._can_take(tp)}
+
+    async def _wait_for_room(self, partitions: set[TopicPartition], timeout_s: float) -> None:
+        waits = {
+            asyncio.ensure_future(self._room(partitions)),
+            asyncio.ensure_future(self._request_queued.wait()),
+        }
         try:
-            await asyncio.wait(waits, timeout=_POLL_TIMEOUT_S, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(waits, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
         finally:
             for wait in waits:
                 wait.cancel()
-
-    def _dispatch_backlog(self) -> None:
-        if self._breaker.is_open:
-            return  # Triton is out: records stay in the backlog and in Kafka.
-        if taken := take_backlog(self._backlog, self._admits, self._window):
-            self._dispatch(taken)  # together: the worker may handle them as one batch
-
-    def _can_take(self, tp: TopicPartition) -> bool:
-        return not self._window.full_for(tp) and self._admits(tp)
 
     def _sync_pauses(self) -> None:
         """Pause a partition once its backlog holds a full poll, resume it at half that.
@@ -328,14 +325,25 @@ class RdIntake:
 
     # -- rebalance callbacks (run inside consume, on the event loop) ---------------
 
-    async def _on_assign(self, consumer: AIOConsumer, partitions: list[Any]) -> None:
-        """Tell the listener (it reads the commits), then take the partitions."""
+    @contextlib.asynccontextmanager
+    async def _callback(self, consumer: AIOConsumer) -> AsyncIterator[None]:
+        """A rebalance callback's frame: queued calls fail, the callback's own go straight
+        through, and the group metadata is kept as it was when the callback began."""
         token = _IN_CALLBACK.set(True)
         self._rebalancing = True
         self._group_snapshot = None
         self._fail_queued()
         try:
             self._group_snapshot = await consumer.consumer_group_metadata()
+            yield
+        finally:
+            self._rebalancing = False
+            self._group_snapshot = None
+            _IN_CALLBACK.reset(token)
+
+    async def _on_assign(self, consumer: AIOConsumer, partitions: list[Any]) -> None:
+        """Tell the listener (it reads the commits), then take the partitions."""
+        async with self._callback(consumer):
             assigned = {tp_of(p) for p in partitions}
             await self._rebalance.on_assigned(assigned)
             if self._incremental:
@@ -350,19 +358,10 @@ class RdIntake:
             self._metrics.partitions_assigned.set(len(self._assigned))
             if assigned:
                 log.info("partitions_assigned", partitions=sorted(map(str, assigned)))
-        finally:
-            self._rebalancing = False
-            self._group_snapshot = None
-            _IN_CALLBACK.reset(token)
 
     async def _on_revoke(self, consumer: AIOConsumer, partitions: list[Any]) -> None:
         """Stop dispatching them, let the listener drain and commit them, then let them go."""
-        token = _IN_CALLBACK.set(True)
-        self._rebalancing = True
-        self._group_snapshot = None
-        self._fail_queued()
-        try:
-            self._group_snapshot = await consumer.consumer_group_metadata()
+        async with self._callback(consumer):
             revoked = {tp_of(p) for p in partitions}
             for tp in revoked:
                 self._backlog.pop(tp, None)
@@ -375,10 +374,6 @@ class RdIntake:
                 await consumer.incremental_unassign(partitions)
             else:
                 await consumer.unassign()
-        finally:
-            self._rebalancing = False
-            self._group_snapshot = None
-            _IN_CALLBACK.reset(token)
 
     async def _on_lost(self, consumer: AIOConsumer, partitions: list[Any]) -> None:
         """Partitions lost (the session expired): handled as revoked; their commits fail."""
