@@ -29,6 +29,7 @@ from tests.support import (
     worker_env,
 )
 from tests.support.worker import kafka_client_under_test
+from worker.app import Worker
 from worker.flow.bounded import CLOSE_TIMEOUT_S, FORCED_CLOSE_TIMEOUT_S
 
 pytestmark = pytest.mark.timeout(300)
@@ -41,6 +42,11 @@ def own_kafka() -> Iterator[KafkaCluster]:
         yield cluster
 
 
+def _published(worker: Worker) -> float:
+    """Results the broker has acknowledged so far (every test request is for ``double``)."""
+    return float(worker.metrics.results_published_total.labels(model="double")._value.get())
+
+
 async def test_single_broker_restart_mid_stream(
     own_kafka: KafkaCluster, triton: Any, unique: str
 ) -> None:
@@ -48,10 +54,14 @@ async def test_single_broker_restart_mid_stream(
     topics = Topics.fresh(unique)
     await create(own_kafka, topics, partitions=2)
     requests = samples.good_requests(1500, seed=61, models=("double",))
-    async with running_worker(settings_for(own_kafka, triton, topics)):
+    # Throttled (a small window, no batching): at the defaults the worker can answer all
+    # 1,500 before the broker stops, and then nothing is mid-stream.
+    settings = settings_for(own_kafka, triton, topics, max_in_flight="4", batch_max_size="1")
+    async with running_worker(settings) as worker:
         await send(own_kafka.bootstrap_servers, topics.input, requests)
         got = await collect(own_kafka.bootstrap_servers, topics, 300)
         await asyncio.to_thread(own_kafka.stop_node, 1)
+        assert _published(worker) < len(requests), "all answered before the broker stopped"
         await asyncio.to_thread(own_kafka.start_node, 1)
         back = time.monotonic()
         answered = len(got)
@@ -69,16 +79,17 @@ async def test_partition_leader_failover(cluster3: KafkaCluster, triton: Any, un
     await cluster3.create_topics(
         [topics.input, topics.output, topics.dlq], partitions=1, replication=3
     )
-    requests = samples.good_requests(1500, seed=62, models=("double",))
+    requests = samples.good_requests(3000, seed=62, models=("double",))
     leader = await cluster3.leader(topics.input, 0)
-    # 64 in flight from the one partition (the default is 128): the stream outlasts the
-    # first 300 results and the leader's stop, so the failover happens mid-stream.
-    settings = settings_for(cluster3, triton, topics, max_in_flight_per_partition="64")
-    async with running_worker(settings):
+    # Throttled (a small window, no batching) so that the stream outlasts the first 300
+    # results and the leader's stop (a controlled shutdown): the failover is mid-stream.
+    settings = settings_for(cluster3, triton, topics, max_in_flight="4", batch_max_size="1")
+    async with running_worker(settings) as worker:
         await send(cluster3.bootstrap_servers, topics.input, requests)
         got = await collect(cluster3.bootstrap_servers, topics, 300)
         await asyncio.to_thread(cluster3.stop_node, leader)
         stopped = time.monotonic()
+        assert _published(worker) < len(requests), "all answered before the leader stopped"
         answered = len(got)
         got = await collect(cluster3.bootstrap_servers, topics, answered + 1, 120, into=got)
         recovery_s = time.monotonic() - stopped
