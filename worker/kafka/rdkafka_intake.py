@@ -50,10 +50,12 @@ _T = TypeVar("_T")
 
 #: Wait in one consume while records come (librdkafka's consume waits for all of it
 #: unless max_poll_records arrive sooner); a call queued from outside the loop (a commit)
-#: waits behind it.
+#: and fetched records waiting for a slot wait behind it.
 _POLL_TIMEOUT_S = 0.02
-#: Each consume that finds nothing doubles the wait, up to this: an idle worker, or one
-#: whose records wait for room, polls about 10 times a second (as ``Intake`` does).
+#: Each consume that finds nothing doubles the next wait, up to this: an idle worker, or
+#: one whose records wait for room, polls about 10 times a second (as ``Intake`` does).
+#: Only a consume with nothing in flight and nothing fetched waits that long; a wait for
+#: room ends as soon as a slot frees.
 _IDLE_POLL_TIMEOUT_S = 0.1
 
 #: Once stopping, how long a consumer call may take before it is left behind.
@@ -127,7 +129,7 @@ class RdIntake(Feed):
         """Fetch, dispatch into the window, pause what is full; until ``request_stop``."""
         assert self.consumer is not None
         self._looping = True
-        wait_s = _POLL_TIMEOUT_S
+        quiet_s = _POLL_TIMEOUT_S  # doubles with each consume that finds nothing
         try:
             while not self._stopping.is_set():
                 await self._serve_requests()
@@ -137,15 +139,19 @@ class RdIntake(Feed):
                 all_paused = bool(assigned) and assigned <= self._paused
                 # Records held for room, and nothing new last time: wait for a slot here
                 # (woken by it, or by a queued call), not inside consume (woken by neither).
-                held = self._held_for_room() if wait_s > _POLL_TIMEOUT_S else set()
+                held = self._held_for_room() if quiet_s > _POLL_TIMEOUT_S else set()
                 if all_paused or held:
-                    await self._wait_for_room(assigned if all_paused else held, wait_s)
+                    await self._wait_for_room(assigned if all_paused else held, quiet_s)
                     await self._serve_requests()
-                timeout_s = 0 if all_paused or held else wait_s
+                    timeout_s = 0.0
+                elif not self._window.in_flight and not any(self._backlog.values()):
+                    timeout_s = quiet_s  # nothing to do but wait for records
+                else:
+                    timeout_s = _POLL_TIMEOUT_S
                 consume = self.consumer.consume(self._max_poll_records, timeout_s)
                 if (messages := await unless_stopped(self._stopping, consume, _STUCK_S)) is None:
                     break  # stopping while librdkafka is stuck (a broker down): left behind
-                wait_s = _POLL_TIMEOUT_S if messages else min(2 * wait_s, _IDLE_POLL_TIMEOUT_S)
+                quiet_s = _POLL_TIMEOUT_S if messages else min(2 * quiet_s, _IDLE_POLL_TIMEOUT_S)
                 self._take(messages)
                 self._refresh_highwater()
                 await asyncio.sleep(0)
