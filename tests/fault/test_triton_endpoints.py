@@ -120,7 +120,11 @@ async def test_an_endpoint_killed_mid_stream_then_back(kafka: Any, trio: Trio, u
     requests = samples.good_requests(4000, seed=62, models=("double",))
     later = samples.good_requests(600, seed=63, models=("double",))
     victim, address = trio.servers[1], trio.addresses[1]
-    settings = settings_for(kafka, trio, topics, breaker_probe_interval_ms="200")
+    # Throttled (a small window, no batching) so that the stream outlasts the first 200
+    # results: at the defaults every request can be answered before the kill.
+    settings = settings_for(
+        kafka, trio, topics, breaker_probe_interval_ms="200", max_in_flight="12", batch_max_size="1"
+    )
     try:
         async with running_worker(settings) as worker:
             await send(kafka.bootstrap_servers, topics.input, requests)
@@ -130,6 +134,8 @@ async def test_an_endpoint_killed_mid_stream_then_back(kafka: Any, trio: Trio, u
             in_flight = worker.metrics.triton_endpoint_in_flight.labels(address)
             await _until(lambda: in_flight._value.get() >= 1, 30, "requests in flight on it")
             await asyncio.to_thread(victim.kill)
+            answered = worker.metrics.results_published_total.labels(model="double")._value.get()
+            assert answered < len(requests), "all answered before the kill"
             assert victim.death_report() is not None, "the kill left no trace"
             got = await collect(kafka.bootstrap_servers, topics, len(requests), 120, into=got)
             assert worker.breaker.opened_at is None, "one endpoint down made an outage"

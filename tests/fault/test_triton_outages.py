@@ -42,12 +42,17 @@ async def test_triton_killed_and_restarted_mid_stream(
     topics = Topics.fresh(unique)
     await create(kafka, topics, partitions=2)
     requests = samples.good_requests(1500, seed=41, models=("double",))
-    async with running_worker(settings_for(kafka, own_triton, topics)):
+    # Throttled (a small window, no batching) so that the stream outlasts the first 200
+    # results: at the defaults every request can be answered before the kill.
+    settings = settings_for(kafka, own_triton, topics, max_in_flight="12", batch_max_size="1")
+    async with running_worker(settings) as worker:
         await send(kafka.bootstrap_servers, topics.input, requests)
         got = await collect(kafka.bootstrap_servers, topics, 200)
         await asyncio.to_thread(own_triton.kill)
         death = own_triton.death_report()
         assert death is not None, "the kill left no trace"
+        answered = worker.metrics.results_published_total.labels(model="double")._value.get()
+        assert answered < len(requests), "all answered before the kill"
         await asyncio.to_thread(own_triton.start)
         got = await collect(kafka.bootstrap_servers, topics, len(requests), 120, into=got)
     report("Triton killed (SIGKILL) and restarted mid-stream", len(requests), got)
