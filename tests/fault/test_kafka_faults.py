@@ -21,6 +21,7 @@ from tests.support import (
     create,
     local_kafka,
     report,
+    results_published,
     running_worker,
     send,
     settings_for,
@@ -29,7 +30,6 @@ from tests.support import (
     worker_env,
 )
 from tests.support.worker import kafka_client_under_test
-from worker.app import Worker
 from worker.flow.bounded import CLOSE_TIMEOUT_S, FORCED_CLOSE_TIMEOUT_S
 
 pytestmark = pytest.mark.timeout(300)
@@ -40,11 +40,6 @@ def own_kafka() -> Iterator[KafkaCluster]:
     """A single-node broker for this module alone, so restarting it disturbs no other test."""
     with local_kafka(nodes=1) as cluster:
         yield cluster
-
-
-def _published(worker: Worker) -> float:
-    """Results the broker has acknowledged so far (every test request is for ``double``)."""
-    return float(worker.metrics.results_published_total.labels(model="double")._value.get())
 
 
 async def test_single_broker_restart_mid_stream(
@@ -61,7 +56,7 @@ async def test_single_broker_restart_mid_stream(
         await send(own_kafka.bootstrap_servers, topics.input, requests)
         got = await collect(own_kafka.bootstrap_servers, topics, 300)
         await asyncio.to_thread(own_kafka.stop_node, 1)
-        assert _published(worker) < len(requests), "all answered before the broker stopped"
+        assert results_published(worker) < len(requests), "all answered before the broker stopped"
         await asyncio.to_thread(own_kafka.start_node, 1)
         back = time.monotonic()
         answered = len(got)
@@ -89,7 +84,7 @@ async def test_partition_leader_failover(cluster3: KafkaCluster, triton: Any, un
         got = await collect(cluster3.bootstrap_servers, topics, 300)
         await asyncio.to_thread(cluster3.stop_node, leader)
         stopped = time.monotonic()
-        assert _published(worker) < len(requests), "all answered before the leader stopped"
+        assert results_published(worker) < len(requests), "all answered before the leader stopped"
         answered = len(got)
         got = await collect(cluster3.bootstrap_servers, topics, answered + 1, 120, into=got)
         recovery_s = time.monotonic() - stopped

@@ -16,7 +16,16 @@ import pytest
 from devtools import samples
 from devtools.devstack.paths import models_dir
 from devtools.devstack.triton import TritonServer, ensure_triton
-from tests.support import Topics, collect, create, report, running_worker, send, settings_for
+from tests.support import (
+    Topics,
+    collect,
+    create,
+    report,
+    results_published,
+    running_worker,
+    send,
+    settings_for,
+)
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -51,8 +60,7 @@ async def test_triton_killed_and_restarted_mid_stream(
         await asyncio.to_thread(own_triton.kill)
         death = own_triton.death_report()
         assert death is not None, "the kill left no trace"
-        answered = worker.metrics.results_published_total.labels(model="double")._value.get()
-        assert answered < len(requests), "all answered before the kill"
+        assert results_published(worker) < len(requests), "all answered before the kill"
         await asyncio.to_thread(own_triton.start)
         got = await collect(kafka.bootstrap_servers, topics, len(requests), 120, into=got)
     report("Triton killed (SIGKILL) and restarted mid-stream", len(requests), got)

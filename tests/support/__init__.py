@@ -17,6 +17,7 @@ from tests.support.models import decode_sample, mlp_reference, result_outputs
 from tests.support.worker import (
     COMMIT_SLACK_MS,
     report,
+    results_published,
     rss_bytes,
     running_worker,
     settings_for,
@@ -41,6 +42,7 @@ __all__ = [
     "report",
     "request_id_of",
     "result_outputs",
+    "results_published",
     "rss_bytes",
     "running_worker",
     "send",

@@ -108,6 +108,12 @@ def rss_bytes(pid: int) -> int:
     raise AssertionError(f"no VmRSS for pid {pid}")
 
 
+def results_published(worker: Worker, model: str = "double") -> float:
+    """Results of ``model`` the broker has acknowledged so far, read from the worker's metrics
+    (a fault test asserts with it that its fault came while requests were still unanswered)."""
+    return float(worker.metrics.results_published_total.labels(model=model)._value.get())
+
+
 def report(scenario: str, sent: int, got: Collected, recovery_s: float | None = None) -> None:
     """Print one line of the README's reliability table (visible with ``pytest -s``)."""
     answered = len(got)
