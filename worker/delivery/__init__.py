@@ -13,7 +13,6 @@ from typing import cast
 from worker.delivery.at_least_once import AtLeastOnce
 from worker.delivery.base import CommitEdge, Delivery, Sink
 from worker.delivery.exactly_once import ExactlyOnce
-from worker.delivery.exactly_once_group import GroupEdge, GroupFencedExactlyOnce
 from worker.delivery.offsets import OffsetTracker
 from worker.kafka import rdkafka_config
 from worker.kafka.options import kafka_client_kwargs
@@ -25,7 +24,6 @@ __all__ = [
     "CommitEdge",
     "Delivery",
     "ExactlyOnce",
-    "GroupFencedExactlyOnce",
     "Sink",
     "build_delivery",
 ]
@@ -43,6 +41,9 @@ def build_delivery(
     offsets = OffsetTracker()
     if settings.delivery.delivery == "exactly_once" and settings.kafka.kafka_client == "confluent":
         # librdkafka's consumer gives its group metadata: one producer, fenced by the group.
+        # Imported here: confluent-kafka is an extra, absent from the base install.
+        from worker.delivery.exactly_once_group import GroupEdge, GroupFencedExactlyOnce
+
         return GroupFencedExactlyOnce(
             settings,
             offsets,

@@ -19,8 +19,6 @@ from worker.kafka import options as security
 from worker.kafka import rdkafka_config
 from worker.kafka.intake import Dispatch, Intake, Rebalance
 from worker.kafka.publisher import PRODUCER_HEADROOM_BYTES, Publisher
-from worker.kafka.rdkafka_intake import RdIntake
-from worker.kafka.rdkafka_publisher import RdPublisher
 from worker.observability import Metrics
 from worker.settings import Settings
 
@@ -70,6 +68,10 @@ def build_edge(
     largest = largest_record_bytes(settings)
     omitted = metrics.dead_letter_values_omitted_total.inc
     if kafka.kafka_client == "confluent":
+        # Imported here: confluent-kafka is an extra, absent from the base install.
+        from worker.kafka.rdkafka_intake import RdIntake
+        from worker.kafka.rdkafka_publisher import RdPublisher
+
         publisher: Publisher = RdPublisher(
             rdkafka_config.producer_config(kafka, auth, max_request_bytes=largest),
             output_topic=topics.output_topic,

@@ -7,6 +7,7 @@ checks the settings of its own that only make sense together.
 
 from __future__ import annotations
 
+from importlib.util import find_spec
 from typing import Annotated
 
 import msgspec
@@ -140,6 +141,10 @@ class KafkaSettings(_Section, frozen=True, kw_only=True):
             ("WORKER_GROUP_PROTOCOL",
              self.group_protocol == "consumer" and self.kafka_client != "confluent",
              "consumer needs WORKER_KAFKA_CLIENT confluent (aiokafka speaks only classic)"),
+            ("WORKER_KAFKA_CLIENT",
+             self.kafka_client == "confluent" and find_spec("confluent_kafka") is None,
+             "confluent needs the confluent extra, which is not installed: "
+             "pip install 'kafka-triton-worker[confluent]'"),
         ])
 
 
