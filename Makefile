@@ -37,10 +37,10 @@ tools:
 	@command -v mvn >/dev/null || { echo "error: Maven is needed (mvn not found)"; exit 1; }
 
 # The compose test's system tools, Debian packages installed when missing (as root):
-# a Docker engine (docker.io), docker-compose 1.29, and mmdebstrap for the stand-in
-# images' base. No service is started by the install (a policy-rc.d says so while it
+# a Docker engine (docker.io), docker-compose 1.29, mmdebstrap for the stand-in images'
+# base, and npm for Grafana's published dashboard types. No service is started by the install (a policy-rc.d says so while it
 # runs): the test starts its own dockerd when none answers, and stops it by its pid.
-DEPLOY_PACKAGES := dockerd:docker.io docker-compose:docker-compose mmdebstrap:mmdebstrap
+DEPLOY_PACKAGES := dockerd:docker.io docker-compose:docker-compose mmdebstrap:mmdebstrap npm:npm
 
 deploy-tools:
 	@missing=""; for pair in $(DEPLOY_PACKAGES); do \

@@ -9,13 +9,15 @@ where the next run finds it: an engine left behind by an interrupted run is take
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import shutil
 import signal
 import socket
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -152,6 +154,29 @@ def _start_dockerd(log_path: Path, timeout_s: float) -> Engine:
         tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-20:])
         raise StartupError(f"dockerd did not answer within {timeout_s:.0f} s:\n{tail}")
     return Engine(_own_host(), process.pid, process)
+
+
+@contextlib.contextmanager
+def exclusive(timeout_s: float = 900.0) -> Iterator[None]:
+    """Hold the machine's compose-test lock: two runs would share one engine and project.
+
+    A second run (another clone on the same machine) waits for the first to finish.
+    """
+    RUN_DIR.mkdir(parents=True, exist_ok=True)
+    with (RUN_DIR.parent / f"{RUN_DIR.name}.lock").open("w") as lock:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise StartupError("another compose test holds the lock") from None
+                time.sleep(1.0)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def ensure_engine(log_path: Path, log: Callable[[str], None] = print) -> Engine:

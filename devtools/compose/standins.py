@@ -118,7 +118,9 @@ def build_base(env: Mapping[str, str], log: Log) -> None:
     log(f"building {BASE_IMAGE} with mmdebstrap")
     with tempfile.TemporaryDirectory(dir=_work_dir()) as tmp:
         rootfs = Path(tmp) / "rootfs.tar"
+        # Retries: a slow or flaky mirror is retried, not a failed run.
         argv = ["mmdebstrap", "--variant=minbase", "--mode=root", "--quiet"]
+        argv += ['--aptopt=Acquire::Retries "5"']
         argv += [DEBIAN_SUITE, str(rootfs), *debian_sources()]
         _run(argv, env, "mmdebstrap")
         _run(["docker", "import", str(rootfs), BASE_IMAGE], env, "docker import")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from aiokafka import AIOKafkaConsumer
 from aiokafka.structs import TopicPartition
 
 from devtools import samples
-from devtools.compose.engine import Engine, answers, ensure_engine
+from devtools.compose.engine import Engine, answers, ensure_engine, exclusive
 from devtools.compose.project import ComposeProject
 from devtools.compose.standins import STANDINS, build_standins
 from devtools.devstack.paths import PROJECT_ROOT, state_home
@@ -64,21 +65,24 @@ def _log(line: str) -> None:
 @pytest.fixture(scope="module")
 def engine() -> Iterator[Engine]:
     """A Docker engine; one this test started is stopped by its pid at the end."""
-    engine = ensure_engine(state_home() / "compose-test" / "dockerd.log", log=_log)
-    pid = engine.pid
-    try:
-        yield engine
-    finally:
-        engine.stop()
-        if pid is not None:  # the test leaves no engine of its own behind
-            assert not pid_alive(pid) and not answers(engine.host)
+    with exclusive():
+        engine = ensure_engine(state_home() / "compose-test" / "dockerd.log", log=_log)
+        pid = engine.pid
+        try:
+            yield engine
+        finally:
+            engine.stop()
+            if pid is not None:  # the test leaves no engine of its own behind
+                assert not pid_alive(pid) and not answers(engine.host)
 
 
 @pytest.fixture(scope="module")
 def standins(engine: Engine) -> dict[str, str]:
     """The environment of the engine, once every stand-in image is built on it."""
     env = engine.env()
+    started = time.monotonic()
     build_standins(env, log=_log)
+    _log(f"stand-in images ready in {time.monotonic() - started:.0f} s")
     return env
 
 
@@ -88,11 +92,15 @@ def project(standins: dict[str, str]) -> Iterator[ComposeProject]:
     project = ComposeProject(standins)
     project.down()
     try:
+        started = time.monotonic()
         project.up()
         project.wait_healthy(workers=2)
+        _log(f"worker image built, every service healthy in {time.monotonic() - started:.0f} s")
         yield project
     finally:
         project.down()
+        # Images left untagged by rebuilds would fill the engine's disk run after run.
+        project.docker("image", "prune", "--force")
 
 
 def _answers_by_position(got: Collected) -> dict[tuple[int, int], str]:
