@@ -58,6 +58,10 @@ class ComposeProject:
         """``up -d --build`` of every service that can run here (all but Grafana)."""
         self.compose("up", "-d", "--build", *SERVICES, timeout_s=timeout_s)
 
+    def build_worker(self) -> None:
+        """``build worker``: the worker's image from the Dockerfile, on the Python stand-in."""
+        self.compose("build", "worker", timeout_s=900.0)
+
     def scale_workers(self, count: int) -> None:
         """``up -d --scale worker=N``: members are added or removed, the others kept."""
         self.compose("up", "-d", "--no-recreate", "--scale", f"worker={count}", "worker")

@@ -226,8 +226,17 @@ def build_standin(standin: StandIn, extras: Mapping[str, Path], env: Mapping[str
     _run(argv, env, f"building {standin.image}")
 
 
-def build_standins(env: Mapping[str, str], log: Log = print) -> None:
-    """Every stand-in image, host inputs and the base prepared side by side."""
+def build_standins(
+    env: Mapping[str, str],
+    log: Log = print,
+    then: Mapping[str, Callable[[], None]] | None = None,
+) -> None:
+    """Every stand-in image, host inputs and the base prepared side by side.
+
+    ``then`` maps a stand-in's name to work that needs only that image (the worker's
+    image on the Python stand-in), started as soon as it is built, beside the others.
+    """
+    hooks = dict(then or {})
     with ThreadPoolExecutor(max_workers=4) as pool:
         base = pool.submit(build_base, env, log)
         inputs = {
@@ -237,14 +246,12 @@ def build_standins(env: Mapping[str, str], log: Log = print) -> None:
             "prometheus": {},
         }
         base.result()
-        builds = [
-            pool.submit(
-                build_standin,
-                standin,
-                {name: future.result() for name, future in inputs[standin.name].items()},
-                env,
-            )
-            for standin in STANDINS
-        ]
-        for build in builds:
-            build.result()
+
+        def build(standin: StandIn) -> None:
+            extras = {name: future.result() for name, future in inputs[standin.name].items()}
+            build_standin(standin, extras, env)
+            if standin.name in hooks:
+                hooks[standin.name]()
+
+        for done in [pool.submit(build, standin) for standin in STANDINS]:
+            done.result()

@@ -37,7 +37,8 @@ def poll(check: Callable[[], _T | None], timeout_s: float, what: str) -> _T:
 
 
 def _admin() -> AdminClient:
-    return AdminClient({"bootstrap.servers": KAFKA})
+    # Warnings and errors only: a short-lived client logs its own shutdown at info level.
+    return AdminClient({"bootstrap.servers": KAFKA, "log_level": 4})
 
 
 def group_assignment() -> dict[str, set[int]]:

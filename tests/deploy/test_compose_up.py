@@ -78,11 +78,12 @@ def engine() -> Iterator[Engine]:
 
 @pytest.fixture(scope="module")
 def standins(engine: Engine) -> dict[str, str]:
-    """The environment of the engine, once every stand-in image is built on it."""
+    """The environment of the engine, once every stand-in image (and the worker's) is built."""
     env = engine.env()
     started = time.monotonic()
-    build_standins(env, log=_log)
-    _log(f"stand-in images ready in {time.monotonic() - started:.0f} s")
+    worker = ComposeProject(env)
+    build_standins(env, log=_log, then={"python": worker.build_worker})
+    _log(f"stand-in images and the worker's image ready in {time.monotonic() - started:.0f} s")
     return env
 
 
@@ -95,7 +96,7 @@ def project(standins: dict[str, str]) -> Iterator[ComposeProject]:
         started = time.monotonic()
         project.up()
         project.wait_healthy(workers=2)
-        _log(f"worker image built, every service healthy in {time.monotonic() - started:.0f} s")
+        _log(f"every service up and healthy in {time.monotonic() - started:.0f} s")
         yield project
     finally:
         project.down()
