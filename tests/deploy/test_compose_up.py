@@ -100,8 +100,9 @@ def project(standins: dict[str, str]) -> Iterator[ComposeProject]:
         yield project
     finally:
         project.down()
-        # Images left untagged by rebuilds would fill the engine's disk run after run.
-        project.docker("image", "prune", "--force")
+        # Images left untagged by rebuilds would fill the engine's disk run after run; the
+        # recent ones stay: the worker's build stage is one, and the next build's cache.
+        project.docker("image", "prune", "--force", "--filter", "until=24h")
 
 
 def _answers_by_position(got: Collected) -> dict[tuple[int, int], str]:
