@@ -4,19 +4,27 @@
 #
 #   docker build -t kafka-triton-worker:0.1.0 .
 #   docker run --rm kafka-triton-worker:0.1.0 check     # or: run (the default)
+#
+# The image has what every documented mode needs: both Kafka clients (aiokafka, and
+# librdkafka for WORKER_KAFKA_CLIENT=confluent) and OpenTelemetry tracing.
+#
+# PYTHON_IMAGE names the base (any Debian-based image with python3 and its venv module).
+# pip reaches PyPI from inside the build, or whatever index the base image's pip
+# settings name (PIP_INDEX_URL, or PIP_NO_INDEX with PIP_FIND_LINKS): that is how the
+# compose test builds it where no registry is reachable (deploy/compose-test/python).
 
 ARG PYTHON_IMAGE=python:3.11.13-slim-bookworm
 
 FROM ${PYTHON_IMAGE} AS build
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
-RUN python -m venv /opt/venv
+RUN python3 -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
 WORKDIR /src
 # Dependencies first, from the same constraints file as development and CI, so
 # that a change to the worker's code does not reinstall them.
 COPY constraints.txt pyproject.toml README.md ./
 COPY worker ./worker
-RUN pip install -c constraints.txt ".[otel]" && pip check
+RUN pip install -c constraints.txt ".[confluent,otel]" && pip check
 
 FROM ${PYTHON_IMAGE}
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PATH=/opt/venv/bin:$PATH

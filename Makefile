@@ -5,7 +5,10 @@
 # virtualenv, .venv) and on the newest (.venv-3.13), both on aiokafka, and the
 # whole suite but the dev stack's own tests on the one between (3.12) with the
 # workers on librdkafka (WORKER_TEST_KAFKA_CLIENT=confluent): every Python runs
-# every integration and fault test, and so does each Kafka client.
+# every integration and fault test, and so does each Kafka client. The deploy
+# tests (tests/deploy: the image and the compose file really run, the Kubernetes
+# manifests validated) run once, in the default pass; `make compose-test` runs the
+# compose test alone.
 
 PYTHON ?= python3
 VENV := .venv
@@ -18,12 +21,13 @@ FULL_PYTHONS ?= 3.13
 CONFLUENT_PYTHONS ?= 3.12
 UNIT_PYTHONS ?=
 
-.PHONY: help tools venv fetch test test-one matrix unit lint demo bench dev-up dev-down clean
+.PHONY: help tools deploy-tools venv fetch test test-one matrix unit lint compose-test demo bench dev-up dev-down clean
 
 help:
 	@echo "make demo      - start a local Kafka + Triton, run the worker end to end, print a summary"
 	@echo "make test      - lint, type-check, the whole suite on Python 3.11 and 3.13 (aiokafka) and 3.12 (librdkafka)"
 	@echo "make test-one  - lint, type-check and the whole suite on the default Python only"
+	@echo "make compose-test - build and run docker-compose.yml on local stand-in images, check it"
 	@echo "make bench     - run the benchmark"
 
 tools:
@@ -31,6 +35,26 @@ tools:
 		|| { echo "error: Python 3.11+ is needed as '$(PYTHON)'"; exit 1; }
 	@command -v java >/dev/null || { echo "error: Java 17+ is needed (java not found)"; exit 1; }
 	@command -v mvn >/dev/null || { echo "error: Maven is needed (mvn not found)"; exit 1; }
+
+# The compose test's system tools, Debian packages installed when missing (as root):
+# a Docker engine (docker.io), docker-compose 1.29, mmdebstrap for the stand-in images'
+# base, and npm for Grafana's published dashboard types. No service is started by the install (a policy-rc.d says so while it
+# runs): the test starts its own dockerd when none answers, and stops it by its pid.
+DEPLOY_PACKAGES := dockerd:docker.io docker-compose:docker-compose mmdebstrap:mmdebstrap npm:npm
+
+deploy-tools:
+	@missing=""; for pair in $(DEPLOY_PACKAGES); do \
+		command -v $${pair%%:*} >/dev/null || missing="$$missing $${pair#*:}"; \
+	done; \
+	if [ -n "$$missing" ]; then \
+		echo "installing$$missing (Debian packages, for the compose test)"; \
+		guard=""; if [ ! -e /usr/sbin/policy-rc.d ]; then guard=/usr/sbin/policy-rc.d; \
+			printf '#!/bin/sh\nexit 101\n' > $$guard && chmod +x $$guard; fi; \
+		apt-get -q -o Acquire::Retries=5 update && \
+		DEBIAN_FRONTEND=noninteractive apt-get -q -y -o Acquire::Retries=5 \
+			install --no-install-recommends $$missing; \
+		status=$$?; if [ -n "$$guard" ]; then rm -f $$guard; fi; exit $$status; \
+	fi
 
 $(STAMP): pyproject.toml constraints.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -56,20 +80,23 @@ lint: venv
 
 test: test-one matrix
 
-test-one: fetch lint
+test-one: fetch lint deploy-tools
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+compose-test: venv deploy-tools
+	$(PY) -m pytest -p no:cacheprovider tests/deploy/test_compose_up.py $(PYTEST_ARGS)
 
 matrix: $(foreach v,$(FULL_PYTHONS) $(CONFLUENT_PYTHONS) $(UNIT_PYTHONS),.venv-$(v)/.installed)
 	@for v in $(FULL_PYTHONS); do \
-		echo "== Python $$v: the whole suite"; \
+		echo "== Python $$v: the whole suite but tests/deploy (run once, above)"; \
 		.venv-$$v/bin/python -m devtools dev fetch && \
-		.venv-$$v/bin/python -m pytest -p no:cacheprovider $(PYTEST_ARGS) || exit 1; \
+		.venv-$$v/bin/python -m pytest -p no:cacheprovider -m "not deploy" $(PYTEST_ARGS) || exit 1; \
 	done
 	@for v in $(CONFLUENT_PYTHONS); do \
-		echo "== Python $$v: the whole suite but tests/devtools, the workers on librdkafka"; \
+		echo "== Python $$v: the whole suite but tests/devtools and tests/deploy, the workers on librdkafka"; \
 		.venv-$$v/bin/python -m devtools dev fetch && \
 		WORKER_TEST_KAFKA_CLIENT=confluent .venv-$$v/bin/python -m pytest -p no:cacheprovider \
-			-m "not devtools" $(PYTEST_ARGS) || exit 1; \
+			-m "not devtools and not deploy" $(PYTEST_ARGS) || exit 1; \
 	done
 	@for v in $(UNIT_PYTHONS); do \
 		echo "== Python $$v: unit tests"; \

@@ -1,8 +1,8 @@
 """Shared fixtures: a real Kafka broker and a real Triton server for the whole session.
 
 Both run as local processes started by the project's own devstack code (the
-default, and what CI uses), or as containers through testcontainers when a
-Docker engine answers or ``DEVSTACK_DOCKER=1``.
+default, and what CI uses), or as containers through testcontainers when asked for
+with ``DEVSTACK_DOCKER=1`` (a Docker engine that merely answers changes nothing).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ _FOLDER_MARKERS = {
     "devtools": ("devtools",),
     "integration": ("integration",),
     "fault": ("fault",),
+    "deploy": ("deploy",),
 }
 
 

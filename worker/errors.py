@@ -165,6 +165,11 @@ ERROR_CODES: Final[tuple[str, ...]] = tuple(
 """The codes a dead letter can carry, in the order the classes are declared (retryable
 errors end as RETRIES_EXHAUSTED)."""
 
+RETRY_REASONS: Final[tuple[str, ...]] = tuple(
+    cls.code for cls in WorkerError.__subclasses__() if cls.retryable
+)
+"""The codes of the retryable errors: the reasons a record is retried."""
+
 
 class ExitCode(enum.IntEnum):
     """The worker's process exit codes."""

@@ -26,9 +26,29 @@ def test_every_claimed_python_runs_the_integration_and_fault_suites() -> None:
 
 
 def test_the_librdkafka_pass_runs_integration_and_fault_tests_on_the_workers() -> None:
-    """The pass on librdkafka sets the client for the workers and leaves out only tests/devtools."""
+    """The pass on librdkafka sets the client for the workers and leaves out tests/devtools
+    (and tests/deploy, run once in the default pass)."""
     assert _makefile_var("CONFLUENT_PYTHONS")
     makefile = (ROOT / "Makefile").read_text()
     loop = makefile.split("for v in $(CONFLUENT_PYTHONS)", 1)[1].split("done", 1)[0]
     assert "WORKER_TEST_KAFKA_CLIENT=confluent" in loop
-    assert '-m "not devtools"' in loop
+    assert '-m "not devtools and not deploy"' in loop
+
+
+def _loop(variable: str) -> str:
+    makefile = (ROOT / "Makefile").read_text()
+    return makefile.split(f"for v in $({variable})", 1)[1].split("done", 1)[0]
+
+
+def test_the_deploy_tests_run_once_in_the_default_pass() -> None:
+    """tests/deploy runs in `test-one` (testpaths) and is deselected in every matrix pass."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    options = project["tool"]["pytest"]["ini_options"]
+    assert "tests/deploy" in options["testpaths"]
+    assert any(marker.startswith("deploy:") for marker in options["markers"])
+    assert '-m "not deploy"' in _loop("FULL_PYTHONS")
+    assert '-m "not devtools and not deploy"' in _loop("CONFLUENT_PYTHONS")
+    assert "-m unit" in _loop("UNIT_PYTHONS")
+    test_one = re.search(r"^test-one:(.*)\n\t(.*)$", (ROOT / "Makefile").read_text(), re.M)
+    assert test_one and "deploy-tools" in test_one.group(1)
+    assert test_one.group(2) == "$(PY) -m pytest $(PYTEST_ARGS)"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -169,3 +170,30 @@ def test_dockerignore_keeps_what_the_build_needs() -> None:
     assert {".git", ".venv", ".devstack", "tests"} <= ignored
     copied = {"worker", "pyproject.toml", "constraints.txt", "README.md"}
     assert copied.isdisjoint(ignored)
+
+
+def test_dockerfile_installs_every_documented_mode() -> None:
+    """The image installs both Kafka clients' extra (confluent) and tracing (otel)."""
+    installs = [
+        arg for op, arg in _dockerfile_instructions() if op == "RUN" and "pip install" in arg
+    ]
+    extras = {m for arg in installs for m in re.findall(r'"\.\[([\w,]+)\]"', arg)}
+    assert extras and {"confluent", "otel"} <= set(next(iter(extras)).split(","))
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert {"confluent", "otel"} <= set(project["optional-dependencies"])
+
+
+def test_the_stand_in_override_swaps_only_image_names() -> None:
+    """deploy/compose-test's override changes images (and the worker's base), nothing else."""
+    override = yaml.safe_load((ROOT / "deploy/compose-test/docker-compose.test.yml").read_text())
+    services = _services()
+    for name, changes in override["services"].items():
+        if name == "worker":
+            assert changes == {
+                "build": {"args": {"PYTHON_IMAGE": changes["build"]["args"]["PYTHON_IMAGE"]}}
+            }
+        else:
+            assert set(changes) == {"image"}, name
+            assert changes["image"] != services[name]["image"], name
+    registry = {n for n, s in services.items() if "image" in s and "build" not in s}
+    assert set(override["services"]) - {"worker"} == registry - {"grafana"}

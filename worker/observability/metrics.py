@@ -14,6 +14,8 @@ from typing import Any, Literal
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from worker.errors import ERROR_CODES, RETRY_REASONS
+
 MetricKind = Literal["counter", "gauge", "histogram"]
 
 # Inference: a fast model answers in well under a millisecond, a slow one in seconds.
@@ -179,6 +181,13 @@ class Metrics:
             setattr(self, spec.attr, self._create(spec))
         self.worker_info.labels(version=version or _package_version()).set(1)
         self._models: set[str] = set()
+        # Every label value known in advance is exported from the start, at 0: the
+        # dashboard and the alerts then have a series to show, and a rate() counts the
+        # first retry or dead letter of a kind instead of starting from it.
+        for reason in RETRY_REASONS:
+            self.retries_total.labels(reason=reason)
+        for code in ERROR_CODES:
+            self.dead_letters_total.labels(code=code)
 
     def _create(self, spec: MetricSpec) -> Counter | Gauge | Histogram:
         kw: dict[str, Any] = {"labelnames": spec.labels, "registry": self.registry}
@@ -190,8 +199,12 @@ class Metrics:
 
     def model_label(self, model: str) -> str:
         """The ``model`` label value for ``model``, capped so its cardinality stays bounded."""
-        if model in self._models or len(self._models) < MAX_MODEL_LABELS:
+        if model in self._models:
+            return model
+        if len(self._models) < MAX_MODEL_LABELS:
             self._models.add(model)
+            # A model is first seen with its breaker closed: 0, not absent.
+            self.model_breaker_open.labels(model=model).set(0)
             return model
         return "other"
 

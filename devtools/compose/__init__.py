@@ -1,0 +1,1 @@
+"""The compose file run for real: a Docker engine, local stand-in images, the project."""
