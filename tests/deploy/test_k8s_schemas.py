@@ -3,8 +3,9 @@
 The core objects are validated by ``kubernetes-validate`` against the OpenAPI schemas of
 the newest Kubernetes release it bundles, in strict mode (an unknown field is an error,
 as with ``kubectl apply``'s strict field validation). The KEDA objects are validated
-against the ``openAPIV3Schema`` of KEDA's CRDs (tests/deploy/keda/), made strict the
-same way: unknown fields fail unless the schema preserves them.
+against the ``openAPIV3Schema`` of KEDA's CRDs (read from KEDA's own Go module, see
+``tests/deploy/keda.py``), made strict the same way: unknown fields fail unless the
+schema preserves them.
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ import pytest
 import yaml
 from kubernetes_validate import utils as kubernetes_validate
 
+from tests.deploy import keda
+
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"
-KEDA_CRDS = Path(__file__).parent / "keda"
 #: The Kubernetes release the core objects are validated against: the newest bundled.
 KUBERNETES_VERSION = kubernetes_validate.latest_version()
 
@@ -49,8 +51,8 @@ def _strict(node: Any) -> Any:
 def _crd_schemas() -> dict[tuple[str, str], dict[str, Any]]:
     """(apiVersion, kind) → the strict schema of each version of KEDA's CRDs."""
     schemas = {}
-    for path in sorted(KEDA_CRDS.glob("*.yaml")):
-        crd = yaml.safe_load(path.read_text())
+    for text in keda.crd_texts().values():
+        crd = yaml.safe_load(text)
         group, kind = crd["spec"]["group"], crd["spec"]["names"]["kind"]
         for version in crd["spec"]["versions"]:
             schema = _strict(version["schema"]["openAPIV3Schema"])
