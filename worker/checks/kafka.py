@@ -16,6 +16,7 @@ has passed (``KafkaUnavailable``, exit 5). Messages never carry a secret.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ssl
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -41,6 +42,8 @@ log = structlog.get_logger(__name__)
 _RETRY = Backoff(first_s=0.25, max_s=4.0)
 #: Bound on identifying what a listener speaks, once a client got no answer.
 _IDENTIFY_S = 5.0
+#: Bound on waiting for a connection of ours to close.
+_CLOSE_S = 2.0
 
 
 class Findings(NamedTuple):
@@ -159,8 +162,15 @@ async def _ask_aiokafka(settings: Settings, progress: _Progress) -> Findings:
     except (OSError, kafka_errors.KafkaError) as exc:
         raise _Unanswered(f"{address}: {probes.reason(exc)}") from None
     finally:
-        conn.close()
+        await _close(conn)
     return Findings(f"Kafka {address}", metadata, group)
+
+
+async def _close(conn: Any) -> None:
+    """Close, and wait (a bounded time) until the socket is: an event loop closed right
+    after (``check`` ends) must not find it still open."""
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(asyncio.shield(conn.close()), _CLOSE_S)
 
 
 async def _connect(
@@ -226,7 +236,7 @@ async def _on_coordinator(
     try:
         return await probes.describe_group_with(coordinator.send, settings.kafka.group_id)
     finally:
-        coordinator.close()
+        await _close(coordinator)
 
 
 # -- librdkafka: its admin API ---------------------------------------------------------
