@@ -206,7 +206,8 @@ def test_worker_refuses_to_start_on_triton_security_errors(
     env = worker_env(kafka, secure_triton, topics, **extra)
     exited = run_to_exit(env, tmp_path / "worker.log", REFUSAL_BOUND_S)
     assert exited.code == 2, f"{case}: exit {exited.code}\n{exited.lines[-20:]}"
-    assert expected in exited.error_line(), case
+    errors = [line for line in exited.lines if line.startswith("error: ")]
+    assert len(errors) == 1 and expected in errors[0], f"{case}: {exited.lines[-20:]}"
     assert "token-5d2e" not in "\n".join(exited.lines)
 
 
