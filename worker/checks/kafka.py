@@ -18,10 +18,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ssl
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-import structlog
 from aiokafka import errors as kafka_errors
 from aiokafka.conn import create_conn
 from aiokafka.protocol.coordination import FindCoordinatorRequest
@@ -34,8 +34,6 @@ from worker.kafka.options import kafka_client_kwargs, sasl_password
 from worker.settings import Settings
 
 __all__ = ["Findings", "inspect_kafka", "scrub", "who"]
-
-log = structlog.get_logger(__name__)
 
 #: Waits between two tries while no bootstrap server answers (or the group's coordinator
 #: is not yet available, as on a fresh cluster).
@@ -85,12 +83,15 @@ def who(settings: Settings) -> str:
     return "the worker's principal"
 
 
-async def inspect_kafka(settings: Settings, wait_s: float) -> Findings:
+async def inspect_kafka(
+    settings: Settings, wait_s: float, on_wait: Callable[[str], None] | None = None
+) -> Findings:
     """The worker's topics, with the operations allowed, and its group, as Kafka reports them.
 
     Raises CannotRun (one line, no secret) on a refused handshake or a security protocol
     the listener does not speak, and KafkaUnavailable once no bootstrap server answered
     for ``wait_s``; ConfigError when a file the settings name cannot be read.
+    ``on_wait`` hears why, the first time Kafka is asked again.
     """
     secrets = [str(sasl_password(settings.kafka_auth) or "")]
     loop = asyncio.get_running_loop()
@@ -119,8 +120,8 @@ async def inspect_kafka(settings: Settings, wait_s: float) -> Findings:
                     secrets,
                 )
             )
-        if failures == 1:
-            log.info("kafka_not_answering", reason=scrub(reason, secrets), timeout_s=wait_s)
+        if failures == 1 and on_wait is not None:
+            on_wait(scrub(reason, secrets))
         await asyncio.sleep(delay_s)
 
 

@@ -18,6 +18,7 @@ import asyncio
 from typing import Any
 
 import grpc  # type: ignore[import-untyped, unused-ignore]
+import structlog
 from tritonclient.grpc import InferenceServerException, service_pb2
 
 from worker.checks import probes
@@ -28,6 +29,8 @@ from worker.errors import CannotRun
 from worker.settings import Settings
 from worker.triton._compat import grpc_stub
 from worker.triton.auth import TritonAuth
+
+log = structlog.get_logger(__name__)
 
 #: Bound on the Triton check, so that a start-up never hangs on it.
 CHECK_TIMEOUT_S = 15.0
@@ -47,7 +50,12 @@ async def check_kafka(settings: Settings) -> None:
     topics, from the operations the broker reports). Raises KafkaUnavailable (exit 5)
     when no bootstrap server answered within WORKER_KAFKA_STARTUP_TIMEOUT_S.
     """
-    findings = await inspect_kafka(settings, settings.kafka.kafka_startup_timeout_s)
+    wait_s = settings.kafka.kafka_startup_timeout_s
+
+    def waiting(reason: str) -> None:
+        log.info("kafka_not_answering", reason=reason, timeout_s=wait_s)
+
+    findings = await inspect_kafka(settings, wait_s, on_wait=waiting)
     line = refusal(findings.where, kafka_rows(settings, findings))
     if line is not None:
         raise StartupCheckFailed(line)
