@@ -179,8 +179,9 @@ class Worker:
 
     async def run(self) -> None:
         """Run until ``request_stop``; then drain, commit and close."""
-        await self.start()
         try:
+            # Inside the try: a start that fails still closes what was built.
+            await self.start()
             async with asyncio.TaskGroup() as tasks:
                 self.dispatcher.group = tasks
                 fetching = tasks.create_task(self.intake.run(), name="intake")

@@ -54,18 +54,26 @@ def run_worker(args: argparse.Namespace) -> int:
         return ExitCode.CONFIG
 
     from worker.app import run_async, serve
-    from worker.checks.startup import StartupCheckFailed
-    from worker.errors import Fatal, WriteFailed
+    from worker.errors import CannotRun, Fatal, WriteFailed
     from worker.observability import configure_logging
 
     configure_logging(settings.ops.log_format, settings.ops.log_level)
     try:
         return run_async(serve(settings))
-    except (ConfigError, StartupCheckFailed) as exc:
-        # A credential, certificate or ACL problem found at start-up: no retry fixes it.
+    except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return ExitCode.CONFIG
+    except CannotRun as exc:
+        # A credential, certificate, ACL or topic problem found at start-up (no retry fixes
+        # it), or Kafka unavailable (the orchestrator's restart is the retry).
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
     except BaseExceptionGroup as group:
+        refused, _ = group.split(CannotRun)
+        if refused is not None:  # e.g. the group refused to the worker while it runs
+            cause = _first_leaf(refused)
+            print(f"error: {cause}", file=sys.stderr)
+            return cause.exit_code if isinstance(cause, CannotRun) else ExitCode.CONFIG
         matched, _ = group.split(Fatal)
         if matched is None:
             raise

@@ -17,6 +17,7 @@ from typing import ClassVar, Final
 
 __all__ = [
     "ERROR_CODES",
+    "CannotRun",
     "DecodeError",
     "ExitCode",
     "Fatal",
@@ -24,6 +25,7 @@ __all__ = [
     "InferenceError",
     "InternalError",
     "InvalidRequest",
+    "KafkaUnavailable",
     "ModelNotFound",
     "ModelNotReady",
     "OutputTooLarge",
@@ -177,13 +179,35 @@ class ExitCode(enum.IntEnum):
     OK = 0
     #: A second signal abandoned in-flight records (they stay uncommitted).
     FORCED = 1
-    #: Invalid settings, or a credential, certificate or ACL problem found at start-up.
+    #: Invalid settings; a credential, certificate, security protocol or ACL problem, or a
+    #: missing topic, found at start-up; or the broker refusing the worker its group or
+    #: topics while it runs.
     CONFIG = 2
     #: An outcome can never be written, or too many records in a row met a bug.
     FATAL = 3
     #: ``replay``: some selected dead letters were not re-produced (refused, or the broker
     #: did not take them; the summary says which), or the dead-letter topic cannot be read.
     INCOMPLETE = 4
+    #: Kafka could not be reached at start-up (no bootstrap server answered within
+    #: ``WORKER_KAFKA_STARTUP_TIMEOUT_S``): the orchestrator's restart tries again.
+    UNAVAILABLE = 5
+
+
+class CannotRun(Exception):
+    """The worker cannot run with these settings against these servers: the process ends
+    with ``exit_code`` and the message as its one line (what is wrong, what to do).
+
+    Not a WorkerError: it concerns the worker, not a record. Its message never holds a
+    secret.
+    """
+
+    exit_code: ClassVar[ExitCode] = ExitCode.CONFIG
+
+
+class KafkaUnavailable(CannotRun):
+    """No Kafka bootstrap server answered at start-up within the bounded wait."""
+
+    exit_code = ExitCode.UNAVAILABLE
 
 
 class Fatal(RuntimeError):

@@ -175,3 +175,24 @@ def test_command_exit_codes(
     assert cli.main(["check", "--max-in-flight", "abc"]) == 2
     error_lines = capsys.readouterr().err.splitlines()
     assert len(error_lines) == 1 and error_lines[0].startswith("error: --max-in-flight:")
+
+
+def test_command_prints_the_table_alone_when_kafka_does_not_answer(
+    kafka: Any,
+    triton: Any,
+    unique: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Kafka not answering: the table says so; no log line of the retries on either stream."""
+    topics = Topics.fresh(unique)
+    env = worker_env(kafka, triton, topics, bootstrap_servers=f"127.0.0.1:{free_port()}")
+    _use_env(monkeypatch, env)
+    monkeypatch.setenv("COLUMNS", "400")  # one table row per line
+
+    assert cli.main(["check"]) == 1
+
+    out, err = capsys.readouterr()
+    assert err == ""
+    assert out.lstrip().startswith("worker check") and "not reachable within" in out
+    assert "kafka_not_answering" not in out and "librdkafka" not in out

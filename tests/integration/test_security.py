@@ -1,15 +1,14 @@
 """Security against real servers: Kafka SASL_SSL with SCRAM and ACLs, Triton TLS and tokens.
 
-A second Kafka (SASL_SSL listener, SCRAM users, StandardAuthorizer) and a second
-Triton (mutual TLS, restricted protocols) are started for this module; audit and
-limits run on the session's plain stack.
+The secure Kafka (SASL_SSL listener, SCRAM users, StandardAuthorizer) is the session's
+(tests/integration/conftest.py); a second Triton (mutual TLS, restricted protocols) is
+started for this module; audit and limits run on the session's plain stack.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,8 +18,7 @@ import numpy as np
 import pytest
 from aiokafka import AIOKafkaConsumer
 
-from devtools.devstack.certs import LocalPki, make_pki
-from devtools.devstack.kafka import KafkaCluster, KafkaSecurity, ensure_kafka_jars
+from devtools.devstack.certs import LocalPki
 from devtools.devstack.paths import models_dir
 from devtools.devstack.triton import TritonServer, ensure_triton
 from devtools.samples import SampleRequest, Tensor, double_inputs, encode_request
@@ -29,48 +27,24 @@ from tests.support import (
     collect,
     create,
     headers_dict,
+    run_to_exit,
     running_worker,
     send,
     settings_for,
-    spawn_worker,
     worker_env,
 )
+from tests.support.acls import ALICE_PASSWORD, BOB_PASSWORD
 from worker.settings import load_settings
 from worker.triton.auth import TritonAuth, triton_client_kwargs
 from worker.triton.pool import TritonPool
 
 pytestmark = pytest.mark.timeout(180)
 
-ALICE_PASSWORD = "alice-Secret-7f3"
-BOB_PASSWORD = "bob-Secret-91c"
 TOKEN = "Bearer token-5d2e"
 #: Triton's restricted-protocol check reads this header for the key "authorization".
 TOKEN_HEADER = "triton-grpc-protocol-authorization"
 #: Bound on a refused worker's start-up: one attempt, no retry storm.
 REFUSAL_BOUND_S = 30.0
-
-
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory: pytest.TempPathFactory) -> LocalPki:
-    """A CA, a server certificate for 127.0.0.1, a client certificate, an unrelated CA."""
-    return make_pki(tmp_path_factory.mktemp("pki"))
-
-
-@pytest.fixture(scope="module")
-def secure_kafka(pki: LocalPki, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    """One Kafka node with a SASL_SSL listener: alice (super user) and bob (no ACLs)."""
-    security = KafkaSecurity(
-        keystore_pem=pki.server.bundle,
-        truststore_pem=pki.ca_cert,
-        scram_users={"alice": ALICE_PASSWORD, "bob": BOB_PASSWORD},
-        super_users=("alice",),
-    )
-    cluster = KafkaCluster(
-        ensure_kafka_jars(), tmp_path_factory.mktemp("secure-kafka"), security=security
-    )
-    cluster.start()
-    yield cluster
-    cluster.stop()
 
 
 @pytest.fixture(scope="module")
@@ -129,25 +103,6 @@ def _double_requests(count: int, prefix: str) -> list[SampleRequest]:
     return out
 
 
-def _refused(env: dict[str, str], log_path: Path) -> tuple[int, float, str]:
-    """Run ``python -m worker run``; its exit code, seconds taken and log, once it exits."""
-    started = time.monotonic()
-    process = spawn_worker(env, log_path)
-    try:
-        code = process.wait(timeout=REFUSAL_BOUND_S)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
-        raise AssertionError(
-            f"worker still running after {REFUSAL_BOUND_S}s:\n{log_path.read_text()[-2000:]}"
-        ) from None
-    return code, time.monotonic() - started, log_path.read_text()
-
-
-def _error_lines(log: str) -> list[str]:
-    return [line for line in log.splitlines() if line.startswith("error: ")]
-
-
 # -- Kafka -------------------------------------------------------------------------
 
 
@@ -173,7 +128,7 @@ async def test_worker_round_trips_over_sasl_ssl_with_scram(
     [
         ("wrong password", "alice", "not-the-password", "ca", "authentication failed"),
         ("untrusted CA", "alice", ALICE_PASSWORD, "other", "certificate not trusted"),
-        ("missing ACL", "bob", BOB_PASSWORD, "ca", "not authorized for topics"),
+        ("missing ACL", "bob", BOB_PASSWORD, "ca", "not authorized to describe it"),
     ],
 )
 def test_worker_refuses_to_start_on_kafka_security_errors(
@@ -194,12 +149,10 @@ def test_worker_refuses_to_start_on_kafka_security_errors(
     extra = _sasl_env(secure_kafka, pki, user, password)
     extra["ssl_cafile"] = str(pki.ca_cert if ca == "ca" else pki.other_ca_cert)
     env = worker_env(secure_kafka, triton, topics, **extra)
-    code, seconds, log = _refused(env, tmp_path / "worker.log")
-    assert code == 2, f"{case}: exit {code}\n{log[-2000:]}"
-    errors = _error_lines(log)
-    assert len(errors) == 1 and expected in errors[0], f"{case}: {log[-2000:]}"
-    assert seconds < REFUSAL_BOUND_S
-    assert password not in log
+    exited = run_to_exit(env, tmp_path / "worker.log", REFUSAL_BOUND_S)
+    assert exited.code == 2, f"{case}: exit {exited.code}\n{exited.lines[-20:]}"
+    assert expected in exited.error_line(), case
+    assert password not in "\n".join(exited.lines)
 
 
 # -- Triton ------------------------------------------------------------------------
@@ -251,12 +204,11 @@ def test_worker_refuses_to_start_on_triton_security_errors(
     asyncio.run(create(kafka, topics))
     extra = {**_triton_env(secure_triton, pki, token_file), **change}
     env = worker_env(kafka, secure_triton, topics, **extra)
-    code, seconds, log = _refused(env, tmp_path / "worker.log")
-    assert code == 2, f"{case}: exit {code}\n{log[-2000:]}"
-    errors = _error_lines(log)
-    assert len(errors) == 1 and expected in errors[0], f"{case}: {log[-2000:]}"
-    assert seconds < REFUSAL_BOUND_S
-    assert "token-5d2e" not in log
+    exited = run_to_exit(env, tmp_path / "worker.log", REFUSAL_BOUND_S)
+    assert exited.code == 2, f"{case}: exit {exited.code}\n{exited.lines[-20:]}"
+    errors = [line for line in exited.lines if line.startswith("error: ")]
+    assert len(errors) == 1 and expected in errors[0], f"{case}: {exited.lines[-20:]}"
+    assert "token-5d2e" not in "\n".join(exited.lines)
 
 
 async def test_rotated_token_file_is_used_without_restart(

@@ -16,12 +16,16 @@ from tests.support.kafka import (
 from tests.support.models import decode_sample, mlp_reference, result_outputs
 from tests.support.worker import (
     COMMIT_SLACK_MS,
+    Exited,
     report,
     results_published,
     rss_bytes,
+    run_to_exit,
     running_worker,
     settings_for,
     spawn_worker,
+    wait_exit,
+    wait_logged,
     wait_ready,
     worker_env,
 )
@@ -29,6 +33,7 @@ from tests.support.worker import (
 __all__ = [
     "COMMIT_SLACK_MS",
     "Collected",
+    "Exited",
     "Streams",
     "Topics",
     "collect",
@@ -44,10 +49,13 @@ __all__ = [
     "result_outputs",
     "results_published",
     "rss_bytes",
+    "run_to_exit",
     "running_worker",
     "send",
     "settings_for",
     "spawn_worker",
+    "wait_exit",
+    "wait_logged",
     "wait_ready",
     "worker_env",
 ]

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +83,60 @@ def spawn_worker(env: Mapping[str, str], log_path: Path) -> subprocess.Popen[byt
         )
 
 
+@dataclass(frozen=True)
+class Exited:
+    """A worker process run to its end: its exit code, the seconds it took, its output."""
+
+    code: int
+    seconds: float
+    lines: list[str]
+
+    def events(self) -> list[str]:
+        """The events of its JSON log lines."""
+        return [json.loads(line)["event"] for line in self.lines if _is_json_object(line)]
+
+    def error_line(self, max_lines: int = 30) -> str:
+        """The one line it ended with, once it is checked that every other line is one of
+        its JSON log lines: no traceback, no raw librdkafka line, no unclosed-client
+        warning, and no more than ``max_lines`` lines in all."""
+        text = "\n".join(self.lines)
+        plain = [line for line in self.lines if not _is_json_object(line)]
+        assert len(plain) == 1 and plain[0].startswith("error: "), text[-3000:]
+        for noise in ("Traceback", "Unclosed", "%3|", "%4|", "%6|"):
+            assert noise not in text, f"{noise!r} in the output:\n{text[-3000:]}"
+        assert len(self.lines) <= max_lines, f"{len(self.lines)} lines:\n{text[-3000:]}"
+        return plain[0]
+
+
+def _is_json_object(line: str) -> bool:
+    try:
+        return isinstance(json.loads(line), dict)
+    except ValueError:
+        return False
+
+
+def run_to_exit(env: Mapping[str, str], log_path: Path, bound_s: float) -> Exited:
+    """``python -m worker run`` until it exits; fails if it still runs after ``bound_s``."""
+    started = time.monotonic()
+    return wait_exit(spawn_worker(env, log_path), log_path, bound_s, started)
+
+
+def wait_exit(
+    process: subprocess.Popen[bytes], log_path: Path, bound_s: float, since: float
+) -> Exited:
+    """Wait for a worker process to exit (killed, and the test failed, after ``bound_s``);
+    ``seconds`` counts from ``since`` (a ``time.monotonic()`` reading)."""
+    try:
+        code = process.wait(timeout=bound_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+        raise AssertionError(
+            f"worker still running after {bound_s} s:\n{log_path.read_text()[-3000:]}"
+        ) from None
+    return Exited(code, time.monotonic() - since, log_path.read_text().splitlines())
+
+
 def _answers_ready(port: int) -> bool:
     import urllib.error
     import urllib.request
@@ -99,6 +155,20 @@ async def wait_ready(port: int, proc: subprocess.Popen[bytes], timeout_s: float 
         assert proc.poll() is None, f"worker exited with {proc.returncode} before it was ready"
         assert time.monotonic() < deadline, f"worker on port {port} not ready in {timeout_s} s"
         await asyncio.sleep(0.1)  # polling another process's endpoint: nothing to await
+
+
+async def wait_logged(
+    proc: subprocess.Popen[bytes], log_path: Path, event: str, timeout_s: float = 60
+) -> None:
+    """Wait until a worker process has logged ``event`` (fails if it exits first)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        lines = (await asyncio.to_thread(log_path.read_text)).splitlines()
+        if event in Exited(0, 0.0, lines).events():
+            return
+        assert proc.poll() is None, f"worker exited with {proc.returncode} before {event}"
+        assert time.monotonic() < deadline, f"no {event} in {timeout_s} s"
+        await asyncio.sleep(0.1)  # reading another process's log: nothing to await
 
 
 def rss_bytes(pid: int) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -15,10 +16,10 @@ _REQUIRED = {
 }
 
 
-def _run(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+def _run(env: dict[str, str], *args: str, command: str = "run") -> subprocess.CompletedProcess[str]:
     clean = {k: v for k, v in os.environ.items() if not k.startswith("WORKER_")}
     return subprocess.run(
-        [sys.executable, "-m", "worker", "run", *args],
+        [sys.executable, "-m", "worker", command, *args],
         env={**clean, **env},
         capture_output=True,
         text=True,
@@ -69,3 +70,31 @@ def test_flags_win_over_environment_at_start_up() -> None:
     assert done.returncode == 2
     assert "--metrics-port" in done.stderr
     assert "WORKER_MAX_IN_FLIGHT" not in done.stderr
+
+
+@pytest.mark.parametrize("client", ["aiokafka", "confluent"])
+@pytest.mark.parametrize(
+    ("command", "cafile"),
+    [("check", "missing"), ("check", "not PEM"), ("run", "not PEM")],
+)
+def test_a_ca_file_the_client_cannot_use_is_one_line(
+    tmp_path: Path, client: str, command: str, cafile: str
+) -> None:
+    """A WORKER_SSL_CAFILE that is missing, or no certificate: exit 2 and one line naming it,
+    from ``check`` as from ``run``, on either client (no Kafka is asked)."""
+    path = tmp_path / "ca.pem"
+    if cafile == "not PEM":
+        path.write_text("not a certificate\n")
+    env = {
+        **_REQUIRED,
+        "WORKER_KAFKA_CLIENT": client,
+        "WORKER_SECURITY_PROTOCOL": "SSL",
+        "WORKER_SSL_CAFILE": str(path),
+        "WORKER_METRICS_PORT": "0",
+        "WORKER_LOG_FORMAT": "json",
+    }
+    done = _run(env, command=command)
+    assert done.returncode == 2, done.stderr
+    plain = [line for line in done.stderr.splitlines() if not line.startswith("{")]
+    assert len(plain) == 1 and plain[0].startswith("error: WORKER_SSL_CAFILE"), done.stderr
+    assert "Traceback" not in done.stderr

@@ -7,18 +7,14 @@ DescribeGroups (v3) requests that also return the operations the client may perf
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
-from aiokafka.admin import AIOKafkaAdminClient
-from aiokafka.errors import KafkaError, for_code
 from aiokafka.protocol.admin import DescribeGroupsResponse_v3
 from aiokafka.protocol.api import Request, RequestStruct, Response
 from aiokafka.protocol.types import Array, Boolean, Int16, Int32, Schema, String
 from tritonclient.grpc.aio import InferenceServerClient
 
-from worker.flow.retry import Backoff
 from worker.settings import Settings
 from worker.triton.auth import triton_client_kwargs
 from worker.triton.endpoints import EndpointSet, Target, parse_targets
@@ -27,7 +23,8 @@ __all__ = [
     "READ",
     "WRITE",
     "Target",
-    "describe_group",
+    "TopicUse",
+    "describe_group_with",
     "describe_topics",
     "may",
     "reason",
@@ -38,8 +35,6 @@ __all__ = [
 
 #: Kafka's AclOperation codes, as bit positions of an "authorized operations" field.
 READ, WRITE = 3, 4
-#: Waits between tries of a group lookup the broker answered with a retriable error.
-_RETRY = Backoff(first_s=0.1, max_s=1.0)
 #: The field's value when the broker did not report the operations.
 _NOT_REPORTED = -(2**31)
 
@@ -151,41 +146,46 @@ async def describe_topics(
     return answer
 
 
-def topics_to_check(settings: Settings) -> list[tuple[str, str, int]]:
-    """(row name, topic, operation needed) for every topic the worker uses."""
-    rows = [(f"input topic {t}", t, READ) for t in settings.topics.input_topics]
+class TopicUse(NamedTuple):
+    """A topic the worker uses: its row in reports, the operation it needs, its setting."""
+
+    row: str
+    topic: str
+    operation: int
+    setting: str
+
+
+def topics_to_check(settings: Settings) -> list[TopicUse]:
+    """Every topic the worker uses, with what it needs on it."""
+    topics, ops = settings.topics, settings.ops
+    rows = [
+        TopicUse(f"input topic {t}", t, READ, "WORKER_INPUT_TOPICS") for t in topics.input_topics
+    ]
     rows.append(
-        (f"output topic {settings.topics.output_topic}", settings.topics.output_topic, WRITE)
+        TopicUse(
+            f"output topic {topics.output_topic}", topics.output_topic, WRITE, "WORKER_OUTPUT_TOPIC"
+        )
     )
     rows.append(
-        (f"dead-letter topic {settings.topics.dlq_topic}", settings.topics.dlq_topic, WRITE)
+        TopicUse(
+            f"dead-letter topic {topics.dlq_topic}", topics.dlq_topic, WRITE, "WORKER_DLQ_TOPIC"
+        )
     )
-    if settings.ops.audit in ("topic", "both") and settings.ops.audit_topic is not None:
-        rows.append((f"audit topic {settings.ops.audit_topic}", settings.ops.audit_topic, WRITE))
+    if ops.audit in ("topic", "both") and ops.audit_topic is not None:
+        rows.append(
+            TopicUse(f"audit topic {ops.audit_topic}", ops.audit_topic, WRITE, "WORKER_AUDIT_TOPIC")
+        )
     return rows
 
 
-async def describe_group(admin: AIOKafkaAdminClient, group_id: str) -> dict[str, Any]:
-    # The first group lookup on a fresh cluster creates the offsets topic and answers
-    # "coordinator not available" meanwhile; retriable errors are retried (the caller
-    # bounds the total time).
-    failures = 0
-    while True:
-        try:
-            node = await admin.find_coordinator(group_id)
-            response = await admin._client.send(node, _GroupPermissionsRequest(group_id))
-        except KafkaError as exc:
-            if not exc.retriable:
-                raise
-            failures += 1
-            await asyncio.sleep(_RETRY.delay_s(failures))
-            continue
-        group: dict[str, Any] = response.to_object()["groups"][0]
-        code = int(group["error_code"])
-        if not code or not for_code(code).retriable:
-            return group
-        failures += 1  # e.g. the coordinator is still loading the group
-        await asyncio.sleep(_RETRY.delay_s(failures))
+async def describe_group_with(
+    send: Callable[[Any], Awaitable[Any]], group_id: str
+) -> dict[str, Any]:
+    """The DescribeGroups answer for one group, with the client's authorized operations
+    (``send`` sends the request to the group's coordinator)."""
+    response = await send(_GroupPermissionsRequest(group_id))
+    group: dict[str, Any] = response.to_object()["groups"][0]
+    return group
 
 
 def reason(exc: BaseException) -> str:

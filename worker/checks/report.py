@@ -11,6 +11,9 @@ Nothing is written and no group is joined, so ``check`` is safe against a live s
   ``auto.create.topics.enable``.
 - The group is described (DescribeGroups with authorized operations: READ is what
   joining needs), not joined: a throwaway member would rebalance every running worker.
+- Both are asked as the start-up gate of ``run`` asks them (``worker.checks.kafka``),
+  and judged by the same rows (``worker.checks.rows``): what ``check`` fails with a fix
+  to make, ``run`` refuses to start on.
 - Triton: server ready, then every model the worker is told about
   (``WORKER_DEFAULT_MODEL`` and the models named in ``WORKER_MODEL_ALLOWLIST``)
   ready, with metadata the worker's request validation can use.
@@ -23,167 +26,44 @@ import asyncio
 import logging
 import os
 import sys
-from collections.abc import Coroutine, Sequence
-from dataclasses import dataclass
-from typing import Any, Literal
+from collections.abc import Sequence
+from typing import Any
 
-from aiokafka.admin import AIOKafkaAdminClient
 from rich.console import Console
 from rich.table import Table
 
 from worker.checks import probes
-from worker.errors import ExitCode
-from worker.kafka.options import kafka_client_kwargs
+from worker.checks.kafka import inspect_kafka
+from worker.checks.rows import CheckResult, kafka_rows
+from worker.errors import CannotRun, ExitCode
 from worker.settings import ConfigError, Settings, add_run_arguments, load_settings
 from worker.triton.auth import TritonAuth
 from worker.wire.tensors import DATATYPES
 from worker.wire.validation import ModelSpec
 
-Outcome = Literal["ok", "fail", "skip"]
-
-#: Kafka error codes the checks explain in words.
-_KAFKA_ERRORS = {
-    3: "does not exist",
-    5: "has partitions without a leader",
-    29: "not authorized to describe it",
-    30: "not authorized to describe the group",
-}
-
-
-@dataclass(frozen=True, slots=True)
-class CheckResult:
-    """One line of the report."""
-
-    check: str
-    outcome: Outcome
-    detail: str
-
-    @property
-    def ok(self) -> bool:
-        """False only for a failure; a skipped check failed through another one."""
-        return self.outcome != "fail"
+__all__ = ["CheckResult", "add_check_parser", "kafka_checks", "run_checks", "triton_checks"]
 
 
 # -- Kafka ---------------------------------------------------------------------------
 
 
-def _topic_result(name: str, topic: dict[str, Any] | None, operation: int) -> CheckResult:
-    if topic is None:
-        return CheckResult(name, "fail", "not in the broker's answer")
-    code = int(topic["error_code"])
-    if code:
-        return CheckResult(name, "fail", _KAFKA_ERRORS.get(code, f"Kafka error code {code}"))
-    partitions = topic["partitions"]
-    leaderless = sorted(p["partition"] for p in partitions if p["leader"] < 0)
-    if leaderless:
-        return CheckResult(name, "fail", f"partitions without a leader: {leaderless}")
-    verb = "read" if operation == probes.READ else "write"
-    allowed = probes.may(int(topic["topic_authorized_operations"]), operation)
-    if allowed is False:
-        return CheckResult(name, "fail", f"{len(partitions)} partitions, but no {verb} permission")
-    permission = f"may {verb}" if allowed else f"{verb} permission not reported"
-    return CheckResult(name, "ok", f"{len(partitions)} partitions, {permission}")
-
-
-def _group_result(group_id: str, group: dict[str, Any]) -> CheckResult:
-    name = f"consumer group {group_id}"
-    code = int(group["error_code"])
-    if code:
-        return CheckResult(name, "fail", _KAFKA_ERRORS.get(code, f"Kafka error code {code}"))
-    if group["protocol_type"] not in ("", "consumer"):
-        kind = group["protocol_type"]
-        return CheckResult(name, "fail", f"the group id is used by a {kind!r} group")
-    if probes.may(int(group["authorized_operations"]), probes.READ) is False:
-        return CheckResult(name, "fail", "no read permission on the group: cannot join it")
-    members = len(group["members"])
-    state = "no members yet" if group["state"] in ("Dead", "Empty") else group["state"]
-    return CheckResult(name, "ok", f"{state}, {members} members; may join (not joined)")
-
-
 async def kafka_checks(settings: Settings, timeout_s: float) -> list[CheckResult]:
     """Broker reachable; topics exist with the needed permissions; the group can be joined."""
-    if settings.kafka.kafka_client == "confluent":
-        return await _kafka_checks_rd(settings, timeout_s)
-    topics = probes.topics_to_check(settings)
-    admin = AIOKafkaAdminClient(
-        bootstrap_servers=settings.kafka.bootstrap_servers,
-        client_id=f"{settings.kafka.client_id}-check",
-        request_timeout_ms=int(timeout_s * 1000),
-        **kafka_client_kwargs(settings.kafka_auth),
-    )
     try:
-        async with asyncio.timeout(timeout_s):
-            await admin.start()
-            client = admin._client  # the admin API has no metadata call that can say "may"
-            metadata = await probes.describe_topics(
-                lambda request: client.send(client.get_random_node(), request),
-                [topic for _, topic, _ in topics],
-            )
-    except Exception as exc:
-        await admin.close()
-        return _unreachable(settings, exc)
-    try:
-        return await _kafka_rows(
-            settings, metadata, probes.describe_group(admin, settings.kafka.group_id), timeout_s
-        )
-    finally:
-        await admin.close()
+        findings = await inspect_kafka(settings, timeout_s)
+    except CannotRun as exc:
+        return _not_asked(settings, str(exc))
+    return kafka_rows(settings, findings)
 
 
-async def _kafka_checks_rd(settings: Settings, timeout_s: float) -> list[CheckResult]:
-    """The same rows, asked through librdkafka's admin API (WORKER_KAFKA_CLIENT=confluent)."""
-    from worker.kafka.rdkafka_admin import RdAdmin
-
-    admin = RdAdmin(settings, timeout_s)
-    try:
-        try:
-            async with asyncio.timeout(timeout_s):
-                metadata = await admin.describe_topics(
-                    [topic for _, topic, _ in probes.topics_to_check(settings)]
-                )
-        except Exception as exc:
-            return _unreachable(settings, exc)
-        return await _kafka_rows(
-            settings, metadata, admin.describe_group(settings.kafka.group_id), timeout_s
-        )
-    finally:
-        admin.close()
-
-
-def _unreachable(settings: Settings, exc: BaseException) -> list[CheckResult]:
-    later = [name for name, _, _ in probes.topics_to_check(settings)]
+def _not_asked(settings: Settings, reason: str) -> list[CheckResult]:
+    """Kafka could not be asked (no answer, or a refused handshake): its rows are skipped."""
+    later = [use.row for use in probes.topics_to_check(settings)]
     later.append(f"consumer group {settings.kafka.group_id}")
-    reason = f"{settings.kafka.bootstrap_servers}: {probes.reason(exc)}"
     return [
         CheckResult("Kafka reachable", "fail", reason),
-        *(CheckResult(name, "skip", "Kafka unreachable") for name in later),
+        *(CheckResult(name, "skip", "Kafka not reachable with these settings") for name in later),
     ]
-
-
-async def _kafka_rows(
-    settings: Settings,
-    metadata: dict[str, Any],
-    group: Coroutine[Any, Any, dict[str, Any]],
-    timeout_s: float,
-) -> list[CheckResult]:
-    """The broker's row, a row per topic, and the group's row (``group`` describes it)."""
-    brokers = len(metadata["brokers"])
-    results = [
-        CheckResult(
-            "Kafka reachable", "ok", f"{brokers} broker(s), cluster {metadata['cluster_id']}"
-        )
-    ]
-    by_name = {t["topic"]: t for t in metadata["topics"]}
-    results += [
-        _topic_result(name, by_name.get(t), op) for name, t, op in probes.topics_to_check(settings)
-    ]
-    group_id = settings.kafka.group_id
-    try:
-        async with asyncio.timeout(timeout_s):
-            results.append(_group_result(group_id, await group))
-    except Exception as exc:
-        results.append(CheckResult(f"consumer group {group_id}", "fail", probes.reason(exc)))
-    return results
 
 
 # -- Triton --------------------------------------------------------------------------
@@ -323,7 +203,8 @@ def render(results: Sequence[CheckResult]) -> Table:
     table.add_column("detail", overflow="fold")
     style = {"ok": "[green]ok[/green]", "fail": "[red]FAIL[/red]", "skip": "[yellow]skip[/yellow]"}
     for result in results:
-        table.add_row(result.check, style[result.outcome], result.detail)
+        detail = f"{result.detail}: {result.fix}" if result.fix else result.detail
+        table.add_row(result.check, style[result.outcome], detail)
     return table
 
 
@@ -357,9 +238,14 @@ def run_check(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return ExitCode.CONFIG
-    # The table reports connection failures; aiokafka's own retries would repeat them
+    # The table reports connection failures; the clients' own retries would repeat them
     # as warnings on stderr.
-    logging.getLogger("aiokafka").setLevel(logging.CRITICAL)
-    results = asyncio.run(run_checks(settings))
+    for name in ("aiokafka", "librdkafka"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+    try:
+        results = asyncio.run(run_checks(settings))
+    except ConfigError as exc:  # a file the settings name cannot be read, as `run` says
+        print(f"error: {exc}", file=sys.stderr)
+        return ExitCode.CONFIG
     Console().print(render(results))
     return 0 if all(result.ok for result in results) else 1

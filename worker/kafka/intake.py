@@ -18,15 +18,17 @@ from typing import Any, Protocol
 
 import structlog
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener
+from aiokafka.errors import GroupAuthorizationFailedError, TopicAuthorizationFailedError
 from aiokafka.structs import ConsumerRecord, OffsetAndMetadata, TopicPartition
 
+from worker.errors import CannotRun
 from worker.flow.breaker import CircuitBreaker
 from worker.flow.window import Window
 from worker.kafka._compat import fetch_committed, rebalancing
 from worker.observability import Metrics
 from worker.settings import KafkaSettings
 
-__all__ = ["Dispatch", "Feed", "Intake", "Rebalance"]
+__all__ = ["REFUSED_CODES", "Dispatch", "Feed", "Intake", "Rebalance", "refused"]
 
 log = structlog.get_logger(__name__)
 
@@ -35,6 +37,25 @@ Dispatch = Callable[[list[ConsumerRecord[bytes, bytes]]], None]
 
 #: Longest wait in one fetch; also bounds how late a freed slot resumes a paused partition.
 _POLL_TIMEOUT_MS = 100
+
+
+#: Kafka's codes of a group, or a topic, refused to the client.
+GROUP_AUTHORIZATION_FAILED, TOPIC_AUTHORIZATION_FAILED = 30, 29
+REFUSED_CODES = frozenset({GROUP_AUTHORIZATION_FAILED, TOPIC_AUTHORIZATION_FAILED})
+
+
+def refused(code: int, group_id: str, topics: Sequence[str], reason: str) -> CannotRun:
+    """The error ending the worker (exit 2) when the broker refuses it its group or its
+    input topics while it runs (ACLs changed since the start-up check)."""
+    if code == GROUP_AUTHORIZATION_FAILED:
+        return CannotRun(
+            f"Kafka refused consumer group {group_id!r} to the worker ({reason}): grant its "
+            "principal Describe and Read on the group, or change WORKER_GROUP_ID"
+        )
+    return CannotRun(
+        f"Kafka refused the input topics {', '.join(topics)} to the worker ({reason}): "
+        "grant its principal Describe and Read on them"
+    )
 
 
 class Rebalance(Protocol):
@@ -121,6 +142,7 @@ class Intake(Feed, ConsumerRebalanceListener):  # type: ignore[misc]
             admits=admits,
         )
         self._topics = list(topics)
+        self._group_id = kafka.group_id
         self.consumer = AIOKafkaConsumer(
             bootstrap_servers=kafka.bootstrap_servers,
             group_id=kafka.group_id,
@@ -153,7 +175,7 @@ class Intake(Feed, ConsumerRebalanceListener):  # type: ignore[misc]
                 # frees (or the breaker closes), for at most one poll interval, so that
                 # getmany below still runs often (it is what keeps us in the group).
                 await self._wait_for_room(assigned)
-            batch = await consumer.getmany(timeout_ms=0 if all_paused else _POLL_TIMEOUT_MS)
+            batch = await self._fetch(0 if all_paused else _POLL_TIMEOUT_MS)
             for tp, records in batch.items():
                 if tp not in consumer.assignment():
                     continue
@@ -165,6 +187,16 @@ class Intake(Feed, ConsumerRebalanceListener):  # type: ignore[misc]
             # (from Python 3.12 on, wait_for on a finished awaitable does not yield).
             await asyncio.sleep(0)
         self._backlog.clear()
+
+    async def _fetch(self, timeout_ms: int) -> dict[TopicPartition, list[Any]]:
+        """``getmany``; a group or topic refused to the worker ends it (CannotRun)."""
+        try:
+            batch: dict[TopicPartition, list[Any]] = await self.consumer.getmany(
+                timeout_ms=timeout_ms
+            )
+        except (GroupAuthorizationFailedError, TopicAuthorizationFailedError) as exc:
+            raise refused(exc.errno, self._group_id, self._topics, exc.message) from None
+        return batch
 
     async def _wait_for_room(self, assigned: set[TopicPartition]) -> None:
         with contextlib.suppress(TimeoutError):

@@ -6,10 +6,11 @@ cluster and each topic with its error code and the operations this principal may
 perform as a bit field (``AclOperation`` codes are Kafka's), and the group with its
 error code, state, members and operations. Topics are described, never created.
 
-librdkafka reports a refused TLS handshake or SASL authentication through its error
-callback (served by ``poll``), not through the request, which waits for a broker
-until it times out: ``refusal`` is the first such report, which the callers raise as
-a configuration error; a broker merely unreachable is not one.
+librdkafka reports a refused TLS handshake or SASL authentication, and every broker
+being down, through its error callback (served by ``poll``), not through the request,
+which waits for a broker until it times out: a call ends as soon as one is reported,
+``refusal`` holding a refused handshake (a configuration error) and ``no_answer`` the
+first report of a broker that could not be asked (down, or another security protocol).
 """
 
 from __future__ import annotations
@@ -24,16 +25,18 @@ from confluent_kafka import KafkaError, KafkaException, TopicCollection
 from confluent_kafka.admin import AdminClient
 
 from worker.flow.retry import Backoff
-from worker.kafka import rdkafka_config
+from worker.kafka import rdkafka_config, rdkafka_log
 from worker.kafka.rdkafka_threads import in_thread
 from worker.settings import Settings
 
-__all__ = ["NOT_REPORTED", "RdAdmin", "refusal_message"]
+__all__ = ["NOT_REPORTED", "Interrupted", "RdAdmin", "refusal_message"]
 
 #: The operations field's value when the broker did not report them (as on the wire).
 NOT_REPORTED = -(2**31)
 #: librdkafka's codes of a refused handshake: authentication, TLS.
 _REFUSALS = (KafkaError._AUTHENTICATION, KafkaError._SSL)
+#: Codes of a broker that could not be asked (refused, unresolved, closed the connection).
+_UNANSWERED = (KafkaError._TRANSPORT, KafkaError._RESOLVE)
 #: How long one poll for the error callback waits.
 _POLL_S = 0.05
 #: Waits between tries of a group lookup answered with a retriable error.
@@ -46,7 +49,13 @@ def _bits(operations: Sequence[Any] | None) -> int:
     return sum(1 << int(op.value) for op in operations)
 
 
+class Interrupted(KafkaException):
+    """A call ended early: a handshake was refused, or every broker is down."""
+
+
 def _code(exc: BaseException) -> int:
+    if isinstance(exc, Interrupted):
+        raise exc  # not an answer about the topic or group asked for
     if isinstance(exc, KafkaException) and exc.args and isinstance(exc.args[0], KafkaError):
         return int(exc.args[0].code())
     raise exc
@@ -68,30 +77,48 @@ class RdAdmin:
     def __init__(self, settings: Settings, timeout_s: float) -> None:
         self._timeout_s = timeout_s
         self.refusal: KafkaError | None = None
+        self.no_answer: KafkaError | None = None
+        self._all_down = False
 
         def on_error(error: KafkaError) -> None:  # called from poll(), on a thread
-            if error.code() in _REFUSALS and self.refusal is None:
+            code = error.code()
+            if code in _REFUSALS and self.refusal is None:
                 self.refusal = error
+            elif code in _UNANSWERED and self.no_answer is None:
+                self.no_answer = error
+            elif code == KafkaError._ALL_BROKERS_DOWN:
+                # Not on one broker's failure: another bootstrap server may still answer.
+                self._all_down = True
 
         config = {
             "bootstrap.servers": settings.kafka.bootstrap_servers,
             "client.id": f"{settings.kafka.client_id}-check",
             "socket.timeout.ms": int(timeout_s * 1000),
             **rdkafka_config.security_config(settings.kafka_auth),
+            "logger": rdkafka_log.RdLogger(),
             "error_cb": on_error,
         }
-        self._admin = AdminClient(config)
+        try:
+            self._admin = AdminClient(config)
+        except KafkaException as exc:  # a TLS file librdkafka cannot load
+            raise rdkafka_config.config_refused(exc.args[0].str()) from None
 
     async def _result(self, future: Future[Any]) -> Any:
-        """The admin call's result, or the first refusal librdkafka reported meanwhile
-        (its error callback is served by ``poll``)."""
+        """The admin call's result; KafkaException with the first refusal, or once every
+        broker is down, as librdkafka reports them meanwhile (its error callback is
+        served by ``poll``)."""
         call = asyncio.wrap_future(future)
-        while not call.done():
-            await in_thread(self._admin.poll, _POLL_S)
-            if self.refusal is not None and not call.done():
-                call.cancel()
-                raise KafkaException(self.refusal)
-        return call.result()
+        try:
+            while not call.done():
+                await in_thread(self._admin.poll, _POLL_S)
+                if not call.done() and (self.refusal is not None or self._all_down):
+                    reported = self.refusal or self.no_answer
+                    raise Interrupted(reported or KafkaError(KafkaError._ALL_BROKERS_DOWN))
+            return call.result()
+        finally:
+            # Abandoned (interrupted, or the caller's timeout): librdkafka's later answer
+            # is dropped rather than left unretrieved.
+            call.cancel()
 
     async def describe_topics(self, topics: Sequence[str]) -> dict[str, Any]:
         """Brokers, cluster id, and each topic's error code, partitions and operations."""

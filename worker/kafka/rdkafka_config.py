@@ -5,6 +5,7 @@ The same settings as for aiokafka, mapped to librdkafka's property names: securi
 ``oauth_cb``), compression, linger, timeouts, client id. A setting librdkafka cannot
 honour as asked is refused here, at start-up, with one line naming it. Secrets go
 into the configuration handed to librdkafka, never into an error or a log line.
+librdkafka's own log lines and errors go to the worker's log (``rdkafka_log``).
 """
 
 from __future__ import annotations
@@ -17,12 +18,14 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from worker.kafka import rdkafka_log
 from worker.kafka.options import sasl_credentials
 from worker.settings import ConfigError, KafkaAuthSettings, KafkaSettings
 from worker.settings.secrets import check_file, read_secret
 
 __all__ = [
     "OAUTH_DEFAULT_LIFETIME_S",
+    "config_refused",
     "consumer_config",
     "oauth_token",
     "producer_config",
@@ -38,6 +41,13 @@ OAUTH_DEFAULT_LIFETIME_S = 60.0
 
 #: Bound on one run of WORKER_SASL_OAUTH_TOKEN_COMMAND.
 _TOKEN_COMMAND_TIMEOUT_S = 30.0
+
+#: librdkafka's properties set from files the settings name, for its refusals of them.
+_FILE_SETTINGS = {
+    "ssl.ca.location": "WORKER_SSL_CAFILE",
+    "ssl.certificate.location": "WORKER_SSL_CERTFILE",
+    "ssl.key.location": "WORKER_SSL_KEYFILE",
+}
 
 #: The classic protocol's defaults that the consumer protocol takes from the broker instead.
 _SESSION_TIMEOUT_DEFAULT_MS = 10_000
@@ -99,6 +109,13 @@ def oauth_token(
     return token, float(expiry), principal if isinstance(principal, str) and principal else "worker"
 
 
+def config_refused(text: str) -> ConfigError:
+    """librdkafka refusing to build a client (a PEM file it cannot use), as the setting
+    to correct."""
+    setting = next((s for p, s in _FILE_SETTINGS.items() if p in text), "WORKER_SSL_CAFILE")
+    return ConfigError(setting, f"{setting}: librdkafka cannot use it ({text})")
+
+
 def security_config(auth: KafkaAuthSettings) -> dict[str, Any]:
     """librdkafka properties for TLS and SASL, for the consumer and every producer."""
     protocol = auth.security_protocol
@@ -158,6 +175,7 @@ def consumer_config(kafka: KafkaSettings, auth: KafkaAuthSettings) -> dict[str, 
         "queued.max.messages.kbytes": 16 * 1024,
         "queued.min.messages": max(1000, 2 * kafka.max_poll_records),
         **security_config(auth),
+        **rdkafka_log.callbacks(),
     }
     if kafka.group_protocol == "classic":
         if kafka.max_poll_interval_ms < kafka.session_timeout_ms:
@@ -194,4 +212,5 @@ def producer_config(
         "batch.size": min(_MAX_BATCH_BYTES, max_request_bytes),
         "compression.type": kafka.compression_type,
         **security_config(auth),
+        **rdkafka_log.callbacks(),
     }

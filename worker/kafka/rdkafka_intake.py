@@ -30,7 +30,7 @@ from confluent_kafka.aio import AIOConsumer
 
 from worker.flow.breaker import CircuitBreaker
 from worker.flow.window import Window
-from worker.kafka.intake import Dispatch, Feed, Rebalance
+from worker.kafka.intake import REFUSED_CODES, Dispatch, Feed, Rebalance, refused
 from worker.kafka.rdkafka_threads import DaemonExecutor, unless_stopped
 from worker.kafka.rdkafka_types import (
     committed_of,
@@ -57,12 +57,10 @@ _POLL_TIMEOUT_S = 0.02
 #: Only a consume with nothing in flight and nothing fetched waits that long; a wait for
 #: room ends as soon as a slot frees.
 _IDLE_POLL_TIMEOUT_S = 0.1
-
 #: Once stopping, how long a consumer call may take before it is left behind.
 _STUCK_S = 0.5
 #: How often the cached end offsets (for the lag gauges) are read.
 _HIGHWATER_INTERVAL_S = 1.0
-
 #: Bound on one committed-offsets request.
 _COMMITTED_TIMEOUT_S = 10.0
 
@@ -96,6 +94,7 @@ class RdIntake(Feed):
         )
         self._config = dict(config)
         self._topics = list(topics)
+        self._group_id = str(config.get("group.id", ""))
         self._max_poll_records = max_poll_records
         self._incremental = config.get("group.protocol") == "consumer"
         self._assigned: set[TopicPartition] = set()
@@ -165,6 +164,8 @@ class RdIntake(Feed):
         for message in messages:
             error = message.error()
             if error is not None:
+                if error.code() in REFUSED_CODES:  # else asked again every few s, forever
+                    raise refused(error.code(), self._group_id, self._topics, error.str())
                 if error.fatal():
                     raise from_rd_error(error)
                 log.warning("consume_error", error=error.str())

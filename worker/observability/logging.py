@@ -21,7 +21,18 @@ _LEVELS = {
 }
 
 #: Libraries whose own stdlib logging is kept at WARNING whatever the worker's level.
-THIRD_PARTY_LOGGERS = ("aiokafka", "kafka", "tritonclient", "grpc", "asyncio", "urllib3")
+THIRD_PARTY_LOGGERS = (
+    "aiokafka",
+    "kafka",
+    "librdkafka",
+    "tritonclient",
+    "grpc",
+    "asyncio",
+    "urllib3",
+)
+
+#: Fields that ``worker.kafka.rdkafka_log`` passes as a stdlib record's ``extra``.
+_EXTRA_FIELDS = ("facility", "client", "detail", "code", "fatal", "repeated")
 
 
 class _WorkerLogHandler(logging.StreamHandler):  # type: ignore[type-arg]
@@ -67,7 +78,7 @@ def configure_logging(log_format: str, level: str, *, stream: TextIO | None = No
         cache_logger_on_first_use=False,
     )
     formatter = structlog.stdlib.ProcessorFormatter(
-        foreign_pre_chain=shared,
+        foreign_pre_chain=[*shared, structlog.stdlib.ExtraAdder(allow=_EXTRA_FIELDS)],
         processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, *renderer],
     )
     handler = _WorkerLogHandler(target)

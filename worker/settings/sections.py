@@ -135,6 +135,9 @@ class KafkaSettings(_Section, frozen=True, kw_only=True):
         "Kafka session timeout: how soon a dead member is noticed.")] = 10_000
     revoke_timeout_s: Annotated[float, seconds, Doc(
         "Bound on waiting for a revoked partition's in-flight records.")] = 10.0
+    kafka_startup_timeout_s: Annotated[float, seconds, Doc(
+        "Longest wait at start-up for a Kafka bootstrap server to answer (and for the "
+        "group's coordinator); then the worker exits 5, Kafka unavailable.")] = 30.0
 
     def _check_combinations(self) -> None:
         self._refuse([
