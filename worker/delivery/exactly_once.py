@@ -107,7 +107,10 @@ class ExactlyOnce(TrackingDelivery):
         tp = TopicPartition(record.topic, record.partition)
         part = await self._partition_of(tp, ticket)
         await part.ready.wait()
-        if self._partitions.get(tp) is not part or not part.producer.running:
+        # Only a partition gone (revoked, fenced, unusable) ends the record here. A producer
+        # closed after a failed transaction does not: the outcome is staged all the same,
+        # and the next flush starts a fresh producer for it.
+        if self._partitions.get(tp) is not part:
             raise PartitionRevoked(str(tp))
         if not self.offsets.done(tp, record.offset, ticket):
             raise PartitionRevoked(str(tp))
