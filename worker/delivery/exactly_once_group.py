@@ -40,6 +40,12 @@ log = structlog.get_logger(__name__)
 #: the new owner of its partitions (far above one transaction's duration).
 TRANSACTION_TIMEOUT_MS = 10_000
 
+#: Batch size of the transactional producer, aiokafka's default (as the per-partition
+#: producers have): a topic refuses a whole batch over its ``max.message.bytes``, and a
+#: refused batch fails the transaction, so larger batches of small results would be refused
+#: together on a topic with a small limit, every transaction (and then sent one by one).
+TRANSACTION_BATCH_BYTES = 16 * 1024
+
 
 class GroupEdge(CommitEdge, Protocol):
     """The consumer, with its group metadata for the transactions."""
@@ -70,6 +76,7 @@ class GroupFencedExactlyOnce(ExactlyOnce):
                 **producer_config,
                 "transactional.id": transactional_id,
                 "transaction.timeout.ms": TRANSACTION_TIMEOUT_MS,
+                "batch.size": min(producer_config["batch.size"], TRANSACTION_BATCH_BYTES),
             }
         )
 

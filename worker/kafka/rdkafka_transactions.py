@@ -10,12 +10,19 @@ So one producer per worker is enough, whatever partitions it holds.
 
 Every path through ``run_transaction`` ends in a commit, an abort, or the producer
 closed; the next transaction starts a fresh producer when the last one was closed.
+A record refused before it is queued (the transaction can take no more: ``_STATE``,
+``_FATAL``; a topic gone: ``_UNKNOWN_TOPIC``) fails the transaction like a record
+refused by the broker. A commit that fails with a retriable error (``_TIMED_OUT``: the
+commit goes on in the background, and the coordinator may have accepted it) is made
+again, never followed by an abort: outcomes sent again after a commit that went through
+would be duplicates.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -37,6 +44,8 @@ _START_ATTEMPTS = 5
 _START_BACKOFF = Backoff(first_s=0.5, max_s=4.0)
 #: Bound on one transactional call (init, offsets, commit, abort).
 _CALL_TIMEOUT_S = 30.0
+#: Wait before a commit that failed with a retriable error is made again.
+_COMMIT_RETRY_BACKOFF = Backoff(first_s=0.1, max_s=2.0)
 
 #: The group coordinator refused the offsets: this member no longer owns the partitions.
 #: (A rebalance in progress or a stale member epoch is not: the transaction is aborted
@@ -130,7 +139,7 @@ class GroupTransactions:
                 for tp, offset in offsets.items()
             ]
             await in_thread(handle.send_offsets_to_transaction, positions, group, _CALL_TIMEOUT_S)
-            await in_thread(handle.commit_transaction, _CALL_TIMEOUT_S)
+            await self._commit(handle)
         except confluent_kafka.KafkaException as exc:
             error = exc.args[0]
             fenced = error.code() in _GROUP_FENCED
@@ -146,15 +155,53 @@ class GroupTransactions:
         return TransactionOutcome(committed=True)
 
     @staticmethod
+    async def _commit(handle: confluent_kafka.Producer) -> None:
+        """Commit; made again while librdkafka calls the failure retriable (raises the others).
+
+        A commit that timed out goes on in the background and may already be accepted by
+        the coordinator: an abort and a fresh producer would put the same outcomes in the
+        next transaction, visible twice once the first commit completes.
+        """
+        for attempt in itertools.count(1):
+            try:
+                await in_thread(handle.commit_transaction, _CALL_TIMEOUT_S)
+                return
+            except confluent_kafka.KafkaException as exc:
+                error = exc.args[0]
+                if error.fatal() or error.txn_requires_abort() or not error.retriable():
+                    raise
+                log.warning("transaction_commit_retried", attempt=attempt, error=error.str())
+            await asyncio.sleep(_COMMIT_RETRY_BACKOFF.delay_s(attempt))
+
+    @staticmethod
     async def _all(rd: RdProducer, messages: Sequence[Message]) -> list[Any]:
+        """Queue every message, then wait for every delivery report or the first failure.
+
+        Each entry is the delivered message, its error, or None when the transaction failed
+        before its report came: librdkafka holds the messages still queued in a failed
+        transaction until the abort purges them (or they time out with the transaction).
+        A message refused before it is queued fails like one the broker refused; after an
+        error other than its size, the rest would be refused too and are not queued.
+        """
         futures: list[asyncio.Future[Any]] = []
         for topic, value, key, headers in messages:
             try:
                 futures.append(await rd.send(topic, value, key, headers))
-            except MessageSizeTooLargeError as exc:  # over the producer's own limit
+            except KafkaError as exc:  # over the producer's own limit, or _STATE, _FATAL...
                 futures.append(asyncio.get_running_loop().create_future())
                 futures[-1].set_exception(exc)
-        return await asyncio.gather(*futures, return_exceptions=True)
+                if not isinstance(exc, MessageSizeTooLargeError):
+                    break
+        await asyncio.wait(futures, return_when=asyncio.FIRST_EXCEPTION)
+        results: list[Any] = []
+        for future in futures:
+            if not future.done():
+                # Settled by the abort's purge: its error is expected, and read here.
+                future.add_done_callback(_read_outcome)
+                results.append(None)
+            else:
+                results.append(future.exception() or future.result())
+        return results
 
     @staticmethod
     async def _each_alone(rd: RdProducer, messages: Sequence[Message]) -> list[Any]:
@@ -177,6 +224,11 @@ class GroupTransactions:
         if rd is None:
             return
         with contextlib.suppress(confluent_kafka.KafkaException):
+            # The aborted records' fate does not matter: purged, queued and in flight alike.
+            # Otherwise the abort waits for the batches sent after a refused one, which
+            # the broker refuses for their sequence gap and librdkafka retries until the
+            # transaction times out (TRANSACTION_TIMEOUT_MS): the partitions stall as long.
+            rd.handle.purge(in_queue=True, in_flight=True, blocking=False)
             await in_thread(rd.handle.abort_transaction, _CALL_TIMEOUT_S)
         await self._close("after a failed transaction")
 
@@ -194,6 +246,11 @@ class GroupTransactions:
         rd, self._rd = self._rd, None
         if rd is not None:
             await _stop_quietly(rd)
+
+
+def _read_outcome(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()
 
 
 async def _stop_quietly(rd: RdProducer) -> None:
