@@ -76,7 +76,10 @@ class GroupFencedExactlyOnce(ExactlyOnce):
                 **producer_config,
                 "transactional.id": transactional_id,
                 "transaction.timeout.ms": TRANSACTION_TIMEOUT_MS,
-                "batch.size": min(producer_config["batch.size"], TRANSACTION_BATCH_BYTES),
+                "batch.size": min(
+                    producer_config.get("batch.size", TRANSACTION_BATCH_BYTES),
+                    TRANSACTION_BATCH_BYTES,
+                ),
             }
         )
 
