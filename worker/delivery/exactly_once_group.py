@@ -10,6 +10,10 @@ from the committed offsets through a stable offset fetch, which waits for a
 transaction still pending on them. No per-partition producer, no fencing by
 transactional id, no seek after assignment.
 
+A failed transaction is aborted and the producer closed, its outcomes kept staged and
+redone by the next commit on a fresh producer, as in ``exactly_once``; a commit that
+fails with a retriable error is made again instead (see ``GroupTransactions``).
+
 The transactional id names the group and the member's client id; a member's
 transaction left open by a crash is aborted by the broker after
 ``transaction.timeout.ms`` (``TRANSACTION_TIMEOUT_MS``), and until then the

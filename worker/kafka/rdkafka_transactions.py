@@ -192,7 +192,8 @@ class GroupTransactions:
                 futures[-1].set_exception(exc)
                 if not isinstance(exc, MessageSizeTooLargeError):
                     break
-        await asyncio.wait(futures, return_when=asyncio.FIRST_EXCEPTION)
+        if futures:  # a record may have no result to write (a stream that answered none)
+            await asyncio.wait(futures, return_when=asyncio.FIRST_EXCEPTION)
         results: list[Any] = []
         for future in futures:
             if not future.done():
