@@ -109,10 +109,9 @@ async def _watch(kafka: Any, group: str, progress: Progress, flowing: asyncio.Ev
     while flowing.is_set() or not progress.caught_up():
         try:
             offsets = await kafka.committed_offsets(group)
-        except Exception:  # the broker is down: no reading this time
-            offsets = None
-        if offsets is not None:
-            progress.observe(offsets)
+        except Exception:  # the broker is out of reach: nothing moved, as far as we know
+            offsets = {}
+        progress.observe(offsets)
         await asyncio.sleep(COMMIT_INTERVAL_MS / 1000)  # polling the broker: nothing to await
 
 

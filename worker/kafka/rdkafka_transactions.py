@@ -230,6 +230,7 @@ class GroupTransactions:
             # the broker refuses for their sequence gap and librdkafka retries until the
             # transaction times out (TRANSACTION_TIMEOUT_MS): the partitions stall as long.
             rd.handle.purge(in_queue=True, in_flight=True, blocking=False)
+        with contextlib.suppress(confluent_kafka.KafkaException):
             await in_thread(rd.handle.abort_transaction, _CALL_TIMEOUT_S)
         await self._close("after a failed transaction")
 

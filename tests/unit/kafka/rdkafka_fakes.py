@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import confluent_kafka
-import pytest
 
 KafkaError = confluent_kafka.KafkaError
 
@@ -166,11 +165,3 @@ class FakeRdKafka:
             # librdkafka's abort waits for the records in flight; these are never answered.
             raise rd_error(KafkaError._TIMED_OUT, retriable=True)
         self._txn = []
-
-
-@pytest.fixture
-def broker(monkeypatch: pytest.MonkeyPatch) -> Broker:
-    """Every librdkafka producer the test makes is a fake writing to this broker."""
-    made = Broker()
-    monkeypatch.setattr(confluent_kafka, "Producer", made.producer)
-    return made

@@ -10,10 +10,8 @@ import asyncio
 
 import pytest
 
-from tests.unit.kafka.rdkafka_fakes import Broker, KafkaError, broker, rd_error
+from tests.unit.kafka.rdkafka_fakes import Broker, KafkaError, rd_error
 from worker.kafka.rdkafka_publisher import RdProducer
-
-__all__ = ["broker"]  # the fixture
 
 pytestmark = pytest.mark.timeout(10)
 
