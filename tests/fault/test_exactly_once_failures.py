@@ -2,18 +2,19 @@
 
 Real Kafka and real Triton, on the client WORKER_TEST_KAFKA_CLIENT names. Requests
 flow at a steady rate over three partitions while transactions fail: a result over
-the output topic's ``max.message.bytes`` every two seconds, or the only broker
-restarted. A watcher reads the group's committed offsets from the broker and fails
-the test as soon as a partition that has records to commit goes without progress
-for longer than its bound; a ``read_committed`` reader then reads both topics to
-their end, so a duplicate or a loss would show.
+the output topic's ``max.message.bytes`` every two seconds, the only broker
+restarted, or the leader of the output partition stopped. A watcher reads the
+group's committed offsets from the broker and fails the test as soon as a partition
+that has records to commit goes without progress for longer than its bound; a
+``read_committed`` reader then reads both topics to their end, so a duplicate or a
+loss would show.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,8 +49,9 @@ OUTPUT_MAX_BYTES = 30_000
 #: moving: a failed transaction is aborted and redone at the next commit, on a fresh
 #: producer (a few commit intervals on a loaded two-core machine).
 STALL_BOUND_S = 25 * COMMIT_INTERVAL_MS / 1000
-#: The same after the broker is back: the clients reconnect and find the coordinators.
-STALL_AFTER_RESTART_BOUND_S = 100 * COMMIT_INTERVAL_MS / 1000
+#: The same once a broker is back or a leader has moved: the clients reconnect and find
+#: the partitions' leaders and the coordinators.
+STALL_AFTER_FAULT_BOUND_S = 100 * COMMIT_INTERVAL_MS / 1000
 
 
 def _wide(request_id: str, width: int) -> SampleRequest:
@@ -249,11 +251,48 @@ async def test_results_refused_for_size_amid_a_flow_leave_no_partition_stalled(
 # -- the only broker restarted ---------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def own_kafka() -> Iterator[KafkaCluster]:
-    """A single-node broker for this module alone, so restarting it disturbs no other test."""
+    """A single-node broker for this test alone, so restarting it disturbs no other test
+    (stopped before the next one, which may start three nodes of its own)."""
     with local_kafka(nodes=1) as cluster:
         yield cluster
+
+
+async def _flow_through(
+    kafka: Any, triton: Any, topics: Topics, fault: Callable[[], Awaitable[None]], seed: int
+) -> tuple[Progress, Flow, Collected]:
+    """100 requests/s for 12 s on every partition; ``fault`` runs after 3 s while the flow
+    goes on (stalls are not counted meanwhile), then the worker must commit everything."""
+    rate_per_s, seconds = 100, 12
+    requests = samples.good_requests(rate_per_s * seconds, seed=seed, models=("double",))
+    settings = settings_for(
+        kafka,
+        triton,
+        topics,
+        delivery="exactly_once",
+        commit_interval_ms=str(COMMIT_INTERVAL_MS),
+        # The member outlives the fault: no rebalance hands its records over, the member
+        # itself must redo what the failed transactions held.
+        session_timeout_ms="45000",
+    )
+    async with running_worker(settings):
+        warm = await _warm_up(kafka, topics)
+        async with _watched(kafka, topics) as (progress, flow):
+            midway = asyncio.Event()
+
+            async def disturb() -> None:
+                await midway.wait()
+                progress.paused = True
+                await fault()
+                progress.resume(STALL_AFTER_FAULT_BOUND_S)
+
+            disturbing = asyncio.create_task(disturb())
+            # The flow goes on through the fault: its records wait in the producer.
+            at = 3 * rate_per_s
+            await flow.run(requests, rate_per_s, lambda i: midway.set() if i == at else None)
+            await disturbing
+    return progress, flow, warm
 
 
 async def test_broker_restart_amid_a_flow_leaves_no_partition_stalled(
@@ -263,41 +302,43 @@ async def test_broker_restart_amid_a_flow_leaves_no_partition_stalled(
     topics = Topics.fresh(unique)
     await own_kafka.create_topics([topics.input], partitions=PARTITIONS)
     await own_kafka.create_topics([topics.output, topics.dlq], partitions=1)
-    rate_per_s, seconds = 100, 12
-    requests = samples.good_requests(rate_per_s * seconds, seed=72, models=("double",))
-    settings = settings_for(
-        own_kafka,
-        triton,
-        topics,
-        delivery="exactly_once",
-        commit_interval_ms=str(COMMIT_INTERVAL_MS),
-        # The member outlives the restart: no rebalance hands its records over, the
-        # member itself must redo what the failed transactions held.
-        session_timeout_ms="45000",
-    )
-    restart_at = 3 * rate_per_s
-    async with running_worker(settings):
-        warm = await _warm_up(own_kafka, topics)
-        async with _watched(own_kafka, topics) as (progress, flow):
-            midway = asyncio.Event()
 
-            async def restart() -> None:
-                await midway.wait()
-                progress.paused = True
-                await asyncio.to_thread(own_kafka.stop_node, 1)
-                await asyncio.to_thread(own_kafka.start_node, 1)
-                progress.resume(STALL_AFTER_RESTART_BOUND_S)
+    async def restart() -> None:
+        await asyncio.to_thread(own_kafka.stop_node, 1)
+        await asyncio.to_thread(own_kafka.start_node, 1)
 
-            restarting = asyncio.create_task(restart())
-            # The flow goes on while the broker is down: its records wait in the producer.
-            await flow.run(
-                requests, rate_per_s, lambda i: midway.set() if i == restart_at else None
-            )
-            await restarting
+    progress, flow, warm = await _flow_through(own_kafka, triton, topics, restart, seed=72)
     everything = await read_all(own_kafka.bootstrap_servers, topics)
     report(
         "exactly_once, the only broker restarted amid 100/s",
-        len(requests) + PARTITIONS,
+        len(flow.sent) + PARTITIONS,
+        everything,
+        progress.worst_stall_s,
+    )
+    _check(flow.sent, everything, warm)
+
+
+async def test_leader_stopped_amid_a_flow_leaves_no_partition_stalled(
+    cluster3: KafkaCluster, triton: Any, unique: str
+) -> None:
+    """exactly_once, 100 requests/s on 3 partitions, the output partition's leader stopped
+    (3 nodes): leaders and coordinators on it move; once each."""
+    topics = Topics.fresh(unique)
+    await cluster3.create_topics([topics.input], partitions=PARTITIONS, replication=3)
+    await cluster3.create_topics([topics.output, topics.dlq], partitions=1, replication=3)
+    leader = await cluster3.leader(topics.output, 0)
+
+    async def stop_leader() -> None:
+        await asyncio.to_thread(cluster3.stop_node, leader)
+
+    try:
+        progress, flow, warm = await _flow_through(cluster3, triton, topics, stop_leader, seed=73)
+    finally:
+        await asyncio.to_thread(cluster3.start_node, leader)
+    everything = await read_all(cluster3.bootstrap_servers, topics)
+    report(
+        "exactly_once, the output partition's leader stopped amid 100/s (3 nodes)",
+        len(flow.sent) + PARTITIONS,
         everything,
         progress.worst_stall_s,
     )
