@@ -47,11 +47,12 @@ PARTITIONS = 3
 OUTPUT_MAX_BYTES = 30_000
 #: Longest time a partition with records to commit may go without its committed offset
 #: moving: a failed transaction is aborted and redone at the next commit, on a fresh
-#: producer (a few commit intervals on a loaded two-core machine).
+#: producer: 0.5-2.1 s measured on a two-core machine under other load, either client
+#: (before, a partition stopped for good at its first record finished meanwhile).
 STALL_BOUND_S = 25 * COMMIT_INTERVAL_MS / 1000
 #: The same once a broker is back or a leader has moved: the clients reconnect and find
 #: the partitions' leaders and the coordinators.
-STALL_AFTER_FAULT_BOUND_S = 100 * COMMIT_INTERVAL_MS / 1000
+STALL_AFTER_FAULT_BOUND_S = 50 * COMMIT_INTERVAL_MS / 1000
 
 
 def _wide(request_id: str, width: int) -> SampleRequest:
