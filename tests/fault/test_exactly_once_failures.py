@@ -133,8 +133,14 @@ class Flow:
         rate_per_s: float,
         at: Callable[[int], None] = lambda _i: None,
     ) -> None:
-        """Send ``requests`` at ``rate_per_s``; ``at(i)`` is called before the i-th one."""
-        producer = AIOKafkaProducer(bootstrap_servers=self._bootstrap, acks="all", linger_ms=5)
+        """Send ``requests`` at ``rate_per_s``; ``at(i)`` is called before the i-th one.
+
+        Idempotent: a batch sent again after a leader moved is not appended twice, so every
+        request is in the input once and a duplicate answer is the worker's.
+        """
+        producer = AIOKafkaProducer(
+            bootstrap_servers=self._bootstrap, enable_idempotence=True, linger_ms=5
+        )
         await producer.start()
         started = time.monotonic()
         try:
