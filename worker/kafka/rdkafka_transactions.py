@@ -21,8 +21,10 @@ would be duplicates.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import itertools
+import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -46,6 +48,12 @@ _START_BACKOFF = Backoff(first_s=0.5, max_s=4.0)
 _CALL_TIMEOUT_S = 30.0
 #: Wait before a commit that failed with a retriable error is made again.
 _COMMIT_RETRY_BACKOFF = Backoff(first_s=0.1, max_s=2.0)
+#: Timeout of send_offsets_to_transaction (a few round trips when the coordinators
+#: answer), and how much longer it may run before the transaction is given up: librdkafka
+#: does not always honour that timeout (its issue 5456: while the group coordinator is out
+#: of reach, after a broker restart, the call was seen blocking for more than 40 s).
+_OFFSETS_TIMEOUT_S = 5.0
+_OFFSETS_GRACE_S = 1.0
 
 #: The group coordinator refused the offsets: this member no longer owns the partitions.
 #: (A rebalance in progress or a stale member epoch is not: the transaction is aborted
@@ -138,7 +146,7 @@ class GroupTransactions:
                 confluent_kafka.TopicPartition(tp.topic, tp.partition, offset)
                 for tp, offset in offsets.items()
             ]
-            await in_thread(handle.send_offsets_to_transaction, positions, group, _CALL_TIMEOUT_S)
+            await _send_offsets(handle, positions, group)
             await self._commit(handle)
         except confluent_kafka.KafkaException as exc:
             error = exc.args[0]
@@ -248,6 +256,38 @@ class GroupTransactions:
         rd, self._rd = self._rd, None
         if rd is not None:
             await _stop_quietly(rd)
+
+
+async def _send_offsets(handle: confluent_kafka.Producer, positions: list[Any], group: Any) -> None:
+    """``send_offsets_to_transaction``, bounded here as well: past its timeout and a grace,
+    a retriable ``_TIMED_OUT`` (the transaction is then aborted and the producer replaced).
+
+    The call runs on a daemon thread of its own: one that never returns is left to
+    librdkafka, and the shared threads of the other calls never run short.
+    """
+    done: concurrent.futures.Future[None] = concurrent.futures.Future()
+
+    def call() -> None:
+        if not done.set_running_or_notify_cancel():
+            return  # given up before the thread ran
+        try:
+            handle.send_offsets_to_transaction(positions, group, _OFFSETS_TIMEOUT_S)
+        except BaseException as exc:  # handed to the awaiting task
+            done.set_exception(exc)
+        else:
+            done.set_result(None)
+
+    threading.Thread(target=call, name="rdkafka-offsets", daemon=True).start()
+    try:
+        await asyncio.wait_for(asyncio.wrap_future(done), _OFFSETS_TIMEOUT_S + _OFFSETS_GRACE_S)
+    except TimeoutError:
+        error = confluent_kafka.KafkaError(
+            confluent_kafka.KafkaError._TIMED_OUT,
+            f"send_offsets_to_transaction still blocked after "
+            f"{_OFFSETS_TIMEOUT_S + _OFFSETS_GRACE_S:.0f} s",
+            retriable=True,
+        )
+        raise confluent_kafka.KafkaException(error) from None
 
 
 def _read_outcome(future: asyncio.Future[Any]) -> None:

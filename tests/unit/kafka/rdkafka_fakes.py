@@ -4,8 +4,9 @@ What ``RdProducer`` and ``GroupTransactions`` use of ``confluent_kafka.Producer`
 failures a real broker cannot be made to produce on demand are scripted on the
 ``Broker``: a record refused before it is queued (``_STATE``, ``_FATAL``,
 ``_UNKNOWN_TOPIC``), records held after a refused one until the abort purges them,
-offsets refused (``REBALANCE_IN_PROGRESS``), a commit that times out after the
-coordinator accepted it, a fatal error raised from ``poll``.
+offsets refused (``REBALANCE_IN_PROGRESS``) or not answered past their timeout, a
+commit that times out after the coordinator accepted it, a fatal error raised from
+``poll``.
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ class Broker:
     hold_after_refusal: bool = False
     #: Raised by send_offsets_to_transaction, in turn.
     offsets_errors: list[confluent_kafka.KafkaException] = field(default_factory=list)
+    #: send_offsets_to_transaction blocks until this is set, whatever its timeout (once).
+    offsets_stuck: threading.Event | None = None
     #: Raised by commit_transaction, in turn, with whether the commit went through first.
     commit_errors: list[tuple[confluent_kafka.KafkaException, bool]] = field(default_factory=list)
     #: Raised once by poll.
@@ -137,6 +140,10 @@ class FakeRdKafka:
     def send_offsets_to_transaction(
         self, positions: list[Any], group: Any, timeout: float | None = None
     ) -> None:
+        stuck, self.broker.offsets_stuck = self.broker.offsets_stuck, None
+        if stuck is not None:
+            stuck.wait()
+            raise rd_error(KafkaError._TIMED_OUT, retriable=True)
         if self.broker.offsets_errors:
             raise self.broker.offsets_errors.pop(0)
         self._txn_offsets = {(p.topic, p.partition): p.offset for p in positions}

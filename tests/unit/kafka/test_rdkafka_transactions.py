@@ -3,15 +3,17 @@ its records redone at once by the same member, and a commit never sent twice.
 
 librdkafka's producer is an in-memory fake at the ``confluent_kafka.Producer`` seam
 (``rdkafka_fakes``): a record refused before it is queued (``_STATE``, ``_FATAL``,
-``_UNKNOWN_TOPIC``), offsets refused with ``REBALANCE_IN_PROGRESS``, a commit that
-times out after the coordinator accepted it and records held in flight after a refused
-one cannot be produced on demand by a real broker. The records refused for size by a
+``_UNKNOWN_TOPIC``), offsets refused with ``REBALANCE_IN_PROGRESS`` or not answered
+past their timeout, a commit that times out after the coordinator accepted it and
+records held in flight after a refused one cannot be produced on demand by a real
+broker. The records refused for size by a
 real broker are in tests/fault/test_exactly_once_failures.py.
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -47,9 +49,12 @@ COMMIT_BOUND_S = 2.0
 
 @pytest.fixture(autouse=True)
 def quick_retries(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Commit retries without waiting (the backoff itself is tested in flow/)."""
+    """Commit retries without waiting (the backoff itself is tested in flow/), and offsets
+    given up on 0.2 s after they were sent."""
     quick = rdkafka_transactions.Backoff(first_s=0.001, max_s=0.001)
     monkeypatch.setattr(rdkafka_transactions, "_COMMIT_RETRY_BACKOFF", quick)
+    monkeypatch.setattr(rdkafka_transactions, "_OFFSETS_TIMEOUT_S", 0.1)
+    monkeypatch.setattr(rdkafka_transactions, "_OFFSETS_GRACE_S", 0.1)
 
 
 class Edge:
@@ -181,6 +186,29 @@ async def test_records_finishing_after_offsets_refused_are_committed_by_the_next
     await asyncio.gather(*before.values(), *after.values())
     assert _visible(broker) == _answers(range(4))
     assert broker.offsets == [{("in", 0): 4, ("in", 1): 4}]
+    await delivery.close()
+
+
+async def test_offsets_call_blocked_past_its_timeout_is_given_up_and_redone(
+    broker: Broker,
+) -> None:
+    """send_offsets_to_transaction blocks past its timeout (librdkafka does not always honour
+    it): the transaction is aborted, the producer replaced, and the next commit carries all."""
+    delivery = await _started()
+    tasks = await _complete_all(delivery, range(2))
+    release = threading.Event()
+    broker.offsets_stuck = release
+    try:
+        await _commit(delivery)
+        assert broker.producers[0].calls[-2:] == ["purge", "abort"]
+        assert broker.visible == []
+        await _commit(delivery)
+        await asyncio.gather(*tasks.values())
+    finally:
+        release.set()  # the thread left to librdkafka returns at last
+    assert len(broker.producers) == 2
+    assert _visible(broker) == _answers(range(2))
+    assert broker.offsets == [{("in", 0): 2, ("in", 1): 2}]
     await delivery.close()
 
 
