@@ -330,7 +330,12 @@ class KafkaCluster(KafkaAdmin):
         return ",".join(node.sasl_address for node in self.nodes)
 
     def node(self, node_id: int) -> KafkaNode:
-        return next(n for n in self.nodes if n.node_id == node_id)
+        """The node of that id (KeyError otherwise: a StopIteration would hang a caller
+        awaiting this from a thread, as a future cannot carry it)."""
+        for node in self.nodes:
+            if node.node_id == node_id:
+                return node
+        raise KeyError(f"no node {node_id} in this cluster")
 
     # -- lifecycle -------------------------------------------------------
 

@@ -12,6 +12,16 @@ done prefix of each partition is written, with the next offset to consume, in on
 transaction. A record's ``deliver`` returns once its transaction commits, so it
 holds its window slot until then (staged outcomes are bounded by the window),
 while ordering turns pass on as soon as it is staged.
+
+A failed transaction (a result the topic refuses for its size, a broker restart, offsets
+refused while the group rebalances) is aborted and its producer closed; its outcomes
+stay staged, and records that finish while the producer is closed are staged as well.
+The next commit starts a fresh producer and writes them all in a new transaction: the
+same member redoes them at once, never waiting for a rebalance. Re-staging rather than
+seeking back and processing again: no second inference, and the same on both clients.
+An aborted transaction is invisible to ``read_committed`` readers, so writing its
+outcomes again is still exactly once. Only a partition gone (revoked, fenced) ends its
+records here; its next owner redoes them.
 """
 
 from __future__ import annotations
@@ -107,7 +117,10 @@ class ExactlyOnce(TrackingDelivery):
         tp = TopicPartition(record.topic, record.partition)
         part = await self._partition_of(tp, ticket)
         await part.ready.wait()
-        if self._partitions.get(tp) is not part or not part.producer.running:
+        # Only a partition gone (revoked, fenced, unusable) ends the record here. A producer
+        # closed after a failed transaction does not: the outcome is staged all the same,
+        # and the next flush starts a fresh producer for it.
+        if self._partitions.get(tp) is not part:
             raise PartitionRevoked(str(tp))
         if not self.offsets.done(tp, record.offset, ticket):
             raise PartitionRevoked(str(tp))

@@ -10,6 +10,10 @@ from the committed offsets through a stable offset fetch, which waits for a
 transaction still pending on them. No per-partition producer, no fencing by
 transactional id, no seek after assignment.
 
+A failed transaction is aborted and the producer closed, its outcomes kept staged and
+redone by the next commit on a fresh producer, as in ``exactly_once``; a commit that
+fails with a retriable error is made again instead (see ``GroupTransactions``).
+
 The transactional id names the group and the member's client id; a member's
 transaction left open by a crash is aborted by the broker after
 ``transaction.timeout.ms`` (``TRANSACTION_TIMEOUT_MS``), and until then the
@@ -39,6 +43,12 @@ log = structlog.get_logger(__name__)
 #: The transactions' timeout: how long a crashed member's open transaction holds back
 #: the new owner of its partitions (far above one transaction's duration).
 TRANSACTION_TIMEOUT_MS = 10_000
+
+#: Batch size of the transactional producer, aiokafka's default (as the per-partition
+#: producers have): a topic refuses a whole batch over its ``max.message.bytes``, and a
+#: refused batch fails the transaction, so larger batches of small results would be refused
+#: together on a topic with a small limit, every transaction (and then sent one by one).
+TRANSACTION_BATCH_BYTES = 16 * 1024
 
 
 class GroupEdge(CommitEdge, Protocol):
@@ -70,6 +80,10 @@ class GroupFencedExactlyOnce(ExactlyOnce):
                 **producer_config,
                 "transactional.id": transactional_id,
                 "transaction.timeout.ms": TRANSACTION_TIMEOUT_MS,
+                "batch.size": min(
+                    producer_config.get("batch.size", TRANSACTION_BATCH_BYTES),
+                    TRANSACTION_BATCH_BYTES,
+                ),
             }
         )
 

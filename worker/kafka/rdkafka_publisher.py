@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import confluent_kafka
+import structlog
 from aiokafka.errors import KafkaError
 from aiokafka.structs import ConsumerRecord
 
@@ -31,6 +32,8 @@ from worker.kafka.rdkafka_threads import in_thread
 from worker.kafka.rdkafka_types import from_rd_error
 
 __all__ = ["RdProducer", "RdPublisher"]
+
+log = structlog.get_logger(__name__)
 
 #: Wait before trying again a record refused because librdkafka's queue is full.
 _QUEUE_FULL_WAIT_S = 0.005
@@ -83,7 +86,13 @@ class RdProducer:
         producer = self._producer
         assert producer is not None
         while not self._closing.is_set():
-            producer.poll(0.1)
+            try:
+                producer.poll(0.1)
+            except confluent_kafka.KafkaException as exc:
+                # A fatal error is raised from poll, once. Polling goes on: the records the
+                # producer fails from then on have delivery reports to hand over, and the
+                # producer's own calls raise the error to the code that replaces it.
+                log.error("kafka_producer_fatal_error", error=str(exc.args[0]))
             self._hand_over()
 
     def _hand_over(self) -> None:

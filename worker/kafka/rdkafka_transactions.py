@@ -10,12 +10,21 @@ So one producer per worker is enough, whatever partitions it holds.
 
 Every path through ``run_transaction`` ends in a commit, an abort, or the producer
 closed; the next transaction starts a fresh producer when the last one was closed.
+A record refused before it is queued (the transaction can take no more: ``_STATE``,
+``_FATAL``; a topic gone: ``_UNKNOWN_TOPIC``) fails the transaction like a record
+refused by the broker. A commit that fails with a retriable error (``_TIMED_OUT``: the
+commit goes on in the background, and the coordinator may have accepted it) is made
+again, never followed by an abort: outcomes sent again after a commit that went through
+would be duplicates.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
+import itertools
+import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -37,6 +46,14 @@ _START_ATTEMPTS = 5
 _START_BACKOFF = Backoff(first_s=0.5, max_s=4.0)
 #: Bound on one transactional call (init, offsets, commit, abort).
 _CALL_TIMEOUT_S = 30.0
+#: Wait before a commit that failed with a retriable error is made again.
+_COMMIT_RETRY_BACKOFF = Backoff(first_s=0.1, max_s=2.0)
+#: Timeout of send_offsets_to_transaction (a few round trips when the coordinators
+#: answer), and how much longer it may run before the transaction is given up: librdkafka
+#: does not always honour that timeout (its issue 5456: while the group coordinator is out
+#: of reach, after a broker restart, the call was seen blocking for more than 40 s).
+_OFFSETS_TIMEOUT_S = 5.0
+_OFFSETS_GRACE_S = 1.0
 
 #: The group coordinator refused the offsets: this member no longer owns the partitions.
 #: (A rebalance in progress or a stale member epoch is not: the transaction is aborted
@@ -129,8 +146,8 @@ class GroupTransactions:
                 confluent_kafka.TopicPartition(tp.topic, tp.partition, offset)
                 for tp, offset in offsets.items()
             ]
-            await in_thread(handle.send_offsets_to_transaction, positions, group, _CALL_TIMEOUT_S)
-            await in_thread(handle.commit_transaction, _CALL_TIMEOUT_S)
+            await _send_offsets(handle, positions, group)
+            await self._commit(handle)
         except confluent_kafka.KafkaException as exc:
             error = exc.args[0]
             fenced = error.code() in _GROUP_FENCED
@@ -146,15 +163,54 @@ class GroupTransactions:
         return TransactionOutcome(committed=True)
 
     @staticmethod
+    async def _commit(handle: confluent_kafka.Producer) -> None:
+        """Commit; made again while librdkafka calls the failure retriable (raises the others).
+
+        A commit that timed out goes on in the background and may already be accepted by
+        the coordinator: an abort and a fresh producer would put the same outcomes in the
+        next transaction, visible twice once the first commit completes.
+        """
+        for attempt in itertools.count(1):
+            try:
+                await in_thread(handle.commit_transaction, _CALL_TIMEOUT_S)
+                return
+            except confluent_kafka.KafkaException as exc:
+                error = exc.args[0]
+                if error.fatal() or error.txn_requires_abort() or not error.retriable():
+                    raise
+                log.warning("transaction_commit_retried", attempt=attempt, error=error.str())
+            await asyncio.sleep(_COMMIT_RETRY_BACKOFF.delay_s(attempt))
+
+    @staticmethod
     async def _all(rd: RdProducer, messages: Sequence[Message]) -> list[Any]:
+        """Queue every message, then wait for every delivery report or the first failure.
+
+        Each entry is the delivered message, its error, or None when the transaction failed
+        before its report came: librdkafka holds the messages still queued in a failed
+        transaction until the abort purges them (or they time out with the transaction).
+        A message refused before it is queued fails like one the broker refused; after an
+        error other than its size, the rest would be refused too and are not queued.
+        """
         futures: list[asyncio.Future[Any]] = []
         for topic, value, key, headers in messages:
             try:
                 futures.append(await rd.send(topic, value, key, headers))
-            except MessageSizeTooLargeError as exc:  # over the producer's own limit
+            except KafkaError as exc:  # over the producer's own limit, or _STATE, _FATAL...
                 futures.append(asyncio.get_running_loop().create_future())
                 futures[-1].set_exception(exc)
-        return await asyncio.gather(*futures, return_exceptions=True)
+                if not isinstance(exc, MessageSizeTooLargeError):
+                    break
+        if futures:  # a record may have no result to write (a stream that answered none)
+            await asyncio.wait(futures, return_when=asyncio.FIRST_EXCEPTION)
+        results: list[Any] = []
+        for future in futures:
+            if not future.done():
+                # Settled by the abort's purge: its error is expected, and read here.
+                future.add_done_callback(_read_outcome)
+                results.append(None)
+            else:
+                results.append(future.exception() or future.result())
+        return results
 
     @staticmethod
     async def _each_alone(rd: RdProducer, messages: Sequence[Message]) -> list[Any]:
@@ -177,6 +233,12 @@ class GroupTransactions:
         if rd is None:
             return
         with contextlib.suppress(confluent_kafka.KafkaException):
+            # The aborted records' fate does not matter: purged, queued and in flight alike.
+            # Otherwise the abort waits for the batches sent after a refused one, which
+            # the broker refuses for their sequence gap and librdkafka retries until the
+            # transaction times out (TRANSACTION_TIMEOUT_MS): the partitions stall as long.
+            rd.handle.purge(in_queue=True, in_flight=True, blocking=False)
+        with contextlib.suppress(confluent_kafka.KafkaException):
             await in_thread(rd.handle.abort_transaction, _CALL_TIMEOUT_S)
         await self._close("after a failed transaction")
 
@@ -194,6 +256,43 @@ class GroupTransactions:
         rd, self._rd = self._rd, None
         if rd is not None:
             await _stop_quietly(rd)
+
+
+async def _send_offsets(handle: confluent_kafka.Producer, positions: list[Any], group: Any) -> None:
+    """``send_offsets_to_transaction``, bounded here as well: past its timeout and a grace,
+    a retriable ``_TIMED_OUT`` (the transaction is then aborted and the producer replaced).
+
+    The call runs on a daemon thread of its own: one that never returns is left to
+    librdkafka, and the shared threads of the other calls never run short.
+    """
+    done: concurrent.futures.Future[None] = concurrent.futures.Future()
+
+    def call() -> None:
+        if not done.set_running_or_notify_cancel():
+            return  # given up before the thread ran
+        try:
+            handle.send_offsets_to_transaction(positions, group, _OFFSETS_TIMEOUT_S)
+        except BaseException as exc:  # handed to the awaiting task
+            done.set_exception(exc)
+        else:
+            done.set_result(None)
+
+    threading.Thread(target=call, name="rdkafka-offsets", daemon=True).start()
+    try:
+        await asyncio.wait_for(asyncio.wrap_future(done), _OFFSETS_TIMEOUT_S + _OFFSETS_GRACE_S)
+    except TimeoutError:
+        error = confluent_kafka.KafkaError(
+            confluent_kafka.KafkaError._TIMED_OUT,
+            f"send_offsets_to_transaction still blocked after "
+            f"{_OFFSETS_TIMEOUT_S + _OFFSETS_GRACE_S:.0f} s",
+            retriable=True,
+        )
+        raise confluent_kafka.KafkaException(error) from None
+
+
+def _read_outcome(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()
 
 
 async def _stop_quietly(rd: RdProducer) -> None:

@@ -1,0 +1,106 @@
+"""An in-memory aiokafka transactional producer for the delivery unit tests.
+
+What ``PartitionProducer`` uses of ``AIOKafkaProducer``, each call recorded, with the
+failures a real broker cannot be made to produce on demand set per producer: a start
+that fails, a message refused for size, offsets or a commit refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any, cast
+
+from aiokafka import AIOKafkaProducer
+from aiokafka.errors import MessageSizeTooLargeError
+from aiokafka.structs import OffsetAndMetadata, TopicPartition
+
+from worker.delivery.transactions import Message
+
+
+class _TxnManager:
+    def __init__(self) -> None:
+        self.open = False
+
+    def is_in_transaction(self) -> bool:
+        return self.open
+
+
+class FakeProducer:
+    """What PartitionProducer uses of AIOKafkaProducer, recording every call."""
+
+    def __init__(self) -> None:
+        self._txn_manager = _TxnManager()
+        self.calls: list[str] = []
+        self.start_error: BaseException | None = None
+        self.refuse: set[int] = set()  # indexes of messages refused for size
+        self.offsets_error: BaseException | None = None
+        self.commit_error: BaseException | None = None
+        self.sent: list[Message] = []
+        self.offsets: list[dict[TopicPartition, OffsetAndMetadata]] = []
+        #: Messages of the transactions that committed.
+        self.committed: list[Message] = []
+        self._pending: list[Message] = []
+
+    async def start(self) -> None:
+        self.calls.append("start")
+        if self.start_error is not None:
+            raise self.start_error
+
+    async def stop(self) -> None:
+        self.calls.append("stop")
+
+    async def begin_transaction(self) -> None:
+        self.calls.append("begin")
+        self._txn_manager.open = True
+        self._pending = []
+
+    async def send(
+        self, topic: str, value: bytes | None, key: bytes | None, headers: list[Any]
+    ) -> asyncio.Future[None]:
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        if len(self.sent) in self.refuse:
+            future.set_exception(MessageSizeTooLargeError())
+        else:
+            future.set_result(None)
+        self.sent.append((topic, value, key, headers))
+        self._pending.append((topic, value, key, headers))
+        return future
+
+    async def send_offsets_to_transaction(
+        self, offsets: dict[TopicPartition, OffsetAndMetadata], group_id: str
+    ) -> None:
+        if self.offsets_error is not None:
+            raise self.offsets_error
+        self.offsets.append(offsets)
+
+    async def commit_transaction(self) -> None:
+        self.calls.append("commit")
+        if self.commit_error is not None:
+            raise self.commit_error
+        self._txn_manager.open = False
+        self.committed += self._pending
+
+    async def abort_transaction(self) -> None:
+        self.calls.append("abort")
+        self._txn_manager.open = False
+
+
+class Factory:
+    """Hands out fake producers, set up in turn by ``prepare`` (the n-th one made)."""
+
+    def __init__(
+        self,
+        transactional_id: str,
+        prepare: Callable[[int, FakeProducer], None] = lambda _n, _p: None,
+    ) -> None:
+        self.made: list[FakeProducer] = []
+        self._transactional_id = transactional_id
+        self._prepare = prepare
+
+    def __call__(self, transactional_id: str) -> AIOKafkaProducer:
+        assert transactional_id == self._transactional_id
+        producer = FakeProducer()
+        self._prepare(len(self.made), producer)
+        self.made.append(producer)
+        return cast(AIOKafkaProducer, producer)

@@ -1,0 +1,133 @@
+"""exactly_once on aiokafka: records that finish while a failed transaction's producer is down.
+
+The partition's producer is an in-memory fake at the factory seam (see ``fakes``),
+and the consumer an in-memory CommitEdge: offsets refused inside a transaction
+(``REBALANCE_IN_PROGRESS``) or a commit that fails cannot be produced on demand by a
+real broker. The failures a real broker does produce (a result over the output
+topic's limit, a broker restart) are in tests/fault/test_exactly_once_failures.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable, Mapping
+
+import pytest
+from aiokafka.errors import KafkaConnectionError, RebalanceInProgressError
+from aiokafka.structs import ConsumerRecord, OffsetAndMetadata, TopicPartition
+
+from tests.unit.delivery.fakes import Factory, FakeProducer
+from worker.delivery import ExactlyOnce
+from worker.delivery.offsets import OffsetTracker
+from worker.observability import Metrics
+from worker.settings import load_settings
+
+pytestmark = pytest.mark.timeout(10)
+
+TP = TopicPartition("in", 0)
+SETTINGS = load_settings(
+    {
+        "WORKER_INPUT_TOPICS": "in",
+        "WORKER_OUTPUT_TOPIC": "out",
+        "WORKER_DLQ_TOPIC": "dlq",
+        "WORKER_GROUP_ID": "group",
+        "WORKER_DELIVERY": "exactly_once",
+    }
+)
+
+
+class Edge:
+    """The consumer as delivery sees it: no committed offset yet, every partition owned."""
+
+    def assignment(self) -> set[TopicPartition]:
+        return {TP}
+
+    def highwater(self, tp: TopicPartition) -> int | None:
+        return None
+
+    async def commit(self, offsets: Mapping[TopicPartition, OffsetAndMetadata]) -> None:
+        raise AssertionError("exactly_once commits in transactions")
+
+    async def fetch_committed(
+        self, partitions: Iterable[TopicPartition]
+    ) -> dict[TopicPartition, OffsetAndMetadata]:
+        return {}
+
+    def seek(self, tp: TopicPartition, offset: int) -> None:
+        raise AssertionError("nothing committed: no seek")
+
+    def owns(self, tp: TopicPartition) -> bool:
+        return True
+
+
+def record(offset: int) -> ConsumerRecord[bytes, bytes]:
+    return ConsumerRecord("in", 0, offset, 0, 0, b"k", b"v", None, 1, 1, [])
+
+
+async def _started(factory: Factory) -> ExactlyOnce:
+    delivery = ExactlyOnce(
+        SETTINGS,
+        OffsetTracker(),
+        Edge(),
+        Metrics(version="test"),
+        client_kwargs={},
+        max_request_bytes=1 << 20,
+    )
+    delivery._producer = factory  # type: ignore[method-assign]  # the factory seam
+    await delivery.assigned({TP})
+    return delivery
+
+
+async def _complete(delivery: ExactlyOnce, offset: int) -> asyncio.Task[None]:
+    """Dispatch the record and complete it with a result; returns once it is staged (the
+    task ends when its transaction commits)."""
+    rec = record(offset)
+    ticket = delivery.track(rec)
+    staged = asyncio.Event()
+
+    async def deliver() -> None:
+        await delivery.publish_result(rec, b"r%d" % offset, [])
+
+    task = asyncio.create_task(delivery.complete(rec, ticket, deliver, staged.set))
+    waiting = asyncio.create_task(staged.wait())
+    await asyncio.wait({task, waiting}, return_when=asyncio.FIRST_COMPLETED)
+    waiting.cancel()
+    if task.done():
+        task.result()  # raises what ended the record before it was staged
+    return task
+
+
+def _values(producer: FakeProducer) -> list[bytes | None]:
+    return [value for _, value, _, _ in producer.committed]
+
+
+@pytest.mark.parametrize(
+    "failure",
+    [
+        pytest.param(("offsets_error", RebalanceInProgressError()), id="rebalance-in-progress"),
+        pytest.param(("commit_error", KafkaConnectionError()), id="commit-failed"),
+    ],
+)
+async def test_record_finishing_after_a_failed_transaction_is_committed_by_the_next_flush(
+    failure: tuple[str, Exception],
+) -> None:
+    """A transaction fails and its producer closes; a record finishing then is staged, and
+    the next flush commits both records on a fresh producer, each once."""
+    attribute, error = failure
+    factory = Factory(
+        "kafka-triton-worker-group-in-0",
+        lambda n, p: setattr(p, attribute, error if n == 0 else None),
+    )
+    delivery = await _started(factory)
+    first = await _complete(delivery, 0)
+    await delivery.commit()
+    assert [p.calls[-1] for p in factory.made] == ["stop"]  # the failed transaction's producer
+    second = await _complete(delivery, 1)
+    await delivery.commit()
+    await asyncio.gather(first, second)
+    assert len(factory.made) == 2
+    assert _values(factory.made[1]) == [b"r0", b"r1"]
+    assert factory.made[1].offsets == [{TP: OffsetAndMetadata(2, "")}]
+    assert _values(factory.made[0]) == []
+    assert delivery.offsets.commit_point(TP) == 2
+    await delivery.close()
