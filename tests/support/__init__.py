@@ -16,6 +16,8 @@ from tests.support.kafka import (
 from tests.support.models import decode_sample, mlp_reference, result_outputs
 from tests.support.worker import (
     COMMIT_SLACK_MS,
+    log_events,
+    metric_sum,
     report,
     results_published,
     rss_bytes,
@@ -37,6 +39,8 @@ __all__ = [
     "decode_sample",
     "headers_dict",
     "local_kafka",
+    "log_events",
+    "metric_sum",
     "mlp_reference",
     "read_all",
     "report",

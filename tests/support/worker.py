@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import subprocess
 import sys
@@ -99,6 +100,30 @@ async def wait_ready(port: int, proc: subprocess.Popen[bytes], timeout_s: float 
         assert proc.poll() is None, f"worker exited with {proc.returncode} before it was ready"
         assert time.monotonic() < deadline, f"worker on port {port} not ready in {timeout_s} s"
         await asyncio.sleep(0.1)  # polling another process's endpoint: nothing to await
+
+
+def metric_sum(port: int, name: str) -> float:
+    """The sum over every label set of one metric, read from a worker process's ``/metrics``."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(name + "{") or line.startswith(name + " ")
+    )
+
+
+def log_events(log_path: Path, event: str) -> list[dict[str, Any]]:
+    """The JSON log lines of a worker process that carry ``event``."""
+    found = []
+    for line in log_path.read_text(errors="replace").splitlines():
+        with contextlib.suppress(ValueError):
+            entry = json.loads(line)
+            if isinstance(entry, dict) and entry.get("event") == event:
+                found.append(entry)
+    return found
 
 
 def rss_bytes(pid: int) -> int:
