@@ -185,6 +185,11 @@ class EndpointSet(Generic[_P]):
             )
         return added, removed
 
+    def discard(self, endpoint: Endpoint[_P]) -> None:
+        """Take ``endpoint`` out of the set (a refresh that finds its address adds it again)."""
+        if self.endpoints.get(endpoint.address) is endpoint:
+            del self.endpoints[endpoint.address]
+
     def __iter__(self) -> Any:
         return iter(list(self.endpoints.values()))
 

@@ -104,7 +104,12 @@ class TritonPool:
     async def _resolve_loop(self) -> None:
         while not self._closing:
             await asyncio.sleep(self._resolve_interval_s)
-            await self.refresh()
+            try:
+                await self.refresh()
+            except Exception as exc:
+                # One failed refresh must not end the loop: the set would never follow
+                # the name again. The endpoints stay as they were until the next one.
+                log.error("triton_refresh_failed", error=f"{type(exc).__name__}: {exc}")
 
     async def refresh(self) -> None:
         """Resolve the targets again now: new addresses are opened, vanished ones drained."""
@@ -113,7 +118,21 @@ class TritonPool:
 
     async def _apply(self, added: list[_Endpoint], removed: list[_Endpoint]) -> None:
         for endpoint in added:
-            await endpoint.pool.start()
+            try:
+                await endpoint.pool.start()
+            except Exception as exc:
+                if not self._started:
+                    raise  # at start-up: the worker cannot start
+                # Out of rotation (a pool without streams cannot take requests); the
+                # next refresh finds the address new again and tries once more.
+                self.endpoints.discard(endpoint)
+                self._spawn(endpoint.pool.close(drain_timeout_s=0.0), "triton-endpoint-close")
+                log.error(
+                    "triton_endpoint_start_failed",
+                    endpoint=endpoint.address,
+                    error=f"{type(exc).__name__}: {exc}",
+                )
+                continue
             self._observe(endpoint)
         for endpoint in removed:
             # Out of rotation already; what it owes is answered before it closes.
