@@ -162,16 +162,16 @@ class StreamCalls:
 
     def _model_metrics(self, model_name: str) -> tuple[Any, ...]:
         """(first response, gaps, responses, results published) of ``model_name``."""
-        children = self._children.get(model_name)
+        model, m = self._metrics.model_label(model_name), self._metrics
+        children = self._children.get(model)  # keyed by label value: bounded
         if children is None:
-            model, m = self._metrics.model_label(model_name), self._metrics
             children = (
                 m.stream_first_response_seconds.labels(model=model),
                 m.stream_response_gap_seconds.labels(model=model),
                 m.stream_responses.labels(model=model),
                 m.results_published_total.labels(model=model),
             )
-            self._children[model_name] = children
+            self._children[model] = children
         return children
 
     async def evaluate(

@@ -102,12 +102,17 @@ async def wait_ready(port: int, proc: subprocess.Popen[bytes], timeout_s: float 
         await asyncio.sleep(0.1)  # polling another process's endpoint: nothing to await
 
 
-def metric_sum(port: int, name: str) -> float:
-    """The sum over every label set of one metric, read from a worker process's ``/metrics``."""
+def metrics_text(port: int) -> str:
+    """A worker process's ``/metrics`` exposition (a loaded worker may take seconds to answer)."""
     import urllib.request
 
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
-        text = response.read().decode()
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as response:
+        return str(response.read().decode())
+
+
+def metric_sum(port: int, name: str) -> float:
+    """The sum over every label set of one metric, read from a worker process's ``/metrics``."""
+    text = metrics_text(port)
     return sum(
         float(line.rsplit(" ", 1)[1])
         for line in text.splitlines()

@@ -26,6 +26,8 @@ from typing import Any, Generic, TypeVar
 
 import structlog
 
+from worker.triton.cache import MAX_CACHED_MODELS, BoundedCache
+
 __all__ = [
     "Endpoint",
     "EndpointSet",
@@ -94,7 +96,9 @@ class Endpoint(Generic[_P]):
     up: bool = True  # optimistic until the first probe: start-up already checked Triton
     outstanding: int = 0  # requests sent and not yet answered
     #: (model, version) whose metadata was compared with the agreed one: True agrees.
-    agrees: dict[tuple[str, str], bool] = field(default_factory=dict)
+    agrees: BoundedCache[tuple[str, str], bool] = field(
+        default_factory=lambda: BoundedCache(MAX_CACHED_MODELS)
+    )
 
     def mark_down(self, reason: str) -> bool:
         """Take the endpoint out of rotation until a probe finds it live; True if it was up."""
@@ -114,7 +118,7 @@ class Endpoint(Generic[_P]):
 
     def serves(self, model: tuple[str, str]) -> bool:
         """False once its metadata for ``model`` was found to disagree with the others'."""
-        return self.agrees.get(model, True)
+        return self.agrees.get(model) is not False
 
 
 class EndpointSet(Generic[_P]):

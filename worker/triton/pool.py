@@ -28,6 +28,7 @@ from tritonclient.grpc import service_pb2
 from worker import errors
 from worker.observability.metrics import Metrics
 from worker.triton.auth import TritonAuth
+from worker.triton.cache import MAX_CACHED_MODELS, BoundedCache, KeyedLocks
 from worker.triton.decoupled import ResponseStream
 from worker.triton.endpoints import Endpoint, EndpointSet, Resolver, Target, parse_targets
 from worker.triton.endpoints import system_resolver as _system_resolver
@@ -39,6 +40,7 @@ __all__ = ["TritonPool"]
 log = structlog.get_logger(__name__)
 
 _Endpoint = Endpoint[ServerPool]
+_Model = tuple[str, str]  # (name, version)
 
 
 class TritonPool:
@@ -70,17 +72,25 @@ class TritonPool:
             "auth": auth,
             "shm_min_bytes": shm_min_bytes,
             "shm_pool_bytes": shm_pool_bytes,
+            "on_cache_evict": self._evicted,
         }
         self._resolve_interval_s = resolve_interval_s
         self._metrics = metrics
         self.endpoints: EndpointSet[ServerPool] = EndpointSet(
             parse_targets(url), self._make, resolver or _system_resolver
         )
-        self._specs: dict[tuple[str, str], ModelSpec] = {}
-        self._spec_locks: dict[tuple[str, str], asyncio.Lock] = {}
+        # Keyed by names and versions taken from records: bounded (see worker.triton.cache).
+        self._specs: BoundedCache[_Model, ModelSpec] = BoundedCache(
+            MAX_CACHED_MODELS, on_evict=self._evicted
+        )
+        self._lookups: KeyedLocks[_Model] = KeyedLocks()
         self._closing = False
         self._started = False
         self._tasks: set[asyncio.Task[None]] = set()
+
+    def _evicted(self) -> None:
+        if self._metrics is not None:
+            self._metrics.model_cache_evictions_total.inc()
 
     def _make(self, address: str, target: Target) -> ServerPool:
         extra: tuple[tuple[str, Any], ...] = ()
@@ -252,33 +262,36 @@ class TritonPool:
         key = (name, version)
         if (spec := self._specs.get(key)) is not None:
             return spec
-        async with self._spec_locks.setdefault(key, asyncio.Lock()):
+        async with self._lookups.hold(key):
             if (spec := self._specs.get(key)) is not None:
                 return spec
-            asked = [e for e in self.endpoints if e.up] or list(self.endpoints)
-            answers = await asyncio.gather(
-                *(e.pool.model_spec(name, version) for e in asked), return_exceptions=True
-            )
-            pairs = zip(asked, answers, strict=True)
-            specs = {e.address: a for e, a in pairs if isinstance(a, ModelSpec)}
-            if not specs:
-                for endpoint, answer in zip(asked, answers, strict=True):
-                    if isinstance(answer, errors.TritonUnavailable):
-                        self._down(endpoint, answer)
-                failures = [a for a in answers if isinstance(a, BaseException)]
-                raise min(failures, key=lambda a: isinstance(a, errors.TritonUnavailable))
-            votes = collections.Counter(specs.values())
-            agreed = max(specs.values(), key=lambda s: votes[s])  # first of the most reported
-            for endpoint in asked:
-                if endpoint.address in specs:
-                    self._judge(endpoint, key, specs[endpoint.address], agreed)
-            self._specs[key] = agreed
-            return agreed
+            return await self._agree(key)
+
+    async def _agree(self, key: _Model) -> ModelSpec:
+        asked = [e for e in self.endpoints if e.up] or list(self.endpoints)
+        answers = await asyncio.gather(
+            *(e.pool.model_spec(*key) for e in asked), return_exceptions=True
+        )
+        pairs = zip(asked, answers, strict=True)
+        specs = {e.address: a for e, a in pairs if isinstance(a, ModelSpec)}
+        if not specs:
+            for endpoint, answer in zip(asked, answers, strict=True):
+                if isinstance(answer, errors.TritonUnavailable):
+                    self._down(endpoint, answer)
+            failures = [a for a in answers if isinstance(a, BaseException)]
+            raise min(failures, key=lambda a: isinstance(a, errors.TritonUnavailable))
+        votes = collections.Counter(specs.values())
+        agreed = max(specs.values(), key=lambda s: votes[s])  # first of the most reported
+        for endpoint in asked:
+            if endpoint.address in specs:
+                self._judge(endpoint, key, specs[endpoint.address], agreed)
+        self._specs.put(key, agreed)
+        return agreed
 
     def _judge(
         self, endpoint: _Endpoint, key: tuple[str, str], spec: ModelSpec, agreed: ModelSpec
     ) -> bool:
-        endpoint.agrees[key] = spec == agreed
+        endpoint.agrees.put(key, spec == agreed)
         if spec != agreed:
             log.error(
                 "triton_endpoint_model_mismatch",
@@ -314,12 +327,10 @@ class TritonPool:
 
     def forget_model(self, name: str) -> None:
         """Drop what is cached about ``name``: after a reload its configuration may differ."""
-        for key in [key for key in self._specs if key[0] == name]:
-            del self._specs[key]
+        self._specs.discard_where(lambda key: key[0] == name)
         for endpoint in self.endpoints:
             endpoint.pool.forget_model(name)
-            for key in [key for key in endpoint.agrees if key[0] == name]:
-                del endpoint.agrees[key]
+            endpoint.agrees.discard_where(lambda key: key[0] == name)
 
     async def model_ready(self, name: str, version: str = "") -> bool:
         """True when some up endpoint says ``name`` (``version``) is ready to serve."""
