@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 import structlog
+from tritonclient.grpc import service_pb2
 
 from worker.triton.cache import MAX_CACHED_MODELS, BoundedCache
 
@@ -34,6 +35,7 @@ __all__ = [
     "Resolver",
     "Target",
     "parse_targets",
+    "sequence_of",
     "system_resolver",
 ]
 
@@ -78,6 +80,13 @@ def parse_targets(url: str) -> tuple[Target, ...]:
         host, _, port = part.rpartition(":")
         targets.append(Target(host, int(port)))
     return tuple(dict.fromkeys(targets))
+
+
+def sequence_of(request: service_pb2.ModelInferRequest) -> bytes | None:
+    """The sequence id of a request of a sequence (its state lives in one server)."""
+    if len(request.parameters) and "sequence_id" in request.parameters:
+        return bytes(request.parameters["sequence_id"].SerializeToString())
+    return None
 
 
 async def system_resolver(host: str, port: int) -> Sequence[str]:

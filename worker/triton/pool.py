@@ -5,8 +5,9 @@ worker talks to each endpoint itself (worker/triton/endpoints.py: targets, resol
 health, choice), with a ``ServerPool`` of streams each (worker/triton/server.py),
 and sends every request to the up endpoint with the fewest outstanding ones. A
 request whose endpoint turns out unreachable (its stream broke, the server died) is
-sent again at once to another up endpoint, within the same try: only when no endpoint
-can take it does the caller see the outage (and the worker-wide breaker count it).
+sent again at once to another up endpoint, within the same try (a decoupled one as
+worker/triton/failover.py says): only when no endpoint can take it does the caller see
+the outage (and the worker-wide breaker count it).
 
 A model's metadata and configuration must agree across endpoints: the spec most
 endpoints report is the model's; an endpoint reporting another is logged and not
@@ -31,7 +32,9 @@ from worker.triton.auth import TritonAuth
 from worker.triton.cache import MAX_CACHED_MODELS, BoundedCache, KeyedLocks
 from worker.triton.decoupled import ResponseStream
 from worker.triton.endpoints import Endpoint, EndpointSet, Resolver, Target, parse_targets
+from worker.triton.endpoints import sequence_of as _sequence_of
 from worker.triton.endpoints import system_resolver as _system_resolver
+from worker.triton.failover import FailoverStream
 from worker.triton.server import ServerPool, Trace
 from worker.wire.validation import ModelSpec
 
@@ -138,9 +141,7 @@ class TritonPool:
                 self.endpoints.discard(endpoint)
                 self._spawn(endpoint.pool.close(drain_timeout_s=0.0), "triton-endpoint-close")
                 log.error(
-                    "triton_endpoint_start_failed",
-                    endpoint=endpoint.address,
-                    error=f"{type(exc).__name__}: {exc}",
+                    "triton_endpoint_start_failed", endpoint=endpoint.address, error=repr(exc)
                 )
                 continue
             self._observe(endpoint)
@@ -221,33 +222,44 @@ class TritonPool:
                 self._observe(endpoint, outcome)
         raise last or errors.TritonUnavailable(f"no Triton endpoint can serve model {model[0]!r}")
 
-    def infer_stream(self, request: service_pb2.ModelInferRequest) -> ResponseStream:
-        """Send a decoupled model's request to the least-loaded endpoint (see ServerPool)."""
+    def infer_stream(self, request: service_pb2.ModelInferRequest) -> FailoverStream:
+        """Send a decoupled model's request to the least-loaded endpoint (see ServerPool); if
+        that endpoint is lost, to another (see worker.triton.failover)."""
         if self._closing:
             raise errors.TritonUnavailable("the worker is shutting down")
+        return FailoverStream(self, request)
+
+    def submit_stream(
+        self, request: service_pb2.ModelInferRequest, avoid: list[str]
+    ) -> tuple[ResponseStream, _Endpoint]:
+        """See ``StreamEndpoints.submit_stream`` (worker.triton.failover)."""
         model = (request.model_name, request.model_version)
-        tried: list[str] = []
         last: errors.WorkerError | None = None
-        while True:
-            endpoint = self.endpoints.choose(
-                model,
-                avoid=tried,
-                sticky=_sequence_of(request),
-                load=lambda e: e.pool.in_flight(),
-            )
-            if endpoint is None:
-                raise last or errors.TritonUnavailable(
-                    f"no Triton endpoint can serve model {model[0]!r}"
-                )
-            tried.append(endpoint.address)
+        while endpoint := self.endpoints.choose(
+            model, avoid=avoid, sticky=_sequence_of(request), load=lambda e: e.pool.in_flight()
+        ):
+            avoid.append(endpoint.address)
             try:
                 responses = endpoint.pool.infer_stream(request)
             except errors.TritonUnavailable as exc:
                 last = exc
                 self._down(endpoint, exc)
                 continue
-            self._observe(endpoint, "ok")
-            return responses
+            endpoint.outstanding += 1
+            self._observe(endpoint)
+            return responses, endpoint
+        raise last or errors.TritonUnavailable(f"no Triton endpoint can serve model {model[0]!r}")
+
+    def stream_ended(
+        self, endpoint: _Endpoint, model: _Model, outcome: str, error: errors.WorkerError | None
+    ) -> bool:
+        """See ``StreamEndpoints.stream_ended`` (worker.triton.failover)."""
+        endpoint.outstanding -= 1
+        if outcome == "unavailable" and error is not None:
+            self._down(endpoint, error)
+        if self.endpoints.endpoints.get(endpoint.address) is endpoint:  # not removed since
+            self._observe(endpoint, outcome)
+        return any(e.up and e.serves(model) for e in self.endpoints if e is not endpoint)
 
     # -- models ---------------------------------------------------------------------
 
@@ -354,11 +366,9 @@ class TritonPool:
         return any(await asyncio.gather(*(p.server_ready(timeout_s) for p in pools)))
 
     async def server_live(self, timeout_s: float = 2.0) -> bool:
-        """Probe every endpoint (``ServerLive``, see ServerPool); True when one is live.
-
-        Each endpoint's answer moves it in or out of rotation: the worker-wide
-        breaker, fed by this, opens only when no endpoint is live.
-        """
+        """Probe every endpoint (``ServerLive``, see ServerPool); True when one is live. Each
+        answer moves its endpoint in or out of rotation (the worker-wide breaker opens only
+        when none is live)."""
         if not self._started:
             return False
         endpoints = list(self.endpoints)
@@ -385,10 +395,3 @@ class TritonPool:
                 task.cancel()
         await asyncio.gather(*(e.pool.close(drain_timeout_s) for e in self.endpoints))
         await asyncio.gather(*self._tasks, return_exceptions=True)
-
-
-def _sequence_of(request: service_pb2.ModelInferRequest) -> bytes | None:
-    """The sequence id of a request of a sequence (its state lives in one server)."""
-    if len(request.parameters) and "sequence_id" in request.parameters:
-        return bytes(request.parameters["sequence_id"].SerializeToString())
-    return None
