@@ -81,8 +81,10 @@ async def test_holders_of_a_key_take_turns_and_no_lock_outlives_them() -> None:
     inside: list[str] = []
     holding: set[str] = set()
     gate = asyncio.Event()
+    asking = {name: asyncio.Event() for name in "abc"}
 
     async def hold(name: str) -> None:
+        asking[name].set()  # nothing awaits between this and waiting for the key
         async with locks.hold("k"):
             assert not holding, f"{name} entered while {holding} held the key"
             holding.add(name)
@@ -91,8 +93,9 @@ async def test_holders_of_a_key_take_turns_and_no_lock_outlives_them() -> None:
             holding.discard(name)
 
     first = asyncio.create_task(hold("a"))
-    waiting = [asyncio.create_task(hold(n)) for n in ("b", "c")]
-    await asyncio.sleep(0)  # "a" holds the key, "b" and "c" wait for it
+    waiting = [asyncio.create_task(hold(n)) for n in "bc"]
+    for event in asking.values():
+        await event.wait()
     assert inside == ["a"] and len(locks) == 1
     waiting[0].cancel()
     gate.set()
