@@ -23,7 +23,7 @@ from worker.delivery.base import Delivery
 from worker.fastpath import FastPath
 from worker.flow.ordering import Ticket, Turns
 from worker.flow.window import Window
-from worker.observability import InFlightRegistry
+from worker.observability import InFlight, InFlightRegistry
 from worker.observability.tracing import Tracing
 from worker.record import Outcome, RecordHandler
 from worker.settings import Settings
@@ -102,11 +102,15 @@ class Dispatcher:
         self._spawn(self._process(record, generation, key_turn, publish_turn))
 
     def fall_back(
-        self, record: ConsumerRecord[bytes, bytes], generation: int, outcome: Outcome | None
+        self,
+        record: ConsumerRecord[bytes, bytes],
+        generation: int,
+        outcome: Outcome | None,
+        entry: InFlight,
     ) -> None:
-        """A fast-path record (with its slot) goes the per-record way: from the start, or,
-        given its ``outcome``, only to be published."""
-        self._spawn(self._process(record, generation, None, None, outcome))
+        """A fast-path record (with its slot and in-flight ``entry``) goes the per-record way:
+        from the start, or, given its ``outcome``, only to be published."""
+        self._spawn(self._process(record, generation, None, None, outcome, entry))
 
     def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
         assert self.group is not None
@@ -126,12 +130,14 @@ class Dispatcher:
         key_turn: Ticket | None,
         publish_turn: Ticket | None,
         evaluated: Outcome | None = None,
+        entry: InFlight | None = None,
     ) -> None:
         tp = TopicPartition(record.topic, record.partition)
         structlog.contextvars.bind_contextvars(
             topic=record.topic, partition=record.partition, offset=record.offset
         )
-        entry = self._inflight.add(record)
+        if entry is None:
+            entry = self._inflight.add(record)
         handler = self._handler
         try:
             key_mode = self._settings.delivery.ordering == "key"

@@ -33,6 +33,7 @@ __all__ = [
     "RetriesExhausted",
     "TooLarge",
     "TooManyInternalErrors",
+    "TritonFailover",
     "TritonOverloaded",
     "TritonTimeout",
     "TritonUnavailable",
@@ -138,6 +139,11 @@ class TritonUnavailable(WorkerError):
 
     code = "TRITON_UNAVAILABLE"
     retryable = True
+
+
+class TritonFailover(TritonUnavailable):
+    """The Triton endpoint serving the request was lost while another one is up: not an
+    outage, the request is sent again elsewhere at once."""
 
 
 class TritonTimeout(WorkerError):

@@ -20,7 +20,8 @@ handles it from the start with its retries, bisection, holds and breakers:
 every record of a micro-batch that failed (any error: a fast-path try is not
 counted as an attempt, so a poison pill costs one extra Triton call), a result
 that fails to encode, a result whose send failed (written again alone, with its
-retries and size handling). The slot in the window passes with the record.
+retries and size handling). The slot in the window and the in-flight entry pass
+with the record.
 """
 
 from __future__ import annotations
@@ -79,9 +80,9 @@ class Candidate:
     settled: bool = False  # done, or handed to the per-record path
 
 
-#: Hands a record (its slot with it) to the per-record path; with its encoded outcome
-#: when only its publishing is left to do.
-Fallback = Callable[[ConsumerRecord[bytes, bytes], int, Outcome | None], None]
+#: Hands a record (its slot and in-flight entry with it) to the per-record path; with its
+#: encoded outcome when only its publishing is left to do.
+Fallback = Callable[[ConsumerRecord[bytes, bytes], int, Outcome | None, InFlight], None]
 
 
 class FastPath:
@@ -315,11 +316,13 @@ class FastPath:
     def _hand_over(
         self, candidates: list[Candidate], reason: str, outcome: Outcome | None = None
     ) -> None:
-        """Give the records (and their slots) to the per-record path."""
+        """Give the records (their slots and entries: their age goes on) to the per-record
+        path."""
         for candidate in candidates:
             candidate.settled = True
-            self._inflight.remove(candidate.entry)
-            self._fallback(candidate.record, candidate.generation, outcome)
+            if outcome is None:
+                candidate.entry.state = "decoding"  # it starts over
+            self._fallback(candidate.record, candidate.generation, outcome, candidate.entry)
         self._fallbacks[reason].inc(len(candidates))
 
     def _release(self, candidates: list[Candidate]) -> None:

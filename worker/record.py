@@ -143,6 +143,7 @@ class RecordHandler:
         self._streams = StreamCalls(rules.streams, pool, self._retrier, metrics)
         self.guard = InternalErrorGuard(rules.max_consecutive_internal_errors)
         # Per-model metric children: labels() is a locked dict lookup, too dear per record.
+        # Keyed by label value, which Metrics.model_label bounds.
         self._model_metrics: dict[str, tuple[Any, Any]] = {}
 
     async def evaluate(
@@ -340,14 +341,14 @@ class RecordHandler:
 
     def metrics_for(self, model_name: str) -> tuple[Any, Any]:
         """(results published counter, inference latency histogram) of ``model_name``."""
-        children = self._model_metrics.get(model_name)
+        model = self._metrics.model_label(model_name)
+        children = self._model_metrics.get(model)
         if children is None:
-            model = self._metrics.model_label(model_name)
             children = (
                 self._metrics.results_published_total.labels(model=model),
                 self._metrics.inference_latency_seconds.labels(model=model),
             )
-            self._model_metrics[model_name] = children
+            self._model_metrics[model] = children
         return children
 
     async def _infer(

@@ -31,7 +31,8 @@ from worker.delivery.base import Sink
 from worker.flow.retry import Budget, Retrier
 from worker.observability import Metrics
 from worker.settings import Settings, StreamOutput
-from worker.triton.decoupled import ResponseStream, is_final
+from worker.triton.decoupled import is_final
+from worker.triton.failover import FailoverStream
 from worker.triton.pool import TritonPool
 from worker.wire.headers import X_RESPONSES_PUBLISHED, X_RESPONSES_RECEIVED, Headers, Source
 from worker.wire.streams import concat_responses, each_headers, final_headers, has_outputs
@@ -77,7 +78,7 @@ class _Reader:
     """Reads one request's responses within its deadlines; observes the stream metrics."""
 
     def __init__(
-        self, responses: ResponseStream, deadline: float, rules: StreamRules, metrics: Any
+        self, responses: FailoverStream, deadline: float, rules: StreamRules, metrics: Any
     ) -> None:
         self.responses = responses
         self.deadline = deadline
@@ -162,16 +163,16 @@ class StreamCalls:
 
     def _model_metrics(self, model_name: str) -> tuple[Any, ...]:
         """(first response, gaps, responses, results published) of ``model_name``."""
-        children = self._children.get(model_name)
+        model, m = self._metrics.model_label(model_name), self._metrics
+        children = self._children.get(model)  # keyed by label value: bounded
         if children is None:
-            model, m = self._metrics.model_label(model_name), self._metrics
             children = (
                 m.stream_first_response_seconds.labels(model=model),
                 m.stream_response_gap_seconds.labels(model=model),
                 m.stream_responses.labels(model=model),
                 m.results_published_total.labels(model=model),
             )
-            self._children[model_name] = children
+            self._children[model] = children
         return children
 
     async def evaluate(

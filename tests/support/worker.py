@@ -171,6 +171,35 @@ async def wait_logged(
         await asyncio.sleep(0.1)  # reading another process's log: nothing to await
 
 
+def metrics_text(port: int) -> str:
+    """A worker process's ``/metrics`` exposition (a loaded worker may take seconds to answer)."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as response:
+        return str(response.read().decode())
+
+
+def metric_sum(port: int, name: str) -> float:
+    """The sum over every label set of one metric, read from a worker process's ``/metrics``."""
+    text = metrics_text(port)
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(name + "{") or line.startswith(name + " ")
+    )
+
+
+def log_events(log_path: Path, event: str) -> list[dict[str, Any]]:
+    """The JSON log lines of a worker process that carry ``event``."""
+    found = []
+    for line in log_path.read_text(errors="replace").splitlines():
+        with contextlib.suppress(ValueError):
+            entry = json.loads(line)
+            if isinstance(entry, dict) and entry.get("event") == event:
+                found.append(entry)
+    return found
+
+
 def rss_bytes(pid: int) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):

@@ -10,7 +10,8 @@ are the real ones.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+import time
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -21,8 +22,8 @@ from tritonclient.grpc import service_pb2
 from devtools.samples import Tensor, encode_request
 from worker import errors
 from worker.delivery.offsets import OffsetTracker
-from worker.dispatch import fast_path_allowed
-from worker.fastpath import Candidate, FastPath
+from worker.dispatch import Dispatcher, fast_path_allowed
+from worker.fastpath import Candidate, Fallback, FastPath
 from worker.flow.breaker import CircuitBreaker
 from worker.flow.guard import InternalErrorGuard
 from worker.flow.holds import ModelGate
@@ -32,6 +33,7 @@ from worker.observability import InFlightRegistry, Metrics
 from worker.observability.trace_context import Tracing
 from worker.record import Outcome, RecordRules
 from worker.settings import Settings, load_settings
+from worker.wire import Source
 from worker.wire.validation import ModelSpec, TensorSpec
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(10)]
@@ -123,7 +125,13 @@ class FakeSink:
 class Harness:
     """A FastPath over real bookkeeping; fallbacks are recorded, not run."""
 
-    def __init__(self, pool: FakePool | None = None) -> None:
+    def __init__(
+        self,
+        pool: FakePool | None = None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        fallback: Fallback | None = None,
+    ) -> None:
         self.settings = settings()
         self.pool = pool or FakePool()
         self.sink = FakeSink()
@@ -131,7 +139,7 @@ class Harness:
         self.offsets = OffsetTracker()
         self.generation = self.offsets.assign(TP, 0)
         self.window = Window(64, 64)
-        self.inflight = InFlightRegistry(30)
+        self.inflight = InFlightRegistry(30, clock=clock)
         self.breaker = CircuitBreaker(5)
         self.models = ModelGate(seen_ready=lambda *_: True, listed=_true, ready=_true)
         self.health = ModelHealth.from_settings(self.settings.retry, lambda *_: None)
@@ -156,8 +164,13 @@ class Harness:
             ),
             tracing=Tracing(),
             batch_max_size=4,
-            fallback=lambda r, _, outcome: self.fallbacks.append((r.offset, outcome)),
+            fallback=fallback or self._record_fallback,
         )
+
+    def _record_fallback(
+        self, r: ConsumerRecord[bytes, bytes], _: int, outcome: Outcome | None, entry: Any
+    ) -> None:
+        self.fallbacks.append((r.offset, outcome))
 
     def take(self, records: list[ConsumerRecord[bytes, bytes]]) -> list[Candidate]:
         """Track and select the records as dispatch does; all must qualify."""
@@ -253,7 +266,7 @@ async def test_a_failed_micro_batch_falls_back_record_by_record() -> None:
     assert h.sink.calls == []
     assert h.offsets.commit_point(TP) == 0  # the per-record path marks them done
     assert h.window.in_flight == 5  # their slots went with them
-    assert len(h.inflight) == 0  # the per-record path registers them again
+    assert len(h.inflight) == 5  # and their entries: the per-record path removes them
     assert h.sample("worker_fast_path_fallbacks_total", reason="inference") == 5
     assert h.sample("worker_fast_path_records_total") == 0
 
@@ -298,3 +311,72 @@ async def test_a_cancelled_group_leaves_its_records_not_done_and_frees_their_slo
         await running
     assert h.offsets.commit_point(TP) == 0
     assert h.window.in_flight == 0 and len(h.inflight) == 0
+
+
+class Clock:
+    """A monotonic clock the test moves by hand."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class HeldHandler:
+    """The per-record path's handler: holds each record in ``evaluate`` until released."""
+
+    def __init__(self) -> None:
+        self.evaluating = asyncio.Event()
+        self.release = asyncio.Event()
+
+    async def evaluate(self, record: ConsumerRecord[bytes, bytes], *_: Any) -> Outcome:
+        self.evaluating.set()
+        await self.release.wait()
+        return Outcome(record, Source.of(record), 0.0)
+
+    async def deliver(self, outcome: Outcome) -> None:
+        """Published at once."""
+
+    def internal_failure(self, exc: BaseException) -> None:
+        raise AssertionError(exc)
+
+
+class AckedDelivery:
+    """Delivery of the per-record path: the outcome is safe once delivered."""
+
+    async def complete(
+        self,
+        record: ConsumerRecord[bytes, bytes],
+        ticket: int,
+        deliver: Callable[[], Awaitable[None]],
+        on_safe: Callable[[], None],
+    ) -> None:
+        await deliver()
+        on_safe()
+
+
+async def test_a_record_handed_to_the_per_record_path_keeps_its_age() -> None:
+    """A failed micro-batch's record, 5 s in flight, is still 5 s old on the per-record path."""
+    clock, handler = Clock(), HeldHandler()
+    h = Harness(clock=clock, fallback=lambda *args: dispatcher.fall_back(*args))
+    dispatcher = Dispatcher(
+        h.settings,
+        delivery=AckedDelivery(),  # type: ignore[arg-type]
+        window=h.window,
+        inflight=h.inflight,
+        handler=handler,  # type: ignore[arg-type]
+        tracing=Tracing(),
+    )
+    async with asyncio.TaskGroup() as group:
+        dispatcher.group = group
+        candidates = h.take([record(0)])
+        clock.now += 5
+        h.pool.failure = errors.InferenceError("one row is poison")
+        await h.fast.run(candidates)
+        await handler.evaluating.wait()
+        (listed,) = h.inflight.snapshot()["oldest"]  # type: ignore[misc]
+        assert listed["offset"] == 0 and listed["age_s"] == 5.0
+        assert listed["state"] == "decoding"  # it starts over
+        handler.release.set()
+    assert len(h.inflight) == 0 and h.window.in_flight == 0

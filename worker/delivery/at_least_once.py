@@ -4,7 +4,8 @@ Each partition is committed up to its lowest record not done, with the done
 offsets beyond that point in the commit's metadata (``delivery.metadata``). A
 member assigned a partition reads that metadata and skips the records listed, so
 a crash redoes only what was in flight and what finished after the last commit,
-even when one record at the head of a partition was stuck in retries. Commits
+even when one record at the head of a partition was stuck in retries. Metadata it
+could not have written is ignored (logged, counted): those records are processed again. Commits
 go when a partition's commit point or done set moved, at most every commit
 interval, one at a time.
 """
@@ -133,10 +134,29 @@ class AtLeastOnce(TrackingDelivery):
             log.warning("committed_metadata_unavailable", error=f"{type(exc).__name__}: {exc}")
             return
         for tp, meta in committed.items():
-            runs = metadata.decode(meta.offset, meta.metadata)
-            if meta.offset >= 0 and runs.runs:
+            if meta.offset < 0:
+                continue
+            try:
+                runs = metadata.decode(
+                    meta.offset,
+                    meta.metadata,
+                    max_ahead=self._max_uncommitted,
+                    max_bytes=MAX_METADATA_BYTES,
+                )
+            except metadata.ForeignMetadata as exc:
+                # Anyone who may commit for the group can write it: processed again instead.
+                self._metrics.commit_metadata_ignored_total.inc()
+                log.warning(
+                    "commit_metadata_ignored",
+                    partition=str(tp),
+                    offset=meta.offset,
+                    reason=str(exc),
+                    metadata=meta.metadata[:64],
+                )
+                continue
+            if runs.runs:
                 self._skips[tp] = runs
-                log.info("done_beyond_commit", partition=str(tp), records=len(runs))
+                log.info("done_beyond_commit", partition=str(tp), records=runs.records)
 
     async def revoked(self, partitions: set[TopicPartition]) -> None:
         await self.commit(only=partitions)

@@ -109,7 +109,8 @@ class Retrier:
 
         An outage (Triton unreachable) is not the record's fault: it feeds the
         circuit breaker, never counts as a try, and while the breaker is open
-        the record waits for it to close with its deadline paused. A model
+        the record waits for it to close with its deadline paused; a failover (its
+        endpoint lost, another up) is sent again at once. A model
         being (re)loaded is an outage of that model: the record waits for it
         the same way (see ModelGate). ``inference``: the call's outcome is one of
         the model's, counted by its failure-rate breaker; while that is open the
@@ -139,16 +140,7 @@ class Retrier:
                 if not error.retryable:
                     raise
                 if isinstance(error, errors.TritonUnavailable):
-                    self._breaker.record_failure()
-                    if self._breaker.is_open:
-                        entry.state = "held_outage"
-                        budget.pause(await self._breaker.wait_closed())
-                        continue
-                    if budget.remaining_s() <= 0:
-                        raise errors.RetriesExhausted.after(error, budget.failures + 1) from error
-                    # An outage is not a try: wait as after a first failure.
-                    self._on_retry(error.code)
-                    await self._wait(entry, budget, policy.backoff.delay_s(1))
+                    await self._unreachable(error, budget)
                     continue
                 budget.failures += 1
                 backoff_s = policy.backoff.delay_s(budget.failures)
@@ -165,6 +157,26 @@ class Retrier:
                     health.succeeded(model, probe)
                 self._breaker.record_success()
                 return result
+
+    async def _unreachable(self, error: errors.TritonUnavailable, budget: Budget) -> None:
+        """Not a try: Triton, or only the request's endpoint, could not be reached.
+
+        An endpoint lost while another serves (TritonFailover) is neither an outage nor
+        the record's fault: the call goes again at once. An outage feeds the breaker;
+        the record waits for it to close when it opens, else as after a first failure.
+        """
+        failover = isinstance(error, errors.TritonFailover)
+        if not failover:
+            self._breaker.record_failure()
+            if self._breaker.is_open:
+                budget.entry.state = "held_outage"
+                budget.pause(await self._breaker.wait_closed())
+                return
+        if budget.remaining_s() <= 0:
+            raise errors.RetriesExhausted.after(error, budget.failures + 1) from error
+        self._on_retry(error.code)
+        if not failover:
+            await self._wait(budget.entry, budget, self.policy.backoff.delay_s(1))
 
     @staticmethod
     async def _wait(entry: InFlight, budget: Budget, seconds: float) -> None:

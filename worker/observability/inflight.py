@@ -1,7 +1,8 @@
 """Records in flight: where each one is (state, age), the oldest, the stuck ones, per partition.
 
-Every record holding a window slot has an ``InFlight`` entry, keyed by (topic,
-partition, offset), added when its task starts and removed when it ends. The
+Every record holding a window slot has an ``InFlight`` entry, added when it takes
+its slot (its task starts, or the fast path takes it) and removed when it ends; a
+record the fast path hands to the per-record path keeps its entry, and its age. The
 stages it passes through write its ``state`` (a few attribute writes per record:
 the hot path stays cheap). Everything else is computed when asked: the age of the
 oldest record for the gauge at scrape time, the ``/debug/inflight`` snapshot, and
@@ -9,7 +10,10 @@ a check every few seconds that logs ``record_stuck`` once per record in flight
 longer than ``stuck_after_s``.
 
 Entries are kept in insertion order, which is the order of their ``since``
-(a monotonic reading taken at insertion): the oldest is the first.
+(a monotonic reading taken at insertion): the oldest is the first. Each entry has a
+key of its own, not its record's offset: a partition re-assigned to this member while
+an earlier task of the same offset still runs has two entries, and removing one never
+moves the other.
 """
 
 from __future__ import annotations
@@ -65,15 +69,12 @@ STATES: Final[tuple[State, ...]] = (
 #: Most records listed by one snapshot (the ``limit`` query parameter is capped to it).
 MAX_LIMIT: Final = 1000
 
-_Key = tuple[str, int, int]
-
 
 class InFlight:
     """One record in flight: its coordinates, since when, and where it is now."""
 
     __slots__ = (
         "attempt",
-        "key",
         "model",
         "next_try_at",
         "offset",
@@ -89,7 +90,6 @@ class InFlight:
         self.topic = topic
         self.partition = partition
         self.offset = offset
-        self.key = (topic, partition, offset)
         self.since = since  # time.monotonic() when it took its slot
         self.state: State = "decoding"
         self.request_id: str | None = None
@@ -158,7 +158,8 @@ class InFlightRegistry:
         self.check_interval_s = min(5.0, max(0.05, stuck_after_s / 4))
         self._progress = progress
         self._clock = clock
-        self._entries: dict[_Key, InFlight] = {}
+        # Keyed by the entry itself: insertion order stays the order of ``since``.
+        self._entries: dict[InFlight, None] = {}
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -166,26 +167,16 @@ class InFlightRegistry:
     def add(self, record: ConsumerRecord[bytes, bytes]) -> InFlight:
         """Register a record taking its slot; returns the entry its stages update."""
         entry = InFlight(record.topic, record.partition, record.offset, self._clock())
-        entries = self._entries
-        # The same offset again (re-assigned while an earlier task still ran): the new
-        # entry goes last, so that insertion order stays the order of ``since``.
-        if entries.setdefault(entry.key, entry) is not entry:
-            del entries[entry.key]
-            entries[entry.key] = entry
+        self._entries[entry] = None
         return entry
 
     def remove(self, entry: InFlight) -> None:
-        """The record left its slot (done, abandoned or revoked)."""
-        entries = self._entries
-        found = entries.pop(entry.key, None)
-        if found is not entry and found is not None:
-            # A newer entry of the same offset (rare: re-assigned while this task ran)
-            # stays; it now sits last, its age still right.
-            entries[entry.key] = found
+        """The record left its slot (done, abandoned or revoked). Idempotent."""
+        self._entries.pop(entry, None)
 
     def oldest_age_s(self) -> float:
         """Seconds the oldest record has been in flight; 0 when none is (read at scrape time)."""
-        for entry in self._entries.values():
+        for entry in self._entries:
             return max(0.0, self._clock() - entry.since)
         return 0.0
 
@@ -193,7 +184,7 @@ class InFlightRegistry:
         """Log ``record_stuck`` for each record in flight past the bound and not yet told."""
         now = self._clock()
         told = []
-        for entry in self._entries.values():
+        for entry in self._entries:
             age_s = now - entry.since
             if age_s < self.stuck_after_s:
                 break  # the rest are younger
@@ -225,7 +216,7 @@ class InFlightRegistry:
         """Counts by state, the ``limit`` oldest records and the partitions' commit points."""
         limit = max(1, min(limit, MAX_LIMIT))
         now = self._clock()
-        entries = list(self._entries.values())
+        entries = list(self._entries)
         by_state = dict.fromkeys(STATES, 0)
         in_flight_by_partition: dict[tuple[str, int], int] = {}
         for entry in entries:

@@ -89,6 +89,14 @@ METRICS_SPEC: tuple[MetricSpec, ...] = (
     MetricSpec("commit_metadata_overflows_total", "worker_commit_metadata_overflows_total",
                "counter", (), "Commits made without the done offsets beyond the commit point, "
                "because their encoding was too long."),
+    MetricSpec("commit_metadata_ignored_total", "worker_commit_metadata_ignored_total",
+               "counter", (), "Committed offsets found at assignment with metadata this worker "
+               "could not have written (another format, or runs past "
+               "WORKER_MAX_UNCOMMITTED_PER_PARTITION): ignored, the records processed again."),
+    MetricSpec("model_cache_evictions_total", "worker_model_cache_evictions_total", "counter",
+               (), "Model lookups dropped from the worker's bounded caches (specs of models "
+               "served, answers for unknown ones) to stay within their bound: records name "
+               "more distinct models or versions than the caches hold."),
     MetricSpec("fast_path_records_total", "worker_fast_path_records_total", "counter",
                (), "Records answered by the batch-native fast path (decoded, inferred and "
                "published with the other records of their fetch, no task of their own)."),
@@ -161,6 +169,8 @@ class Metrics:
     transactions_total: Counter
     records_skipped_total: Counter
     commit_metadata_overflows_total: Counter
+    commit_metadata_ignored_total: Counter
+    model_cache_evictions_total: Counter
     fast_path_records_total: Counter
     fast_path_fallbacks_total: Counter
     internal_errors_total: Counter

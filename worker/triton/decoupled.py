@@ -49,6 +49,8 @@ class ResponseStream:
         #: Responses that arrived (the empty final one included).
         self.arrived = 0
         self.ended = False
+        #: True when the stream carrying it broke before its final response.
+        self.lost = False
 
     # -- the stream's reader ------------------------------------------------------
 
@@ -69,6 +71,7 @@ class ResponseStream:
     def fail(self, error: errors.WorkerError) -> None:
         """The stream broke before the final response: the request ends with ``error``."""
         if not self.ended:
+            self.lost = True
             self._end(time.monotonic(), error)
 
     def _end(self, now: float, item: errors.WorkerError | None) -> None:

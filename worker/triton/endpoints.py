@@ -25,6 +25,9 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 import structlog
+from tritonclient.grpc import service_pb2
+
+from worker.triton.cache import MAX_CACHED_MODELS, BoundedCache
 
 __all__ = [
     "Endpoint",
@@ -32,6 +35,7 @@ __all__ = [
     "Resolver",
     "Target",
     "parse_targets",
+    "sequence_of",
     "system_resolver",
 ]
 
@@ -78,6 +82,13 @@ def parse_targets(url: str) -> tuple[Target, ...]:
     return tuple(dict.fromkeys(targets))
 
 
+def sequence_of(request: service_pb2.ModelInferRequest) -> bytes | None:
+    """The sequence id of a request of a sequence (its state lives in one server)."""
+    if len(request.parameters) and "sequence_id" in request.parameters:
+        return bytes(request.parameters["sequence_id"].SerializeToString())
+    return None
+
+
 async def system_resolver(host: str, port: int) -> Sequence[str]:
     """Every address ``host`` resolves to (TCP), in a stable order, without duplicates."""
     infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
@@ -94,7 +105,9 @@ class Endpoint(Generic[_P]):
     up: bool = True  # optimistic until the first probe: start-up already checked Triton
     outstanding: int = 0  # requests sent and not yet answered
     #: (model, version) whose metadata was compared with the agreed one: True agrees.
-    agrees: dict[tuple[str, str], bool] = field(default_factory=dict)
+    agrees: BoundedCache[tuple[str, str], bool] = field(
+        default_factory=lambda: BoundedCache(MAX_CACHED_MODELS)
+    )
 
     def mark_down(self, reason: str) -> bool:
         """Take the endpoint out of rotation until a probe finds it live; True if it was up."""
@@ -114,7 +127,7 @@ class Endpoint(Generic[_P]):
 
     def serves(self, model: tuple[str, str]) -> bool:
         """False once its metadata for ``model`` was found to disagree with the others'."""
-        return self.agrees.get(model, True)
+        return self.agrees.get(model) is not False
 
 
 class EndpointSet(Generic[_P]):
@@ -184,6 +197,11 @@ class EndpointSet(Generic[_P]):
                 endpoints=list(self.endpoints),
             )
         return added, removed
+
+    def discard(self, endpoint: Endpoint[_P]) -> None:
+        """Take ``endpoint`` out of the set (a refresh that finds its address adds it again)."""
+        if self.endpoints.get(endpoint.address) is endpoint:
+            del self.endpoints[endpoint.address]
 
     def __iter__(self) -> Any:
         return iter(list(self.endpoints.values()))

@@ -5,8 +5,9 @@ worker talks to each endpoint itself (worker/triton/endpoints.py: targets, resol
 health, choice), with a ``ServerPool`` of streams each (worker/triton/server.py),
 and sends every request to the up endpoint with the fewest outstanding ones. A
 request whose endpoint turns out unreachable (its stream broke, the server died) is
-sent again at once to another up endpoint, within the same try: only when no endpoint
-can take it does the caller see the outage (and the worker-wide breaker count it).
+sent again at once to another up endpoint, within the same try (a decoupled one as
+worker/triton/failover.py says): only when no endpoint can take it does the caller see
+the outage (and the worker-wide breaker count it).
 
 A model's metadata and configuration must agree across endpoints: the spec most
 endpoints report is the model's; an endpoint reporting another is logged and not
@@ -28,9 +29,12 @@ from tritonclient.grpc import service_pb2
 from worker import errors
 from worker.observability.metrics import Metrics
 from worker.triton.auth import TritonAuth
+from worker.triton.cache import MAX_CACHED_MODELS, BoundedCache, KeyedLocks
 from worker.triton.decoupled import ResponseStream
 from worker.triton.endpoints import Endpoint, EndpointSet, Resolver, Target, parse_targets
+from worker.triton.endpoints import sequence_of as _sequence_of
 from worker.triton.endpoints import system_resolver as _system_resolver
+from worker.triton.failover import FailoverStream
 from worker.triton.server import ServerPool, Trace
 from worker.wire.validation import ModelSpec
 
@@ -39,6 +43,7 @@ __all__ = ["TritonPool"]
 log = structlog.get_logger(__name__)
 
 _Endpoint = Endpoint[ServerPool]
+_Model = tuple[str, str]  # (name, version)
 
 
 class TritonPool:
@@ -70,17 +75,25 @@ class TritonPool:
             "auth": auth,
             "shm_min_bytes": shm_min_bytes,
             "shm_pool_bytes": shm_pool_bytes,
+            "on_cache_evict": self._evicted,
         }
         self._resolve_interval_s = resolve_interval_s
         self._metrics = metrics
         self.endpoints: EndpointSet[ServerPool] = EndpointSet(
             parse_targets(url), self._make, resolver or _system_resolver
         )
-        self._specs: dict[tuple[str, str], ModelSpec] = {}
-        self._spec_locks: dict[tuple[str, str], asyncio.Lock] = {}
+        # Keyed by names and versions taken from records: bounded (see worker.triton.cache).
+        self._specs: BoundedCache[_Model, ModelSpec] = BoundedCache(
+            MAX_CACHED_MODELS, on_evict=self._evicted
+        )
+        self._lookups: KeyedLocks[_Model] = KeyedLocks()
         self._closing = False
         self._started = False
         self._tasks: set[asyncio.Task[None]] = set()
+
+    def _evicted(self) -> None:
+        if self._metrics is not None:
+            self._metrics.model_cache_evictions_total.inc()
 
     def _make(self, address: str, target: Target) -> ServerPool:
         extra: tuple[tuple[str, Any], ...] = ()
@@ -104,7 +117,12 @@ class TritonPool:
     async def _resolve_loop(self) -> None:
         while not self._closing:
             await asyncio.sleep(self._resolve_interval_s)
-            await self.refresh()
+            try:
+                await self.refresh()
+            except Exception as exc:
+                # One failed refresh must not end the loop: the set would never follow
+                # the name again. The endpoints stay as they were until the next one.
+                log.error("triton_refresh_failed", error=f"{type(exc).__name__}: {exc}")
 
     async def refresh(self) -> None:
         """Resolve the targets again now: new addresses are opened, vanished ones drained."""
@@ -113,7 +131,19 @@ class TritonPool:
 
     async def _apply(self, added: list[_Endpoint], removed: list[_Endpoint]) -> None:
         for endpoint in added:
-            await endpoint.pool.start()
+            try:
+                await endpoint.pool.start()
+            except Exception as exc:
+                if not self._started:
+                    raise  # at start-up: the worker cannot start
+                # Out of rotation (a pool without streams cannot take requests); the
+                # next refresh finds the address new again and tries once more.
+                self.endpoints.discard(endpoint)
+                self._spawn(endpoint.pool.close(drain_timeout_s=0.0), "triton-endpoint-close")
+                log.error(
+                    "triton_endpoint_start_failed", endpoint=endpoint.address, error=repr(exc)
+                )
+                continue
             self._observe(endpoint)
         for endpoint in removed:
             # Out of rotation already; what it owes is answered before it closes.
@@ -192,33 +222,44 @@ class TritonPool:
                 self._observe(endpoint, outcome)
         raise last or errors.TritonUnavailable(f"no Triton endpoint can serve model {model[0]!r}")
 
-    def infer_stream(self, request: service_pb2.ModelInferRequest) -> ResponseStream:
-        """Send a decoupled model's request to the least-loaded endpoint (see ServerPool)."""
+    def infer_stream(self, request: service_pb2.ModelInferRequest) -> FailoverStream:
+        """Send a decoupled model's request to the least-loaded endpoint (see ServerPool); if
+        that endpoint is lost, to another (see worker.triton.failover)."""
         if self._closing:
             raise errors.TritonUnavailable("the worker is shutting down")
+        return FailoverStream(self, request)
+
+    def submit_stream(
+        self, request: service_pb2.ModelInferRequest, avoid: list[str]
+    ) -> tuple[ResponseStream, _Endpoint]:
+        """See ``StreamEndpoints.submit_stream`` (worker.triton.failover)."""
         model = (request.model_name, request.model_version)
-        tried: list[str] = []
         last: errors.WorkerError | None = None
-        while True:
-            endpoint = self.endpoints.choose(
-                model,
-                avoid=tried,
-                sticky=_sequence_of(request),
-                load=lambda e: e.pool.in_flight(),
-            )
-            if endpoint is None:
-                raise last or errors.TritonUnavailable(
-                    f"no Triton endpoint can serve model {model[0]!r}"
-                )
-            tried.append(endpoint.address)
+        while endpoint := self.endpoints.choose(
+            model, avoid=avoid, sticky=_sequence_of(request), load=lambda e: e.pool.in_flight()
+        ):
+            avoid.append(endpoint.address)
             try:
                 responses = endpoint.pool.infer_stream(request)
             except errors.TritonUnavailable as exc:
                 last = exc
                 self._down(endpoint, exc)
                 continue
-            self._observe(endpoint, "ok")
-            return responses
+            endpoint.outstanding += 1
+            self._observe(endpoint)
+            return responses, endpoint
+        raise last or errors.TritonUnavailable(f"no Triton endpoint can serve model {model[0]!r}")
+
+    def stream_ended(
+        self, endpoint: _Endpoint, model: _Model, outcome: str, error: errors.WorkerError | None
+    ) -> bool:
+        """See ``StreamEndpoints.stream_ended`` (worker.triton.failover)."""
+        endpoint.outstanding -= 1
+        if outcome == "unavailable" and error is not None:
+            self._down(endpoint, error)
+        if self.endpoints.endpoints.get(endpoint.address) is endpoint:  # not removed since
+            self._observe(endpoint, outcome)
+        return any(e.up and e.serves(model) for e in self.endpoints if e is not endpoint)
 
     # -- models ---------------------------------------------------------------------
 
@@ -233,33 +274,36 @@ class TritonPool:
         key = (name, version)
         if (spec := self._specs.get(key)) is not None:
             return spec
-        async with self._spec_locks.setdefault(key, asyncio.Lock()):
+        async with self._lookups.hold(key):
             if (spec := self._specs.get(key)) is not None:
                 return spec
-            asked = [e for e in self.endpoints if e.up] or list(self.endpoints)
-            answers = await asyncio.gather(
-                *(e.pool.model_spec(name, version) for e in asked), return_exceptions=True
-            )
-            pairs = zip(asked, answers, strict=True)
-            specs = {e.address: a for e, a in pairs if isinstance(a, ModelSpec)}
-            if not specs:
-                for endpoint, answer in zip(asked, answers, strict=True):
-                    if isinstance(answer, errors.TritonUnavailable):
-                        self._down(endpoint, answer)
-                failures = [a for a in answers if isinstance(a, BaseException)]
-                raise min(failures, key=lambda a: isinstance(a, errors.TritonUnavailable))
-            votes = collections.Counter(specs.values())
-            agreed = max(specs.values(), key=lambda s: votes[s])  # first of the most reported
-            for endpoint in asked:
-                if endpoint.address in specs:
-                    self._judge(endpoint, key, specs[endpoint.address], agreed)
-            self._specs[key] = agreed
-            return agreed
+            return await self._agree(key)
+
+    async def _agree(self, key: _Model) -> ModelSpec:
+        asked = [e for e in self.endpoints if e.up] or list(self.endpoints)
+        answers = await asyncio.gather(
+            *(e.pool.model_spec(*key) for e in asked), return_exceptions=True
+        )
+        pairs = zip(asked, answers, strict=True)
+        specs = {e.address: a for e, a in pairs if isinstance(a, ModelSpec)}
+        if not specs:
+            for endpoint, answer in zip(asked, answers, strict=True):
+                if isinstance(answer, errors.TritonUnavailable):
+                    self._down(endpoint, answer)
+            failures = [a for a in answers if isinstance(a, BaseException)]
+            raise min(failures, key=lambda a: isinstance(a, errors.TritonUnavailable))
+        votes = collections.Counter(specs.values())
+        agreed = max(specs.values(), key=lambda s: votes[s])  # first of the most reported
+        for endpoint in asked:
+            if endpoint.address in specs:
+                self._judge(endpoint, key, specs[endpoint.address], agreed)
+        self._specs.put(key, agreed)
+        return agreed
 
     def _judge(
         self, endpoint: _Endpoint, key: tuple[str, str], spec: ModelSpec, agreed: ModelSpec
     ) -> bool:
-        endpoint.agrees[key] = spec == agreed
+        endpoint.agrees.put(key, spec == agreed)
         if spec != agreed:
             log.error(
                 "triton_endpoint_model_mismatch",
@@ -295,12 +339,10 @@ class TritonPool:
 
     def forget_model(self, name: str) -> None:
         """Drop what is cached about ``name``: after a reload its configuration may differ."""
-        for key in [key for key in self._specs if key[0] == name]:
-            del self._specs[key]
+        self._specs.discard_where(lambda key: key[0] == name)
         for endpoint in self.endpoints:
             endpoint.pool.forget_model(name)
-            for key in [key for key in endpoint.agrees if key[0] == name]:
-                del endpoint.agrees[key]
+            endpoint.agrees.discard_where(lambda key: key[0] == name)
 
     async def model_ready(self, name: str, version: str = "") -> bool:
         """True when some up endpoint says ``name`` (``version``) is ready to serve."""
@@ -324,11 +366,9 @@ class TritonPool:
         return any(await asyncio.gather(*(p.server_ready(timeout_s) for p in pools)))
 
     async def server_live(self, timeout_s: float = 2.0) -> bool:
-        """Probe every endpoint (``ServerLive``, see ServerPool); True when one is live.
-
-        Each endpoint's answer moves it in or out of rotation: the worker-wide
-        breaker, fed by this, opens only when no endpoint is live.
-        """
+        """Probe every endpoint (``ServerLive``, see ServerPool); True when one is live. Each
+        answer moves its endpoint in or out of rotation (the worker-wide breaker opens only
+        when none is live)."""
         if not self._started:
             return False
         endpoints = list(self.endpoints)
@@ -355,10 +395,3 @@ class TritonPool:
                 task.cancel()
         await asyncio.gather(*(e.pool.close(drain_timeout_s) for e in self.endpoints))
         await asyncio.gather(*self._tasks, return_exceptions=True)
-
-
-def _sequence_of(request: service_pb2.ModelInferRequest) -> bytes | None:
-    """The sequence id of a request of a sequence (its state lives in one server)."""
-    if len(request.parameters) and "sequence_id" in request.parameters:
-        return bytes(request.parameters["sequence_id"].SerializeToString())
-    return None

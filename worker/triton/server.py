@@ -6,10 +6,6 @@ feeds it ready-made ``ModelInferRequest`` messages (the codec builds them
 straight from the Kafka value) instead of dicts of ``InferInput``, which would
 force a numpy copy of every tensor.
 
-A stream stays open until every response it owes has arrived, then is
-cancelled, never half-closed: tritonserver 2.51 can crash when a client
-half-closes a stream, even an idle one.
-
 ``TritonPool`` (worker/triton/pool.py) spreads the worker's requests over one
 ``ServerPool`` per Triton endpoint.
 """
@@ -21,8 +17,7 @@ import contextlib
 import itertools
 import time
 import zlib
-from collections.abc import Awaitable, Mapping
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import grpc  # type: ignore[import-untyped, unused-ignore]
@@ -35,6 +30,7 @@ from worker.flow.retry import Backoff
 from worker.triton import errors as triton_errors
 from worker.triton._compat import channel_args, grpc_stub
 from worker.triton.auth import TritonAuth
+from worker.triton.cache import MAX_CACHED_MODELS, BoundedCache, KeyedLocks
 from worker.triton.decoupled import ENABLE_EMPTY_FINAL, ResponseStream
 from worker.triton.shm import ShmPool
 from worker.triton.stream import Stream
@@ -56,13 +52,7 @@ _INDEX_CACHE_S = 1.0
 _SERVABLE_STATES = frozenset({"READY", "LOADING", "UNLOADING", "UNAVAILABLE"})
 #: W3C trace context (traceparent, tracestate) as gRPC metadata of a unary call.
 Trace = tuple[tuple[str, str], ...]
-
-
-@dataclass(frozen=True, slots=True)
-class _CachedSpec:
-    spec: ModelSpec | None
-    error: errors.WorkerError | None
-    expires_at: float
+_Model = tuple[str, str]  # (name, version)
 
 
 class ServerPool:
@@ -78,11 +68,13 @@ class ServerPool:
         shm_min_bytes: int | None = None,
         shm_pool_bytes: int = 0,
         extra_channel_args: tuple[tuple[str, Any], ...] = (),
+        on_cache_evict: Callable[[], None] | None = None,
     ) -> None:
         """``shm_min_bytes`` set: inputs that large go through system shared memory.
 
         ``extra_channel_args`` are added to the channel's options (a TLS name override
         when ``url`` is an address the server's certificate does not name).
+        ``on_cache_evict`` is told of each model lookup dropped to keep the caches bounded.
         """
         self.url = url
         self._extra_channel_args = extra_channel_args
@@ -93,8 +85,15 @@ class ServerPool:
         self._streams: list[Stream] = []
         self._tasks: list[asyncio.Task[None]] = []
         self._ids = itertools.count(1)
-        self._specs: dict[tuple[str, str], _CachedSpec] = {}
-        self._spec_locks: dict[tuple[str, str], asyncio.Lock] = {}
+        # Keyed by names and versions taken from records: bounded (see worker.triton.cache).
+        self._specs: BoundedCache[_Model, ModelSpec] = BoundedCache(
+            MAX_CACHED_MODELS, on_evict=on_cache_evict
+        )
+        #: Models Triton does not know (or refused for good): the error's class and text.
+        self._refused: BoundedCache[_Model, tuple[type[errors.WorkerError], str]] = BoundedCache(
+            MAX_CACHED_MODELS, ttl_s=_NEGATIVE_CACHE_S, on_evict=on_cache_evict
+        )
+        self._lookups: KeyedLocks[_Model] = KeyedLocks()
         self._closing = False
         self._reopen_failures = 0
         self._wake = asyncio.Event()
@@ -266,48 +265,50 @@ class ServerPool:
         return stream.submit_stream(request)
 
     async def model_spec(self, name: str, version: str) -> ModelSpec:
-        """The model's inputs, outputs and batching, fetched once and cached."""
+        """The model's inputs, outputs and batching, fetched once and cached (an unknown
+        model's refusal for a few seconds); lookups of one model take turns."""
         key = (name, version)
-        cached = self._specs.get(key)
-        if cached is not None and cached.spec is not None:
-            return cached.spec
-        lock = self._spec_locks.setdefault(key, asyncio.Lock())
-        async with lock:
-            cached = self._specs.get(key)
-            now = time.monotonic()
-            if cached is not None and (cached.spec is not None or cached.expires_at > now):
-                if cached.spec is not None:
-                    return cached.spec
-                assert cached.error is not None
-                raise cached.error
-            try:
-                spec = await self._fetch_spec(name, version)
-            except errors.WorkerError as exc:
-                if not exc.retryable:
-                    self._specs[key] = _CachedSpec(None, exc, now + _NEGATIVE_CACHE_S)
-                raise
-            self._specs[key] = _CachedSpec(spec, None, float("inf"))
+        if (spec := self._cached(key)) is not None:
             return spec
+        async with self._lookups.hold(key):
+            if (spec := self._cached(key)) is not None:
+                return spec  # looked up by the task before this one
+            return await self._lookup(key)
+
+    def _cached(self, key: _Model) -> ModelSpec | None:
+        """The cached spec; raises the cached refusal; None when nothing is cached."""
+        spec = self._specs.get(key)
+        if spec is None and (refused := self._refused.get(key)) is not None:
+            raise refused[0](refused[1])  # a fresh error: see _lookup
+        return spec
+
+    async def _lookup(self, key: _Model) -> ModelSpec:
+        try:
+            spec = await self._fetch_spec(*key)
+        except errors.WorkerError as exc:
+            if not exc.retryable:
+                # Its class and text only: the error itself holds the frames that raised it.
+                self._refused.put(key, (type(exc), exc.message))
+            raise
+        self._specs.put(key, spec)
+        return spec
 
     def has_spec(self, name: str, version: str) -> bool:
         """True when ``name`` at ``version`` was ready earlier in this process (spec cached)."""
-        cached = self._specs.get((name, version))
-        return cached is not None and cached.spec is not None
+        return (name, version) in self._specs
 
     def forget_model(self, name: str) -> None:
         """Drop what is cached about ``name``: after a reload its configuration may differ."""
-        for key in [key for key in self._specs if key[0] == name]:
-            del self._specs[key]
+        self._specs.discard_where(lambda key: key[0] == name)
+        self._refused.discard_where(lambda key: key[0] == name)
 
     async def model_ready(self, name: str, version: str = "") -> bool:
         """True when Triton says ``name`` (``version``) is ready to serve."""
         if self._client is None:
             return False
-        try:
-            ready = self._client.is_model_ready(name, version, headers=self._headers())
-            return bool(await asyncio.wait_for(ready, 2.0))
-        except (TimeoutError, InferenceServerException, grpc.aio.AioRpcError):
-            return False
+        return await answers_true(
+            self._client.is_model_ready(name, version, headers=self._headers()), 2.0
+        )
 
     async def repository_lists(self, name: str, version: str) -> bool:
         """True when Triton's repository index lists ``name`` in a state it can serve from.

@@ -267,9 +267,11 @@ def _choose_model(
         raise ModelNotFound(
             "no model named: set header x-model-name, body model_name, or WORKER_DEFAULT_MODEL"
         )
-    if version and not version.isdigit():
+    if version and not (version.isascii() and version.isdigit()):
         raise InvalidRequest(f"model version {version!r} of {name!r} is not a version number")
-    return name, version
+    # Triton reads "01" as 1: one spelling per version, so that what the worker keeps per
+    # model version is bounded by the versions Triton serves, not by a producer's spellings.
+    return name, version.lstrip("0") or ("0" if version else "")
 
 
 def decode_request(

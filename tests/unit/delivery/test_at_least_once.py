@@ -10,6 +10,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 import pytest
+import structlog
 from aiokafka.errors import CommitFailedError
 from aiokafka.structs import ConsumerRecord, OffsetAndMetadata, TopicPartition
 
@@ -184,6 +185,33 @@ async def test_metadata_of_another_start_is_not_used() -> None:
     await d.assigned({TP})
     assert not d.settle_if_done(record(150), d.track(record(150)))
     assert not d.settle_if_done(record(152), d.track(record(152)))
+
+
+@pytest.mark.parametrize("text", ["d1:1+7fffffffffffffff", "d1:1+3e8", "other-tool:v2"])
+async def test_metadata_it_could_not_have_written_is_ignored_logged_once_and_counted(
+    text: str,
+) -> None:
+    """A run past the bound (or past sys.maxsize), or another format: every record processed."""
+    edge = Edge({TP: OffsetAndMetadata(100, text)})
+    d, _, metrics = delivery(edge, max_uncommitted=1000)
+    with structlog.testing.capture_logs() as logs:
+        await d.assigned({TP})
+    settled = [o for o in range(100, 110) if d.settle_if_done(record(o), d.track(record(o)))]
+    assert settled == []
+    assert d.offsets.pending(TP) == 10
+    assert [e["event"] for e in logs] == ["commit_metadata_ignored"]
+    assert logs[0]["partition"] == str(TP) and logs[0]["offset"] == 100
+    assert metrics.registry.get_sample_value("worker_commit_metadata_ignored_total") == 1
+
+
+async def test_a_run_within_the_bound_is_trusted() -> None:
+    """The farthest run a worker with this bound could have written is still skipped."""
+    edge = Edge({TP: OffsetAndMetadata(100, "d1:3e7+0")})  # point + 999, the bound being 1000
+    d, _, metrics = delivery(edge, max_uncommitted=1000)
+    await d.assigned({TP})
+    assert not d.settle_if_done(record(100), d.track(record(100)))
+    assert d.settle_if_done(record(1099), d.track(record(1099)))
+    assert metrics.registry.get_sample_value("worker_commit_metadata_ignored_total") == 0
 
 
 async def test_a_partition_may_not_run_past_its_uncommitted_bound() -> None:

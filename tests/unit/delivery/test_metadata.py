@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from worker.delivery.metadata import decode, encode, runs_of
+from worker.delivery.metadata import ForeignMetadata, decode, encode, runs_of
 
 pytestmark = pytest.mark.timeout(60)
+
+#: The bounds the worker decodes with by default (WORKER_MAX_UNCOMMITTED_PER_PARTITION).
+AHEAD, BYTES = 10_000, 2048
 
 
 @given(
@@ -16,16 +21,16 @@ pytestmark = pytest.mark.timeout(60)
     gaps=st.lists(st.integers(min_value=1, max_value=50), max_size=200),
 )
 def test_what_is_encoded_decodes_to_the_same_offsets(point: int, gaps: list[int]) -> None:
-    """Any set of done offsets above the point comes back exactly, or the encoding is refused."""
+    """Any set of done offsets within the bound comes back exactly."""
     offsets, current = [], point
     for gap in gaps:
         current += gap
         offsets.append(current)
     text = encode(point, offsets, max_bytes=100_000)
     assert text is not None
-    decoded = decode(point, text)
+    decoded = decode(point, text, max_ahead=current - point + 1, max_bytes=100_000)
     assert [o for o in range(point, current + 1) if o in decoded] == offsets
-    assert len(decoded) == len(offsets)
+    assert decoded.records == len(offsets)
 
 
 def test_consecutive_offsets_are_one_run() -> None:
@@ -42,11 +47,73 @@ def test_an_encoding_over_the_bound_is_refused() -> None:
     assert encode(0, [], max_bytes=2048) == ""
 
 
+@pytest.mark.parametrize("text", ["", None])
+def test_no_metadata_is_nothing_done_beyond_the_point(text: str | None) -> None:
+    """A commit without metadata lists nothing."""
+    decoded = decode(10, text, max_ahead=AHEAD, max_bytes=BYTES)
+    assert decoded.runs == () and 11 not in decoded and decoded.records == 0
+
+
 @pytest.mark.parametrize(
-    "text", ["", "hello", "d1:", "d1:zz+1", "d1:0+1", "d1:5+-1", "d1:1+3,2+0", None]
+    "text",
+    [
+        "hello",
+        "d1:",
+        "d1:zz+1",
+        "d1:0+1",
+        "d1:5+-1",
+        "d1:1+3,2+0",  # overlapping
+        "d1:5+0,1+0",  # out of order
+        "d1:0x1+1",
+        "d1: 1+1",
+        "d1:A+1",  # the worker writes lowercase
+        "d1:1+1,",
+    ],
 )
-def test_metadata_that_is_not_ours_skips_nothing(text: str | None) -> None:
-    """Foreign, empty, malformed or overlapping metadata reads as nothing done beyond the point."""
-    decoded = decode(10, text)
-    assert decoded.runs == ()
-    assert 11 not in decoded
+def test_metadata_that_is_not_ours_is_refused(text: str) -> None:
+    """Foreign, malformed, overlapping or unordered metadata is ForeignMetadata."""
+    with pytest.raises(ForeignMetadata):
+        decode(10, text, max_ahead=AHEAD, max_bytes=BYTES)
+
+
+def test_a_run_longer_than_any_count_is_refused() -> None:
+    """A run past sys.maxsize, as a hostile group member can commit, is not ours (no overflow)."""
+    with pytest.raises(ForeignMetadata, match="WORKER_MAX_UNCOMMITTED_PER_PARTITION"):
+        decode(0, "d1:1+7fffffffffffffff", max_ahead=AHEAD, max_bytes=BYTES)
+    with pytest.raises(ForeignMetadata):
+        decode(0, "d1:1+" + "f" * 40, max_ahead=sys.maxsize, max_bytes=BYTES)
+
+
+def test_a_run_may_reach_as_far_as_the_uncommitted_bound_and_no_further() -> None:
+    """With a bound of 100 the last offset a worker could have done is point + 99."""
+    assert decode(7, "d1:1+62", max_ahead=100, max_bytes=BYTES).last == 7 + 99
+    with pytest.raises(ForeignMetadata):
+        decode(7, "d1:1+63", max_ahead=100, max_bytes=BYTES)
+    with pytest.raises(ForeignMetadata):
+        decode(7, "d1:64+0", max_ahead=100, max_bytes=BYTES)
+
+
+def test_metadata_longer_than_the_worker_writes_is_refused() -> None:
+    """The worker never writes more than its byte budget; a longer string is not its own."""
+    text = "d1:" + ",".join(f"{2 * i + 1:x}+0" for i in range(600))
+    assert len(text) > BYTES
+    with pytest.raises(ForeignMetadata):
+        decode(0, text, max_ahead=AHEAD, max_bytes=BYTES)
+
+
+@given(
+    point=st.integers(min_value=0, max_value=2**62),
+    body=st.text(alphabet="0123456789abcdef+,", max_size=80),
+    ahead=st.integers(min_value=1, max_value=2**63),
+)
+def test_whatever_is_accepted_stays_within_the_bound(point: int, body: str, ahead: int) -> None:
+    """Any metadata is refused, or lists sorted disjoint runs within ``ahead`` of the point."""
+    try:
+        decoded = decode(point, "d1:" + body, max_ahead=ahead, max_bytes=BYTES)
+    except ForeignMetadata:
+        return
+    assert decoded.records < ahead
+    previous_end = point
+    for start, end in decoded.runs:
+        assert previous_end < start <= end < point + ahead
+        previous_end = end

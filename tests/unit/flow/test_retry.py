@@ -129,3 +129,42 @@ async def test_a_record_held_for_its_model_says_so() -> None:
     ready.set()
     assert await running == "answer"
     probing.cancel()
+
+
+async def test_a_failover_is_sent_again_at_once_and_never_opens_the_breaker() -> None:
+    """Five records lose their endpoint mid-stream (another up): retried, breaker closed."""
+    breaker, retried = CircuitBreaker(5), []
+    policy = RetryPolicy(
+        max_attempts=3,
+        backoff=Backoff(first_s=60.0, max_s=60.0),  # a backoff would outlast the test
+        record_deadline_s=10.0,
+        try_timeout_s=1.0,
+    )
+    retrier = Retrier(policy, breaker, None, retried.append)
+
+    async def record() -> str:
+        tries = 0
+
+        async def call(timeout_s: float) -> str:
+            nonlocal tries
+            tries += 1
+            if tries <= 2:
+                raise errors.TritonFailover("the inference stream broke; sent again")
+            return "answer"
+
+        return await retrier.run(("tokens", ""), Budget.lasting(10.0), call)
+
+    assert await asyncio.gather(*(record() for _ in range(5))) == ["answer"] * 5
+    assert not breaker.is_open and breaker.opened_at is None
+    assert retried == ["TRITON_UNAVAILABLE"] * 10
+
+
+async def test_a_failover_past_the_deadline_is_retries_exhausted() -> None:
+    """A record whose deadline is spent is not sent again, failover or not."""
+    budget = Budget(time.monotonic() - 1.0)
+
+    async def call(timeout_s: float) -> str:
+        raise errors.TritonFailover("the inference stream broke; sent again")
+
+    with pytest.raises(errors.RetriesExhausted, match="TRITON_UNAVAILABLE"):
+        await _retrier().run(("tokens", ""), budget, call)

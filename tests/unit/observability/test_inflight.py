@@ -109,6 +109,35 @@ def test_removed_records_leave_and_a_stale_entry_cannot_remove_a_newer_one() -> 
     assert len(reg) == 0 and reg.snapshot()["oldest"] == []
 
 
+def test_a_stuck_record_of_a_re_assigned_offset_is_told_though_younger_ones_follow() -> None:
+    """Offset 1 re-assigned, then younger records: the older task ends, the new one still ages."""
+    reg, clock = registry(stuck_after_s=10.0)
+    old = reg.add(rec(0, 1))
+    clock.now += 1
+    again = reg.add(rec(0, 1))  # re-assigned to this member while the first task still ran
+    clock.now += 1
+    young = reg.add(rec(0, 2))
+    reg.remove(old)
+    assert [e["offset"] for e in reg.snapshot()["oldest"]] == [1, 2]  # type: ignore[attr-defined]
+    clock.now += 9  # `again` is 10 s old, `young` 9 s
+    with structlog.testing.capture_logs():
+        assert reg.report_stuck() == [again]
+    assert reg.oldest_age_s() == 10.0
+    reg.remove(again)
+    reg.remove(again)  # a second removal changes nothing
+    assert list(reg.snapshot()["oldest"]) == [young.describe(clock.now)]  # type: ignore[call-overload]
+
+
+def test_both_tasks_of_a_re_assigned_offset_are_listed() -> None:
+    """While the earlier task of an offset still runs beside the new one, both are in flight."""
+    reg, clock = registry()
+    reg.add(rec(0, 1))
+    clock.now += 1
+    reg.add(rec(0, 1))
+    assert len(reg) == 2
+    assert [e["age_s"] for e in reg.snapshot()["oldest"]] == [1.0, 0.0]  # type: ignore[attr-defined]
+
+
 def test_limit_is_capped() -> None:
     """A limit above MAX_LIMIT lists at most MAX_LIMIT records; below 1 lists one."""
     reg, _ = registry()

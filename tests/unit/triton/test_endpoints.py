@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import pytest
+import structlog
 from tritonclient.grpc import service_pb2
 
 from worker import errors
@@ -307,6 +308,85 @@ async def test_vanished_addresses_are_drained_and_closed(fake_servers: None) -> 
     assert sorted(new) == ["10.0.0.2:1", "10.0.0.3:1"] and new["10.0.0.3:1"].started
     await asyncio.wait_for(old["10.0.0.1:1"].closed.wait(), 5)
     await pool.close()
+
+
+class Asked(Resolver):
+    """A Resolver that tells each time it is asked, and raises ``error`` once when set."""
+
+    def __init__(self, names: dict[str, list[str]]) -> None:
+        super().__init__(names)
+        self.error: Exception | None = None
+        self._asked = asyncio.Event()
+
+    async def __call__(self, host: str, port: int) -> Sequence[str]:
+        self._asked.set()
+        if self.error is not None:
+            error, self.error = self.error, None
+            raise error
+        return await super().__call__(host, port)
+
+    async def until(self, condition: Any, timeout_s: float = 5.0) -> None:
+        """Wait, one resolution at a time, until ``condition()`` holds after one."""
+        async with asyncio.timeout(timeout_s):
+            while True:
+                self._asked.clear()
+                await self._asked.wait()
+                if condition():
+                    return
+
+
+class FlakyStart(FakeServer):
+    """A ServerPool whose first start() fails when its address is in ``failing``."""
+
+    failing: set[str] = set()
+
+    async def start(self) -> None:
+        if self.address in self.failing:
+            self.failing.discard(self.address)
+            raise RuntimeError("the channel could not be created")
+        await super().start()
+
+
+async def test_an_endpoint_that_fails_to_start_is_left_out_and_tried_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A new address whose start() fails: out of rotation, the loop goes on, next time it joins."""
+    monkeypatch.setattr(pool_module, "ServerPool", FlakyStart)
+    monkeypatch.setattr(FlakyStart, "failing", {"10.0.0.3:1"})
+    resolver = Asked({"triton": ["10.0.0.1", "10.0.0.2"]})
+    pool = pool_module.TritonPool("triton:1", 1, resolver=resolver, resolve_interval_s=0.001)
+    await pool.start()
+    try:
+        with structlog.testing.capture_logs() as logs:
+            resolver.names["triton"] = ["10.0.0.1", "10.0.0.2", "10.0.0.3"]
+            await resolver.until(lambda: not FlakyStart.failing)  # its start failed
+            assert "10.0.0.3:1" not in pool.endpoints.endpoints
+            await resolver.until(lambda: "10.0.0.3:1" in pool.endpoints.endpoints)
+        assert _servers(pool)["10.0.0.3:1"].started
+        assert [e["endpoint"] for e in logs if e["event"] == "triton_endpoint_start_failed"] == [
+            "10.0.0.3:1"
+        ]
+    finally:
+        await pool.close()
+
+
+async def test_a_refresh_that_raises_does_not_end_the_resolution(fake_servers: None) -> None:
+    """A resolver failing with other than OSError: logged, endpoints kept, resolved again later."""
+    resolver = Asked({"triton": ["10.0.0.1", "10.0.0.2"]})
+    pool = pool_module.TritonPool("triton:1", 1, resolver=resolver, resolve_interval_s=0.001)
+    await pool.start()
+    try:
+        with structlog.testing.capture_logs() as logs:
+            resolver.error = UnicodeError("label empty or too long")
+            await resolver.until(lambda: resolver.error is None)
+            resolver.names["triton"] = ["10.0.0.2", "10.0.0.4"]
+            await resolver.until(lambda: "10.0.0.4:1" in pool.endpoints.endpoints)
+        assert sorted(pool.endpoints.endpoints) == ["10.0.0.2:1", "10.0.0.4:1"]
+        assert [e["event"] for e in logs if e["event"] == "triton_refresh_failed"] == [
+            "triton_refresh_failed"
+        ]
+    finally:
+        await pool.close()
 
 
 def test_with_tls_an_address_is_checked_against_the_name() -> None:

@@ -277,6 +277,20 @@ def test_header_model_wins_over_body_and_default() -> None:
     assert request.infer_request.model_version == "2"
 
 
+@pytest.mark.parametrize(("asked", "sent"), [("01", "1"), ("0007", "7"), ("00", "0"), ("", "")])
+def test_a_version_has_one_spelling(asked: str, sent: str) -> None:
+    """Leading zeros go (Triton reads "01" as 1): one key per version the worker keeps state for."""
+    request = decode(json_request(model_name="m"), [("x-model-version", asked.encode())])
+    assert request.model_version == request.infer_request.model_version == sent
+
+
+@pytest.mark.parametrize("version", ["1.0", "1a", "\u0661", "\u00b2", "-1"])
+def test_a_version_that_is_not_ascii_digits_is_invalid(version: str) -> None:
+    """Only ASCII digits name a version (an Arabic-Indic or superscript digit does not)."""
+    error = error_of(json_request(model_name="m"), [("x-model-version", version.encode())])
+    assert isinstance(error, InvalidRequest)
+
+
 def test_body_version_dropped_when_header_names_another_model() -> None:
     """The body's version belongs to the body's model, not to the header's."""
     request = decode(json_request(model_name="body", model_version="1"), [("x-model-name", b"h")])
