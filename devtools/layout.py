@@ -29,6 +29,7 @@ FLOW = (
 #: Top-level modules of worker/, around the packages.
 TOP_LEVEL = (
     "app", "dispatch", "record", "fastpath", "streaming", "errors", "audit", "cli", "produce",
+    "shutdown",
 )  # fmt: skip
 
 

@@ -170,7 +170,8 @@ class ExitCode(enum.IntEnum):
     """The worker's process exit codes."""
 
     OK = 0
-    #: A second signal abandoned in-flight records (they stay uncommitted).
+    #: ``run`` abandoned records, which stay uncommitted and are consumed again: a second
+    #: signal, or a drain that outlived ``WORKER_SHUTDOWN_TIMEOUT_S``.
     FORCED = 1
     #: Invalid settings, or a credential, certificate or ACL problem found at start-up.
     CONFIG = 2

@@ -2,6 +2,7 @@
 
 from tests.support.kafka import (
     Collected,
+    SilentBroker,
     Streams,
     Topics,
     collect,
@@ -12,16 +13,19 @@ from tests.support.kafka import (
     read_all,
     request_id_of,
     send,
+    silent_broker,
 )
 from tests.support.models import decode_sample, mlp_reference, result_outputs
 from tests.support.worker import (
     COMMIT_SLACK_MS,
+    metric_value,
     report,
     results_published,
     rss_bytes,
     running_worker,
     settings_for,
     spawn_worker,
+    wait_for_event,
     wait_ready,
     worker_env,
 )
@@ -29,6 +33,7 @@ from tests.support.worker import (
 __all__ = [
     "COMMIT_SLACK_MS",
     "Collected",
+    "SilentBroker",
     "Streams",
     "Topics",
     "collect",
@@ -37,6 +42,7 @@ __all__ = [
     "decode_sample",
     "headers_dict",
     "local_kafka",
+    "metric_value",
     "mlp_reference",
     "read_all",
     "report",
@@ -47,7 +53,9 @@ __all__ = [
     "running_worker",
     "send",
     "settings_for",
+    "silent_broker",
     "spawn_worker",
+    "wait_for_event",
     "wait_ready",
     "worker_env",
 ]

@@ -101,6 +101,31 @@ async def wait_ready(port: int, proc: subprocess.Popen[bytes], timeout_s: float 
         await asyncio.sleep(0.1)  # polling another process's endpoint: nothing to await
 
 
+async def wait_for_event(
+    log_path: Path, event: str, proc: subprocess.Popen[bytes], timeout_s: float = 60
+) -> None:
+    """Wait until a worker process's JSON log has a line of ``event`` (fails if it exits)."""
+    needle = f'"event":"{event}"'.encode()
+    deadline = time.monotonic() + timeout_s
+    while needle not in await asyncio.to_thread(log_path.read_bytes):
+        assert proc.poll() is None, f"worker exited with {proc.returncode} before {event}"
+        assert time.monotonic() < deadline, f"no {event} in the worker's log in {timeout_s} s"
+        await asyncio.sleep(0.02)  # polling another process's log: nothing to await
+
+
+def metric_value(port: int, name: str) -> float:
+    """The sum of a metric's samples on a worker process's ``/metrics`` (0 when absent)."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith((name + "{", name + " "))
+    )
+
+
 def rss_bytes(pid: int) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
