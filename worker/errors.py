@@ -167,19 +167,27 @@ errors end as RETRIES_EXHAUSTED)."""
 
 
 class ExitCode(enum.IntEnum):
-    """The worker's process exit codes."""
+    """The worker's process exit codes (the README's table is generated from these comments)."""
 
+    #: Done: ``run`` stopped cleanly (every record it took finished and committed, or its
+    #: start-up abandoned before taking any); another command did all it was asked.
     OK = 0
     #: ``run`` abandoned records, which stay uncommitted and are consumed again: a second
-    #: signal, or a drain that outlived ``WORKER_SHUTDOWN_TIMEOUT_S``.
+    #: signal, or a drain that outlived ``WORKER_SHUTDOWN_TIMEOUT_S``. ``check``: a check failed.
     FORCED = 1
-    #: Invalid settings, or a credential, certificate or ACL problem found at start-up.
+    #: Invalid settings, or a credential, certificate, ACL or missing topic to fix (for
+    #: ``run`` found at start-up); a file ``produce`` cannot read.
     CONFIG = 2
     #: An outcome can never be written, or too many records in a row met a bug.
     FATAL = 3
     #: ``replay``: some selected dead letters were not re-produced (refused, or the broker
     #: did not take them; the summary says which), or the dead-letter topic cannot be read.
+    #: ``produce``, ``topics``, ``tail``: Kafka unreachable, or not all was done (not every
+    #: request acknowledged; a topic without leaders; fewer records than ``--wait`` asked).
     INCOMPLETE = 4
+    #: Ctrl-C stopped a command other than ``run`` (128 + SIGINT, the shells' convention);
+    #: ``run`` stops on it as on SIGTERM.
+    INTERRUPTED = 130
 
 
 class Fatal(RuntimeError):
