@@ -59,10 +59,11 @@ def run_worker(args: argparse.Namespace) -> int:
     from worker.checks.startup import StartupCheckFailed
     from worker.errors import Fatal, WriteFailed
     from worker.observability import configure_logging
+    from worker.shutdown import end_process
 
     configure_logging(settings.ops.log_format, settings.ops.log_level)
     try:
-        return run_async(serve(settings))
+        end_process(run_async(serve(settings)))
     except (ConfigError, StartupCheckFailed) as exc:
         # A credential, certificate or ACL problem found at start-up: no retry fixes it.
         print(f"error: {exc}", file=sys.stderr)

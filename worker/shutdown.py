@@ -15,16 +15,17 @@ import asyncio
 import contextlib
 import os
 import signal
+import sys
 import threading
 from collections.abc import Callable
 from types import FrameType
-from typing import Protocol
+from typing import NoReturn, Protocol
 
 import structlog
 
 from worker.errors import ExitCode
 
-__all__ = ["FORCED_EXIT_S", "Stoppable", "TwoStageSignals"]
+__all__ = ["FORCED_EXIT_S", "Stoppable", "TwoStageSignals", "end_process"]
 
 log = structlog.get_logger(__name__)
 
@@ -108,4 +109,19 @@ def _exit_now(code: int, why: str) -> None:
     )
     say.start()
     say.join(0.1)
+    os._exit(code)
+
+
+def end_process(code: int) -> NoReturn:
+    """End a process whose worker has stopped, skipping the interpreter's own teardown.
+
+    The worker closed what needs closing (commits, producer flush, spans). The
+    teardown that remains would run with the signal handlers back to their defaults
+    (a second Ctrl-C then kills the process with SIGINT's status, not exit 1), and
+    can block: garbage-collecting a librdkafka handle with the broker unreachable
+    waits on its threads.
+    """
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
     os._exit(code)

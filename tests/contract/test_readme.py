@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from devtools.readme import contents_markdown, exit_codes_markdown, headings
+from devtools.readme import anchor, contents_markdown, exit_codes_markdown, headings
 from worker.errors import ExitCode
 from worker.observability import metrics_reference_markdown
 from worker.settings import reference_table_markdown
@@ -72,3 +72,13 @@ def test_the_two_commands_section_starts_with_make_demo_and_make_test() -> None:
     first_block = section[section.index("```sh") : section.index("```", section.index("```sh") + 5)]
     assert "make demo" in first_block
     assert "make test" in first_block
+
+
+def test_contents_links_use_githubs_anchors() -> None:
+    """Backticks, colons and parentheses drop out of an anchor; spaces become hyphens."""
+    assert anchor("What `make demo` shows") == "what-make-demo-shows"
+    assert anchor("Kafka: TLS and SASL") == "kafka-tls-and-sasl"
+    assert (
+        anchor("Results (one run: `python -m devtools bench --backlog 1000000`)")
+        == "results-one-run-python--m-devtools-bench---backlog-1000000"
+    )

@@ -194,6 +194,7 @@ async def test_sigterm_while_the_broker_is_down_ends_the_worker(
                 f"broker down:\n{tail(tmp_path / 'worker.log', 30)}"
             )
         took_s = time.monotonic() - signalled
+        print(f"\nexit {code} {took_s:.2f} s after SIGTERM x{signals}")
     finally:
         if proc.poll() is None:
             proc.kill()

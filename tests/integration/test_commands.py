@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Mapping
@@ -19,6 +20,7 @@ import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
 from devtools.devstack.process import free_port
+from tests.support import silent_broker
 from worker.errors import ExitCode
 
 pytestmark = pytest.mark.timeout(120)
@@ -165,3 +167,33 @@ async def test_command_failures_end_in_one_line_and_a_documented_code(
     assert done.returncode == code, done.stderr
     assert says in _one_error_line(done)
     assert "Traceback" not in done.stderr
+
+
+def test_ctrl_c_ends_a_command_without_a_traceback(unique: str) -> None:
+    """Ctrl-C while produce waits on a broker that never answers: exit 130, no traceback."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WORKER_")}
+    with silent_broker() as broker:
+        env["WORKER_BOOTSTRAP_SERVERS"] = broker.address
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "worker", "produce", "--file", "-", "--topic", unique],
+            env=env,
+            stdin=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            assert proc.stdin is not None
+            proc.stdin.write(json.dumps(REQUEST))
+            proc.stdin.close()
+            assert broker.connected.wait(60), "produce never contacted the broker"
+            proc.send_signal(signal.SIGINT)
+            proc.wait(timeout=10)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            assert proc.stderr is not None
+            stderr = proc.stderr.read()
+            proc.stderr.close()
+    assert proc.returncode == ExitCode.INTERRUPTED, stderr
+    assert "Traceback" not in stderr
