@@ -43,6 +43,9 @@ from worker.triton.pool import TritonPool
 
 log = structlog.get_logger(__name__)
 
+#: How often the records still running after their cancellation are cancelled again.
+_RECANCEL_S = 0.5
+
 
 class Worker:
     """The inference worker: Kafka in, Triton streams, Kafka out."""
@@ -207,6 +210,8 @@ class Worker:
             return True
         log.info("startup_abandoned")
         starting.cancel()
+        # Whatever it ends with now concerns no one: retrieved, so it is never reported.
+        starting.add_done_callback(lambda task: task.cancelled() or task.exception())
         # Cancelled mid-call a client may take a moment; one that does not answer at all
         # (a broker that accepts and never replies) is left behind, bounded.
         if not await within(starting, self._forced, CLOSE_TIMEOUT_S):
@@ -214,6 +219,7 @@ class Worker:
         return False
 
     async def _serve(self) -> None:
+        """Fetch and process until ``request_stop``; then stop fetching and drain."""
         async with asyncio.TaskGroup() as tasks:
             self.dispatcher.group = tasks
             fetching = tasks.create_task(self.intake.run(), name="intake")
@@ -262,10 +268,25 @@ class Worker:
                 log.warning("drain_timeout", in_flight=self.window.in_flight, timeout_s=timeout_s)
             self.abandoned = True
             self.dispatcher.cancel_all()
-        if self.dispatcher.running:
-            running = asyncio.gather(*self.dispatcher.running, return_exceptions=True)
-            await within(running, self._forced, None)
+        await self._cancelled_records_end()
         await bounded_step(self.delivery.commit(), "final_commit", self._forced)
+
+    async def _cancelled_records_end(self) -> None:
+        """Wait (bounded) for the records' tasks to end, cancelling again those that go on.
+
+        A cancellation can be lost: ``asyncio.wait_for`` (Python 3.11) returns a response
+        that arrived as it was cancelled, and its record then goes on to publish, to a
+        broker that may not answer. Cancelled again, it ends at its next wait.
+        """
+        deadline = asyncio.get_running_loop().time() + CLOSE_TIMEOUT_S
+        while self.dispatcher.running:
+            running = asyncio.gather(*self.dispatcher.running, return_exceptions=True)
+            # On timeout `within` cancels the gathering, which cancels each record again.
+            if await within(running, self._forced, _RECANCEL_S):
+                return
+            if self._forced.is_set() or asyncio.get_running_loop().time() > deadline:
+                log.warning("shutdown_step_abandoned", step="records", reason="still running")
+                return
 
     async def stop(self) -> None:
         """Close Triton streams, the producer, the consumer, the HTTP server. Idempotent."""

@@ -104,3 +104,26 @@ async def test_a_second_stop_ends_a_stuck_start_up_within_the_forced_budget(
     await asyncio.wait_for(task, FORCED_CLOSE_TIMEOUT_S + 0.5)
     assert worker.abandoned
     start.released.set()
+
+
+async def test_a_record_that_outlives_its_cancellation_is_cancelled_again(worker: Worker) -> None:
+    """A record whose cancellation was lost goes on waiting (say, for an ack from a broker
+    that does not answer): the shutdown cancels it again instead of waiting for it."""
+    waiting, swallowed = asyncio.Event(), asyncio.Event()
+
+    async def deaf_once() -> None:
+        waiting.set()
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            swallowed.set()  # lost, as asyncio.wait_for on Python 3.11 can lose it
+        await asyncio.Event().wait()
+
+    task = asyncio.create_task(deaf_once())
+    worker.dispatcher.running.add(task)
+    task.add_done_callback(worker.dispatcher.running.discard)
+    await waiting.wait()
+    task.cancel()  # what the drain's cancel_all does
+    await asyncio.wait_for(worker._cancelled_records_end(), 2)
+    assert swallowed.is_set()
+    assert task.cancelled()
