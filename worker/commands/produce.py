@@ -146,7 +146,8 @@ def run_produce(args: argparse.Namespace) -> int:
     """``produce``: 0 once every request is acknowledged; 2 for a file, a setting, a topic or
     a credential to fix; 4 when Kafka is unreachable or did not take every request."""
     try:
-        connection = read_connection(args, optional=["input_topics"])
+        # The input topics are read only to default --topic (and only then judged).
+        connection = read_connection(args, optional=[] if args.topic else ["input_topics"])
         topic = args.topic or _first_input_topic(connection)
         records = _records(args.file)
     except (ConfigError, CommandFailed) as exc:

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Coroutine
+from pathlib import Path
+from typing import Any
 
 import pytest
 from aiokafka.structs import ConsumerRecord
@@ -128,3 +131,24 @@ def test_a_record_line_holds_its_value_as_json_text_or_base64() -> None:
     assert record_line(_record(b"not json", []))["value"] == "not json"
     assert record_line(_record(b"\xff\x00", []))["value_base64"] == "/wA="
     assert record_line(_record(None, []))["value"] is None
+
+
+def test_produce_with_a_topic_does_not_judge_the_input_topics(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """--topic given: an unusable WORKER_INPUT_TOPICS is neither needed nor refused."""
+    from worker.commands import produce
+
+    started: list[str] = []
+
+    def run_command(work: Coroutine[Any, Any, int]) -> int:
+        started.append(work.cr_code.co_name)  # the Kafka side is not this test's concern
+        work.close()
+        return 0
+
+    monkeypatch.setattr(produce, "run_command", run_command)
+    monkeypatch.setenv("WORKER_INPUT_TOPICS", "a,a")  # duplicate names: invalid
+    requests = tmp_path / "requests.json"
+    requests.write_text('{"id": "r1", "inputs": []}')
+    assert produce.run_produce(_args("produce", "--file", str(requests), "--topic", "t")) == 0
+    assert started == ["_produce"]
