@@ -18,7 +18,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 from devtools import samples
-from worker.produce import Outgoing, progress_bar, send_all
+from worker.commands.produce import Outgoing, progress_bar, send_all
 from worker.wire import header_value
 
 #: Small enough that the "oversized" sample still fits a default broker message.
@@ -105,17 +105,14 @@ def run_demo(args: argparse.Namespace) -> int:
 
 
 async def _demo(stack: Any, args: argparse.Namespace, console: Console, workdir: Path) -> int:
+    from devtools.devstack.stack import DEFAULT_TOPICS, INPUT_PARTITIONS
     from worker.app import Worker
     from worker.observability import configure_logging
     from worker.settings import load_settings
 
-    topics = {
-        "input": "inference-requests",
-        "output": "inference-results",
-        "dlq": "inference-dead-letters",
-    }
-    await stack.kafka.create_topics([topics["input"]], partitions=4)
-    await stack.kafka.create_topics([topics["output"], topics["dlq"]], partitions=4)
+    topics = DEFAULT_TOPICS
+    await stack.kafka.create_topics([topics["input"]], partitions=INPUT_PARTITIONS)
+    await stack.kafka.create_topics([topics["output"], topics["dlq"]], partitions=INPUT_PARTITIONS)
     settings = load_settings(
         {
             "WORKER_BOOTSTRAP_SERVERS": stack.kafka.bootstrap_servers,

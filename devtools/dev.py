@@ -24,6 +24,34 @@ def add_dev_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]
     dev.set_defaults(handler=run_dev)
 
 
+def _up(args: argparse.Namespace, console: Console) -> int:
+    """``dev up``: 0 once the stack runs with its topics; one line (and 0) if one already ran."""
+    models = [m for m in args.models.split(",") if m] if args.models else None
+    try:
+        with console.status("starting Kafka and Triton..."):
+            running = stack.up(kafka_nodes=args.kafka_nodes, models=models, log=console.print)
+    except stack.StackRunning as already:
+        where = already.stack.describe()
+        print(
+            f"a local stack is already running (kafka {where['kafka bootstrap']}, "
+            f"triton {where['triton grpc']}); `python -m devtools dev down` stops it"
+        )
+        return 0
+    table = Table(title="local stack is up", show_header=False)
+    for name, address in running.describe().items():
+        table.add_row(name, address)
+    table.add_row("topics", ", ".join(stack.DEFAULT_TOPICS.values()))
+    for part, seconds in running.timings_s.items():
+        table.add_row(f"ready in ({part})", f"{seconds:.1f} s")
+    console.print(table)
+    console.print("stop it with: [bold]python -m devtools dev down[/bold]")
+    console.print("a worker's settings for it, ready to paste:")
+    # Plain print: rich would wrap or colour what the shell must read verbatim.
+    for name, value in running.worker_env().items():
+        print(f"export {name}={value}")
+    return 0
+
+
 def run_dev(args: argparse.Namespace) -> int:
     console = Console(stderr=False)
     log = console.print
@@ -32,17 +60,7 @@ def run_dev(args: argparse.Namespace) -> int:
         log("[green]Kafka jars and Triton are in the cache[/green]")
         return 0
     if args.dev_command == "up":
-        models = [m for m in args.models.split(",") if m] if args.models else None
-        with console.status("starting Kafka and Triton..."):
-            running = stack.up(kafka_nodes=args.kafka_nodes, models=models, log=log)
-        table = Table(title="local stack is up", show_header=False)
-        for name, address in running.describe().items():
-            table.add_row(name, address)
-        for part, seconds in running.timings_s.items():
-            table.add_row(f"ready in ({part})", f"{seconds:.1f} s")
-        console.print(table)
-        log("stop it with: [bold]python -m devtools dev down[/bold]")
-        return 0
+        return _up(args, console)
     if args.dev_command == "status":
         current = stack.LocalStack.load()
         if current is None:

@@ -25,10 +25,11 @@ FLOW = (
     ("observability", "logs, metrics, health endpoints, records in flight"),
     ("checks", "start-up checks and the check command"),
     ("replay", "the replay command: dead letters back to their source topics"),
+    ("commands", "the commands beside run that reach Kafka: produce, topics, tail"),
 )
 #: Top-level modules of worker/, around the packages.
 TOP_LEVEL = (
-    "app", "dispatch", "record", "fastpath", "streaming", "errors", "audit", "cli", "produce",
+    "app", "dispatch", "record", "fastpath", "streaming", "errors", "audit", "cli", "shutdown",
 )  # fmt: skip
 
 

@@ -1,8 +1,8 @@
 """``schemas``: write ``schemas/`` and the README's generated tables from the code.
 
 The schemas come from the wire types (``worker.wire.messages.generate_schemas``), the
-tables from the settings and metrics declarations; contract tests keep the committed
-files equal to what this writes.
+tables from the settings, metrics and exit-code declarations, the contents from the
+README's own headings; contract tests keep the committed files equal to what this writes.
 """
 
 from __future__ import annotations
@@ -43,11 +43,14 @@ def write_schemas(directory: Path | None = None) -> list[Path]:
     return written
 
 
-def readme_sections() -> dict[str, str]:
-    """Each generated README section, by its marker name."""
+def readme_sections(text: str | None = None) -> dict[str, str]:
+    """Each generated README section, by its marker name (``text``: the README's)."""
     from devtools.layout import module_table_markdown
+    from devtools.readme import contents_markdown, exit_codes_markdown
 
     return {
+        "contents": contents_markdown(README.read_text() if text is None else text),
+        "exit-codes-table": exit_codes_markdown(),
         "settings-table": reference_table_markdown(),
         "metrics-table": metrics_reference_markdown(),
         "module-table": module_table_markdown(),
@@ -57,7 +60,7 @@ def readme_sections() -> dict[str, str]:
 def write_readme(path: Path = README) -> None:
     """Replace every generated section of the README (between its markers)."""
     text = path.read_text()
-    for marker, body in readme_sections().items():
+    for marker, body in readme_sections(text).items():
         pattern = re.compile(rf"(<!-- {marker}:start[^>]*-->\n)(.*?)(<!-- {marker}:end -->)", re.S)
 
         def replace(match: re.Match[str], body: str = body) -> str:

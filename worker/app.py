@@ -1,15 +1,15 @@
 """Wiring and lifecycle: ``start()`` → ``run()`` → ``stop()``, every task in one TaskGroup.
 
-Shutdown (``request_stop``, the first SIGTERM/SIGINT): stop fetching, let the
-in-flight records finish within ``shutdown_timeout_s``, commit, close. A second
-signal (``force_stop``) abandons what is still in flight; those records are not
-committed and will be consumed again.
+Shutdown (``request_stop``, the first SIGTERM/SIGINT): during start-up, abandon it;
+once running, stop fetching, let the in-flight records finish within
+``shutdown_timeout_s``, commit, close. A second signal (``force_stop``), or a drain
+that runs out of time, abandons what is still in flight; those records are not
+committed and will be consumed again (exit 1, ``ExitCode.FORCED``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import gc
 import os
 from collections.abc import Coroutine, Mapping
@@ -24,7 +24,7 @@ from worker.delivery import build_delivery
 from worker.dispatch import Dispatcher, fast_path_allowed
 from worker.errors import ExitCode
 from worker.fastpath import FastPath
-from worker.flow.bounded import bounded_step
+from worker.flow.bounded import CLOSE_TIMEOUT_S, Forced, bounded_step, within
 from worker.flow.breaker import CircuitBreaker
 from worker.flow.holds import ModelGate
 from worker.flow.limiter import AdaptiveLimiter
@@ -36,11 +36,15 @@ from worker.observability.readiness import readiness_of
 from worker.observability.tracing import Tracing, build_tracing
 from worker.record import RecordHandler, RecordRules
 from worker.settings import Settings
+from worker.shutdown import TwoStageSignals
 from worker.triton import auth as triton_auth
 from worker.triton.batching import MicroBatcher
 from worker.triton.pool import TritonPool
 
 log = structlog.get_logger(__name__)
+
+#: How often the records still running after their cancellation are cancelled again.
+_RECANCEL_S = 0.5
 
 
 class Worker:
@@ -151,8 +155,10 @@ class Worker:
         self.triton_up = False
         self.started = asyncio.Event()
         self._stop = asyncio.Event()
-        self._forced = asyncio.Event()
+        self._forced = Forced()
         self._stopped = False
+        #: True once a shutdown left records undone (a second signal, or the drain's bound).
+        self.abandoned = False
         # Read at scrape time rather than set on every record.
         self.metrics.window_limit.set_function(lambda: self.window.limit)
         self.metrics.in_flight.set_function(lambda: self.window.in_flight)
@@ -178,37 +184,65 @@ class Worker:
         log.info("worker_started", settings=self.settings.redacted())
 
     async def run(self) -> None:
-        """Run until ``request_stop``; then drain, commit and close."""
+        """Start, run until ``request_stop``; then drain, commit and close.
+
+        A stop requested during start-up abandons it: nothing is fetched, and what had
+        started is closed. A start that fails closes what it had built, too.
+        """
         try:
-            # Inside the try: a start that fails still closes what was built.
-            await self.start()
-            async with asyncio.TaskGroup() as tasks:
-                self.dispatcher.group = tasks
-                fetching = tasks.create_task(self.intake.run(), name="intake")
-                background = [
-                    tasks.create_task(self.delivery.commit_loop(), name="commits"),
-                    tasks.create_task(
-                        self.breaker.probe_loop(
-                            self.pool.server_live,
-                            self.settings.retry.breaker_probe_interval_ms / 1000,
-                            self._report_health,
-                        ),
-                        name="triton-health",
-                    ),
-                    tasks.create_task(self.models.probe_loop(), name="model-readiness"),
-                    tasks.create_task(self.model_health.probe_loop(), name="model-health"),
-                    tasks.create_task(self.inflight.watch(), name="stuck-records"),
-                ]
-                self.started.set()
-                await self._stop.wait()
-                self.intake.request_stop()
-                await fetching
-                await self._drain()
-                for task in background:
-                    task.cancel()
+            if await self._start_unless_stopped():
+                await self._serve()
         finally:
             self.dispatcher.group = None
             await self.stop()
+
+    async def _start_unless_stopped(self) -> bool:
+        """``start()``; False when a stop came first (the start-up's error is raised)."""
+        starting = asyncio.ensure_future(self.start())
+        stopping = asyncio.ensure_future(self._stop.wait())
+        try:
+            await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopping.cancel()
+        if starting.done():
+            starting.result()
+            return True
+        log.info("startup_abandoned")
+        starting.cancel()
+        # Whatever it ends with now concerns no one: retrieved, so it is never reported.
+        starting.add_done_callback(lambda task: task.cancelled() or task.exception())
+        # Cancelled mid-call a client may take a moment; one that does not answer at all
+        # (a broker that accepts and never replies) is left behind, bounded.
+        if not await within(starting, self._forced, CLOSE_TIMEOUT_S):
+            log.warning("shutdown_step_abandoned", step="startup", reason="no answer")
+        return False
+
+    async def _serve(self) -> None:
+        """Fetch and process until ``request_stop``; then stop fetching and drain."""
+        async with asyncio.TaskGroup() as tasks:
+            self.dispatcher.group = tasks
+            fetching = tasks.create_task(self.intake.run(), name="intake")
+            background = [
+                tasks.create_task(self.delivery.commit_loop(), name="commits"),
+                tasks.create_task(
+                    self.breaker.probe_loop(
+                        self.pool.server_live,
+                        self.settings.retry.breaker_probe_interval_ms / 1000,
+                        self._report_health,
+                    ),
+                    name="triton-health",
+                ),
+                tasks.create_task(self.models.probe_loop(), name="model-readiness"),
+                tasks.create_task(self.model_health.probe_loop(), name="model-health"),
+                tasks.create_task(self.inflight.watch(), name="stuck-records"),
+            ]
+            self.started.set()
+            await self._stop.wait()
+            self.intake.request_stop()
+            await fetching
+            await self._drain()
+            for task in background:
+                task.cancel()
 
     def request_stop(self) -> None:
         """Begin a graceful shutdown (first signal)."""
@@ -222,18 +256,36 @@ class Worker:
         """
         self._stop.set()
         self._forced.set()
+        self.abandoned = True
         self.dispatcher.cancel_all()
 
     async def _drain(self) -> None:
         """Wait for in-flight records within the bound, then commit what is done."""
         timeout_s = self.settings.ops.shutdown_timeout_s
-        try:
-            await asyncio.wait_for(self.window.wait_empty(), timeout_s)
-        except TimeoutError:
-            log.warning("drain_timeout", in_flight=self.window.in_flight, timeout_s=timeout_s)
+        if not await within(self.window.wait_empty(), self._forced, timeout_s):
+            if not self._forced.is_set():
+                log.warning("drain_timeout", in_flight=self.window.in_flight, timeout_s=timeout_s)
+            self.abandoned = True
             self.dispatcher.cancel_all()
-        await asyncio.gather(*self.dispatcher.running, return_exceptions=True)
+        await self._cancelled_records_end()
         await bounded_step(self.delivery.commit(), "final_commit", self._forced)
+
+    async def _cancelled_records_end(self) -> None:
+        """Wait (bounded) for the records' tasks to end, cancelling again those that go on.
+
+        A cancellation can be lost: ``asyncio.wait_for`` (Python 3.11) returns a response
+        that arrived as it was cancelled, and its record then goes on to publish, to a
+        broker that may not answer. Cancelled again, it ends at its next wait.
+        """
+        deadline = asyncio.get_running_loop().time() + CLOSE_TIMEOUT_S
+        while self.dispatcher.running:
+            running = asyncio.gather(*self.dispatcher.running, return_exceptions=True)
+            # On timeout `within` cancels the gathering, which cancels each record again.
+            if await within(running, self._forced, _RECANCEL_S):
+                return
+            if self._forced.is_set() or asyncio.get_running_loop().time() > deadline:
+                log.warning("shutdown_step_abandoned", step="records", reason="still running")
+                return
 
     async def stop(self) -> None:
         """Close Triton streams, the producer, the consumer, the HTTP server. Idempotent."""
@@ -241,7 +293,9 @@ class Worker:
             return
         self._stopped = True
         await self.batcher.close()
-        await self.pool.close(drain_timeout_s=5.0)
+        await bounded_step(
+            self.pool.close(drain_timeout_s=5.0), "triton_close", self._forced, unbounded=True
+        )
         await bounded_step(self.delivery.close(), "transactions_close", self._forced)
         await bounded_step(self.publisher.stop(), "producer_close", self._forced)
         await bounded_step(self.intake.stop(), "consumer_close", self._forced)
@@ -313,30 +367,18 @@ def run_async(main: Coroutine[Any, Any, int]) -> int:
 
 
 async def serve(settings: Settings, worker: Worker | None = None) -> int:
-    """Run a worker under SIGTERM/SIGINT handling; return the process exit code."""
-    import signal
+    """The process's main: run a worker under SIGTERM/SIGINT; return the exit code.
 
+    0 after a clean stop; 1 (``ExitCode.FORCED``) when records were abandoned: a second
+    signal, or a drain that outlived ``WORKER_SHUTDOWN_TIMEOUT_S``. After a second
+    signal the process ends within ``FORCED_EXIT_S`` (``worker.shutdown``), even from
+    outside the event loop: call it only as the process's last act.
+    """
     worker = worker or Worker(settings)
-    loop = asyncio.get_running_loop()
-    signals = (signal.SIGTERM, signal.SIGINT)
-    received = 0
-
-    def on_signal(signum: int) -> None:
-        nonlocal received
-        received += 1
-        if received == 1:
-            log.info("shutdown_requested", signal=signal.Signals(signum).name)
-            worker.request_stop()
-        else:
-            log.warning("forced_exit", signal=signal.Signals(signum).name)
-            worker.force_stop()
-
-    for signum in signals:
-        loop.add_signal_handler(signum, on_signal, signum)
+    signals = TwoStageSignals(worker)
+    signals.install()
     try:
         await worker.run()
     finally:
-        for signum in signals:
-            with contextlib.suppress(Exception):
-                loop.remove_signal_handler(signum)
-    return ExitCode.OK if received <= 1 else ExitCode.FORCED
+        signals.uninstall()
+    return ExitCode.FORCED if signals.received > 1 or worker.abandoned else ExitCode.OK

@@ -1,4 +1,4 @@
-"""Command line: ``run``, ``check``, ``produce``, ``replay``. Nothing imports this module."""
+"""Command line: `run`, `check`, `topics`, `produce`, `tail`, `replay`. Imported by nothing."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from collections.abc import Sequence
 
 from worker import __version__
 from worker.checks.report import add_check_parser
+from worker.commands import add_produce_parser, add_tail_parser, add_topics_parser
 from worker.errors import ExitCode
-from worker.produce import add_produce_parser
 from worker.replay import add_replay_parser
 
 
@@ -30,7 +30,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.set_defaults(handler=run_worker)
     add_check_parser(commands)
+    add_topics_parser(commands)
     add_produce_parser(commands)
+    add_tail_parser(commands)
     add_replay_parser(commands)
     return parser
 
@@ -56,10 +58,11 @@ def run_worker(args: argparse.Namespace) -> int:
     from worker.app import run_async, serve
     from worker.errors import CannotRun, Fatal, WriteFailed
     from worker.observability import configure_logging
+    from worker.shutdown import end_process
 
     configure_logging(settings.ops.log_format, settings.ops.log_level)
     try:
-        return run_async(serve(settings))
+        end_process(run_async(serve(settings)))
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return ExitCode.CONFIG
@@ -91,11 +94,17 @@ def _first_leaf(group: BaseExceptionGroup[BaseException]) -> BaseException:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``python -m worker`` and the ``kafka-triton-worker`` script."""
-    parser = build_parser()
-    args, extra = parser.parse_known_args(list(argv) if argv is not None else sys.argv[1:])
-    if args.command == "run":
-        args.settings = extra
-    elif extra:
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    code: int = args.handler(args)
+    words = list(argv) if argv is not None else sys.argv[1:]
+    try:
+        parser = build_parser()
+        args, extra = parser.parse_known_args(words)
+        if args.command == "run":
+            args.settings = extra
+        elif extra:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        code: int = args.handler(args)
+    except KeyboardInterrupt:
+        # Ctrl-C outside `run`'s own signal handling (while loading, or in another
+        # command): no traceback. `run` had taken nothing yet: a clean stop.
+        return ExitCode.OK if words[:1] == ["run"] else ExitCode.INTERRUPTED
     return code

@@ -180,23 +180,32 @@ RETRY_REASONS: Final[tuple[str, ...]] = tuple(
 
 
 class ExitCode(enum.IntEnum):
-    """The worker's process exit codes."""
+    """The worker's process exit codes (the README's table is generated from these comments)."""
 
+    #: Done: ``run`` stopped cleanly (every record it took finished and committed, or its
+    #: start-up abandoned before taking any); another command did all it was asked.
     OK = 0
-    #: A second signal abandoned in-flight records (they stay uncommitted).
+    #: ``run`` abandoned records, which stay uncommitted and are consumed again: a second
+    #: signal, or a drain that outlived ``WORKER_SHUTDOWN_TIMEOUT_S``. ``check``: a check failed.
     FORCED = 1
     #: Invalid settings; a credential, certificate, security protocol or ACL problem, or a
-    #: missing topic, found at start-up; or the broker refusing the worker its group or
-    #: topics while it runs.
+    #: missing topic, found at start-up; the broker refusing the worker its group or
+    #: topics while it runs; a file ``produce`` cannot read.
     CONFIG = 2
     #: An outcome can never be written, or too many records in a row met a bug.
     FATAL = 3
     #: ``replay``: some selected dead letters were not re-produced (refused, or the broker
     #: did not take them; the summary says which), or the dead-letter topic cannot be read.
+    #: ``produce``, ``topics``, ``tail``: not all was done (not every request acknowledged;
+    #: a topic without leaders; fewer records than ``--wait`` asked).
     INCOMPLETE = 4
-    #: Kafka could not be reached at start-up (no bootstrap server answered within
-    #: ``WORKER_KAFKA_STARTUP_TIMEOUT_S``): the orchestrator's restart tries again.
+    #: Kafka could not be reached: by ``run`` at start-up (no bootstrap server answered
+    #: within ``WORKER_KAFKA_STARTUP_TIMEOUT_S``; the orchestrator's restart tries again),
+    #: by ``produce``, ``topics`` or ``tail`` at all.
     UNAVAILABLE = 5
+    #: Ctrl-C stopped a command other than ``run`` (128 + SIGINT, the shells' convention);
+    #: ``run`` stops on it as on SIGTERM.
+    INTERRUPTED = 130
 
 
 class CannotRun(Exception):

@@ -16,10 +16,27 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from devtools.devstack.kafka import KafkaCluster, ensure_kafka_jars
+from devtools.devstack.kafka import KafkaCluster, ensure_kafka_jars, run_sync
 from devtools.devstack.paths import models_dir, run_dir
 from devtools.devstack.process import pid_alive
 from devtools.devstack.triton import TritonServer, ensure_triton
+
+#: The topics `dev up` creates and the demo uses: the worker's input, output and dead letters.
+DEFAULT_TOPICS = {
+    "input": "inference-requests",
+    "output": "inference-results",
+    "dlq": "inference-dead-letters",
+}
+#: Partitions of the default input topic: room for a few workers to share it.
+INPUT_PARTITIONS = 4
+
+
+class StackRunning(RuntimeError):
+    """``dev up`` found a stack already running; ``stack`` is the one recorded."""
+
+    def __init__(self, stack: LocalStack) -> None:
+        super().__init__("a local stack is already running")
+        self.stack = stack
 
 
 def fetch(log: Callable[[str], None] = print) -> None:
@@ -92,6 +109,27 @@ class LocalStack:
             "triton metrics": f"http://{self.triton.metrics_address}/metrics",
         }
 
+    def create_default_topics(self) -> None:
+        """Create DEFAULT_TOPICS (the input with INPUT_PARTITIONS); wait for their leaders."""
+        run_sync(
+            lambda: self.kafka.create_topics([DEFAULT_TOPICS["input"]], partitions=INPUT_PARTITIONS)
+        )
+        run_sync(
+            lambda: self.kafka.create_topics(
+                [DEFAULT_TOPICS["output"], DEFAULT_TOPICS["dlq"]], partitions=INPUT_PARTITIONS
+            )
+        )
+
+    def worker_env(self) -> dict[str, str]:
+        """The WORKER_* settings of a worker on this stack and its default topics."""
+        return {
+            "WORKER_BOOTSTRAP_SERVERS": self.kafka.bootstrap_servers,
+            "WORKER_TRITON_URL": self.triton.grpc_address,
+            "WORKER_INPUT_TOPICS": DEFAULT_TOPICS["input"],
+            "WORKER_OUTPUT_TOPIC": DEFAULT_TOPICS["output"],
+            "WORKER_DLQ_TOPIC": DEFAULT_TOPICS["dlq"],
+        }
+
     # -- persisted state, for `dev up` / `dev status` / `dev down` ---------
 
     def save(self) -> Path:
@@ -131,14 +169,22 @@ class LocalStack:
 def up(
     *, kafka_nodes: int = 1, models: Sequence[str] | None = None, log: Callable[[str], None] = print
 ) -> LocalStack:
-    """Start a stack that outlives this process (``dev up``)."""
+    """Start a stack that outlives this process (``dev up``), with DEFAULT_TOPICS created.
+
+    Raises StackRunning when one recorded by an earlier ``dev up`` still runs.
+    """
     existing = LocalStack.load()
     if existing is not None and any(alive for _, _, alive in existing.processes()):
-        raise RuntimeError("a local stack is already running: `python -m devtools dev down` first")
+        raise StackRunning(existing)
     workdir = run_dir() / "stack"
     shutil.rmtree(workdir, ignore_errors=True)
     stack = LocalStack.create(workdir, kafka_nodes=kafka_nodes, models=models, log=log)
     stack.start()
+    try:
+        stack.create_default_topics()
+    except BaseException:
+        stack.stop()
+        raise
     stack.save()
     return stack
 

@@ -31,7 +31,8 @@ def _dev(home: Path, *args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_dev_up_status_down_leaves_nothing_running(tmp_path: Path) -> None:
-    """`dev up` prints the addresses, `status` sees every process, `down` leaves none behind."""
+    """`dev up` prints the addresses and the exports, creates the topics; a second `dev up`
+    says one line; `status` sees every process, `down` leaves none behind."""
     home = tmp_path / "devstack"
     home.mkdir()
     (home / "cache").symlink_to(cache_dir())  # reuse the downloaded jars and wheel
@@ -45,6 +46,21 @@ def test_dev_up_status_down_leaves_nothing_running(tmp_path: Path) -> None:
         bootstrap = ",".join(f"127.0.0.1:{n['broker_port']}" for n in state["kafka"]["nodes"])
         assert bootstrap in up.stdout
         assert "dev down" in up.stdout
+        exports = _exports(up.stdout)
+        assert exports == {
+            "WORKER_BOOTSTRAP_SERVERS": bootstrap,
+            "WORKER_TRITON_URL": f"127.0.0.1:{state['triton']['ports']['grpc']}",
+            "WORKER_INPUT_TOPICS": "inference-requests",
+            "WORKER_OUTPUT_TOPIC": "inference-results",
+            "WORKER_DLQ_TOPIC": "inference-dead-letters",
+        }
+        _assert_topics_exist(exports)
+
+        again = _dev(home, "up")
+        assert again.returncode == 0, again.stderr
+        assert again.stderr == ""
+        (line,) = again.stdout.splitlines()
+        assert "already running" in line and bootstrap in line and "dev down" in line
 
         status = _dev(home, "status")
         assert status.returncode == 0, status.stdout
@@ -54,3 +70,25 @@ def test_dev_up_status_down_leaves_nothing_running(tmp_path: Path) -> None:
     assert down.returncode == 0, down.stdout + down.stderr
     assert not any(pid_alive(pid) for pid in pids)
     assert _dev(home, "status").returncode == 1
+
+
+def _exports(stdout: str) -> dict[str, str]:
+    """The `export NAME=value` lines, as the shell would read them."""
+    lines = [line.split(" ", 1)[1] for line in stdout.splitlines() if line.startswith("export ")]
+    return dict(line.split("=", 1) for line in lines)
+
+
+def _assert_topics_exist(exports: dict[str, str]) -> None:
+    """`check` with the exported settings finds every topic (and Triton) ready."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("WORKER_")}
+    done = subprocess.run(
+        [sys.executable, "-m", "worker", "check"],
+        env=clean | exports | {"COLUMNS": "200"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    for topic in ("inference-requests", "inference-results", "inference-dead-letters"):
+        assert topic in done.stdout

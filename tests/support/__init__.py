@@ -2,6 +2,7 @@
 
 from tests.support.kafka import (
     Collected,
+    SilentBroker,
     Streams,
     Topics,
     collect,
@@ -12,6 +13,7 @@ from tests.support.kafka import (
     read_all,
     request_id_of,
     send,
+    silent_broker,
 )
 from tests.support.models import decode_sample, mlp_reference, result_outputs
 from tests.support.worker import (
@@ -37,6 +39,7 @@ __all__ = [
     "COMMIT_SLACK_MS",
     "Collected",
     "Exited",
+    "SilentBroker",
     "Streams",
     "Topics",
     "collect",
@@ -59,6 +62,7 @@ __all__ = [
     "running_worker",
     "send",
     "settings_for",
+    "silent_broker",
     "spawn_worker",
     "wait_exit",
     "wait_logged",

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -30,6 +32,43 @@ def local_kafka(nodes: int) -> Iterator[KafkaCluster]:
         finally:
             cluster.stop()
         assert cluster.running_nodes() == []
+
+
+@dataclass
+class SilentBroker:
+    """A TCP listener that accepts connections and never answers: a broker that hangs."""
+
+    address: str
+    #: Set once a client has connected.
+    connected: threading.Event
+
+
+@contextlib.contextmanager
+def silent_broker() -> Iterator[SilentBroker]:
+    """A local port that accepts Kafka connections and never replies (closed on exit).
+
+    A client's start-up then waits on its requests' timeouts, as against a broker whose
+    process is frozen, without freezing a broker other tests use.
+    """
+    server = socket.create_server(("127.0.0.1", 0))
+    connected = threading.Event()
+    held: list[socket.socket] = []
+
+    def accept() -> None:
+        with contextlib.suppress(OSError):  # the listener closed: done
+            while True:
+                held.append(server.accept()[0])
+                connected.set()
+
+    thread = threading.Thread(target=accept, name="silent-broker", daemon=True)
+    thread.start()
+    try:
+        yield SilentBroker(f"127.0.0.1:{server.getsockname()[1]}", connected)
+    finally:
+        server.close()
+        for conn in held:
+            conn.close()
+        thread.join(5)
 
 
 @dataclass

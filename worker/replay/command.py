@@ -18,9 +18,9 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from worker.commands.produce import progress_bar
 from worker.errors import ERROR_CODES, ExitCode
 from worker.kafka import kafka_client_kwargs
-from worker.produce import progress_bar
 from worker.replay.plan import Filters, Outcome, Planner, ReplayPlan, parse_time
 from worker.replay.transfer import ReplayError, replay
 from worker.settings import (
