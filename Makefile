@@ -21,7 +21,7 @@ FULL_PYTHONS ?= 3.13
 CONFLUENT_PYTHONS ?= 3.12
 UNIT_PYTHONS ?=
 
-.PHONY: help tools deploy-tools venv fetch test test-one matrix unit lint compose-test demo bench dev-up dev-down clean
+.PHONY: help tools deploy-tools venv fetch test test-one matrix unit lint docs compose-test demo bench dev-up dev-down clean
 
 help:
 	@echo "make demo      - start a local Kafka + Triton, run the worker end to end, print a summary"
@@ -29,6 +29,7 @@ help:
 	@echo "make test-one  - lint, type-check and the whole suite on the default Python only"
 	@echo "make compose-test - build and run docker-compose.yml on local stand-in images, check it"
 	@echo "make bench     - run the benchmark"
+	@echo "make docs      - build the documentation site into site/"
 
 tools:
 	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "Python 3.11+ is needed"' \
@@ -58,7 +59,7 @@ deploy-tools:
 
 $(STAMP): pyproject.toml constraints.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q -c constraints.txt -e '.[test,bench]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[test,bench,docs]'
 	@touch $(STAMP)
 
 venv: tools $(STAMP)
@@ -67,7 +68,7 @@ venv: tools $(STAMP)
 .venv-%/.installed: pyproject.toml constraints.txt
 	@found=$$(bash .ci/find-python $*) || exit 1; \
 		test -x .venv-$*/bin/python || $$found -m venv .venv-$*
-	.venv-$*/bin/python -m pip install -q -c constraints.txt -e '.[test,bench]'
+	.venv-$*/bin/python -m pip install -q -c constraints.txt -e '.[test,bench,docs]'
 	@touch $@
 
 fetch: venv
@@ -77,6 +78,12 @@ lint: venv
 	$(PY) -m ruff check worker devtools tests
 	$(PY) -m ruff format --check worker devtools tests
 	$(PY) -m mypy
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --quiet
+
+# The docs site, into site/: a broken link or anchor, or a page left out of the
+# navigation, fails the build (--strict with mkdocs.yml's validation settings).
+docs: venv
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
 
 test: test-one matrix
 
@@ -120,4 +127,4 @@ dev-down: venv
 
 clean:
 	-$(PY) -m devtools dev down
-	rm -rf $(VENV) .venv-* .devstack .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .venv-* .devstack .pytest_cache .mypy_cache .ruff_cache site

@@ -1,7 +1,7 @@
 """``python -m devtools``: the project's own tooling, run from a checkout, never shipped.
 
 ``dev`` (the local Kafka + Triton stack), ``demo``, ``produce`` (sample traffic),
-``bench`` and ``schemas`` (write ``schemas/`` from the code's types).
+``bench`` and ``schemas`` (write ``schemas/`` and the docs' generated parts from the code).
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from devtools.dev import add_dev_parser
 from devtools.schemas import add_schemas_parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """Every command of ``python -m devtools`` and its flags."""
     parser = argparse.ArgumentParser(
         prog="python -m devtools", description="Development tooling of kafka-triton-worker."
     )
@@ -25,6 +26,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_demo_parsers(commands)
     add_bench_parser(commands)
     add_schemas_parser(commands)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(list(argv) if argv is not None else sys.argv[1:])
     code: int = args.handler(args)
     return code

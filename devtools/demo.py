@@ -143,7 +143,7 @@ async def _demo(stack: Any, args: argparse.Namespace, console: Console, workdir:
     answers: dict[str, tuple[str, str | None, Any]] = {}
     with progress_bar(console) as progress:
         # The token streams go after the burst is answered: tritonserver 2.51 was seen
-        # to abort when decoupled and ordinary requests meet under a burst (README).
+        # to abort when decoupled and ordinary requests meet under a burst (docs/decisions/0009).
         for phase in (burst, streams):
             times = await send_all(
                 stack.kafka.bootstrap_servers, topics["input"], outgoing(phase), progress

@@ -1,7 +1,7 @@
 """The shape of ``worker/``: its packages in the order of the data flow, and its import graph.
 
-The README's module table is written from here (``python -m devtools schemas``), and the
-contract tests check the tree against it: every package listed in flow order, no import
+The module table of docs/how-it-works.md is written from here (``python -m devtools schemas``),
+and the contract tests check the tree against it: every package listed in flow order, no import
 cycle, nothing in ``worker/`` importing ``devtools``, no runtime module over 400 lines.
 """
 
@@ -107,7 +107,7 @@ def _markdown(docstring_text: str) -> str:
 
 
 def module_table_markdown() -> str:
-    """The README's module table: each package in flow order, then the top-level modules."""
+    """The module table: each package in flow order, then the top-level modules."""
     lines = ["| module | owns |", "| --- | --- |"]
     for package, summary in FLOW:
         lines.append(f"| **`worker/{package}/`** | {summary} |")

@@ -180,7 +180,7 @@ RETRY_REASONS: Final[tuple[str, ...]] = tuple(
 
 
 class ExitCode(enum.IntEnum):
-    """The worker's process exit codes (the README's table is generated from these comments)."""
+    """The worker's process exit codes (docs/running.md's table is generated from the comments)."""
 
     #: Done: ``run`` stopped cleanly (every record it took finished and committed, or its
     #: start-up abandoned before taking any); another command did all it was asked.

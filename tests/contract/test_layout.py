@@ -6,6 +6,7 @@ import ast
 import re
 from pathlib import Path
 
+from devtools.docs import between
 from devtools.layout import (
     FLOW,
     PROJECT_ROOT,
@@ -18,14 +19,13 @@ from devtools.layout import (
     runtime_modules,
 )
 
-README = PROJECT_ROOT / "README.md"
+HOW_IT_WORKS = PROJECT_ROOT / "docs" / "how-it-works.md"
 
 
 def _between(marker: str) -> str:
-    text = README.read_text()
-    found = re.search(rf"<!-- {marker}:start[^>]*-->\n(.*?)<!-- {marker}:end -->", text, re.S)
-    assert found, f"README lacks the {marker} markers"
-    return found.group(1)
+    found = between(HOW_IT_WORKS.read_text(), marker)
+    assert found is not None, f"how-it-works.md lacks the {marker} markers"
+    return found
 
 
 def test_no_import_cycle_in_the_worker() -> None:
@@ -93,18 +93,30 @@ def test_unit_tests_mirror_the_packages() -> None:
     assert {name for name, _ in FLOW} <= {p.name for p in unit.iterdir() if p.is_dir()}
 
 
-def test_readme_module_table_is_generated_from_the_tree() -> None:
-    """The README's module table is the one devtools writes from the modules' docstrings."""
+def test_the_module_table_is_generated_from_the_tree() -> None:
+    """How it works' module table is the one devtools writes from the modules' docstrings."""
     assert _between("module-table") == module_table_markdown()
 
 
-def test_readme_flow_diagram_follows_the_flow_order() -> None:
-    """The "How it works" diagram names the stages in the order of the packages."""
+def _diagram_modules() -> list[str]:
+    """``package/module`` and ``package/`` names in the flow diagram, in order of mention."""
     diagram = _between("flow-diagram")
-    stages = re.findall(r"^\s*(?:→\s*)?(\w+)/", diagram, re.M)
-    first_seen = list(dict.fromkeys(stages))
+    assert diagram.startswith("```mermaid\nflowchart")
+    return re.findall(r"(?<![\w/<])([a-z]+)/([a-z_]*)", diagram.replace("<br/>", " "))
+
+
+def test_the_flow_diagram_follows_the_flow_order() -> None:
+    """The "How it works" diagram names the stages in the order of the packages."""
+    first_seen = list(dict.fromkeys(package for package, _ in _diagram_modules()))
     assert first_seen == [name for name, _ in FLOW if name in first_seen]
     assert set(first_seen) >= {"kafka", "flow", "wire", "triton", "delivery"}
+
+
+def test_every_module_the_flow_diagram_names_exists() -> None:
+    """Each ``package/module`` of the diagram is a module of worker/, so a move breaks it."""
+    for package, module in _diagram_modules():
+        path = WORKER / package / f"{module}.py" if module else WORKER / package
+        assert path.exists(), f"{package}/{module}"
 
 
 def test_the_image_ships_only_the_worker() -> None:

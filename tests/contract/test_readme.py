@@ -1,55 +1,54 @@
-"""The README's reference tables and contents are the ones the code generates; it opens with
-a quickstart."""
+"""The README is short: what the worker is, the quickstart, installing, a map of the docs."""
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
 
-from devtools.readme import anchor, contents_markdown, exit_codes_markdown, headings
-from worker.errors import ExitCode
-from worker.observability import metrics_reference_markdown
-from worker.settings import reference_table_markdown
+from devtools.docs import DOCS, between, github_anchor, headings, mkdocs_anchor, pages
 
-README = Path(__file__).resolve().parents[2] / "README.md"
-
-
-def _between(marker: str) -> str:
-    text = README.read_text()
-    found = re.search(rf"<!-- {marker}:start[^>]*-->\n(.*?)<!-- {marker}:end -->", text, re.S)
-    assert found, f"README lacks the {marker} markers"
-    return found.group(1).strip()
+ROOT = Path(__file__).resolve().parents[2]
+README = ROOT / "README.md"
+#: The issue's bound: a README a newcomer reads through.
+MAX_WORDS = 1500
 
 
-def test_settings_table_matches_the_settings_model() -> None:
-    """Every setting, flag, default and meaning in the README comes from worker/config.py."""
-    assert _between("settings-table") == reference_table_markdown().strip()
+def _between(path: Path, marker: str) -> str:
+    found = between(path.read_text(), marker)
+    assert found is not None, f"{path.name} lacks the {marker} markers"
+    return found
 
 
-def test_metrics_table_matches_the_metrics() -> None:
-    """Every metric in the README is one the worker exports, with its type and labels."""
-    assert _between("metrics-table") == metrics_reference_markdown().strip()
+def quickstart_block(path: Path = README) -> str:
+    """The shell block between the quickstart markers."""
+    found = re.fullmatch(r"```sh\n(.*?)```\n", _between(path, "quickstart"), re.S)
+    assert found, "the quickstart is not one sh block"
+    return found.group(1)
 
 
-def test_exit_code_table_matches_the_exit_codes() -> None:
-    """Every ExitCode, its number and its documented meaning, and nothing else, in the README."""
-    table = _between("exit-codes-table")
-    assert table == exit_codes_markdown().strip()
-    listed = [int(row.split("|")[1]) for row in table.splitlines()[2:]]
-    assert listed == [int(code) for code in ExitCode]
+def test_readme_is_at_most_1500_words() -> None:
+    """The README stays a page: at most 1,500 words, everything else on the docs pages."""
+    assert len(README.read_text().split()) <= MAX_WORDS
 
 
-def test_contents_list_every_section() -> None:
-    """The contents link each ## section and its ### subsections, in the README's order."""
-    text = README.read_text()
-    assert _between("contents") == contents_markdown(text).strip()
+def test_readme_links_every_page_of_the_docs() -> None:
+    """Each page of docs/ (decisions and benchmark runs included) is linked from the README."""
+    linked = set(re.findall(r"\]\((docs/[^)#]+\.md)", README.read_text()))
+    assert {p.relative_to(ROOT).as_posix() for p in pages()} - linked == set()
 
 
-def test_readme_opens_with_contents_then_a_quickstart_of_at_most_30_lines() -> None:
-    """Contents first, then the quickstart: topics, check, run, one `double` request, tail."""
+def test_readme_opens_with_a_diagram_then_the_quickstart() -> None:
+    """What it is, one diagram, then the quickstart: topics, check, run, a request, tail."""
     text = README.read_text()
     sections = [title for level, title in headings(text) if level == 2]
-    assert sections[:3] == ["Contents", "Quickstart: your Kafka, your Triton", "Exit codes"]
+    assert sections == [
+        "Quickstart: your Kafka, your Triton",
+        "Install",
+        "Two commands",
+        "Documentation",
+        "Licence",
+    ]
+    assert text.index("```mermaid") < text.index("## Quickstart")
     block = quickstart_block()
     assert len(block.splitlines()) <= 30
     for step in ("topics", "check", "run", "produce", "tail results", "tail dead-letters"):
@@ -57,12 +56,17 @@ def test_readme_opens_with_contents_then_a_quickstart_of_at_most_30_lines() -> N
     assert '"model_name": "double"' in block
 
 
-def quickstart_block() -> str:
-    """The shell block between the quickstart markers."""
-    section = _between("quickstart")
-    found = re.fullmatch(r"```sh\n(.*?)```", section, re.S)
-    assert found, "the quickstart is not one sh block"
-    return found.group(1)
+def test_the_getting_started_page_shows_the_same_quickstart() -> None:
+    """The quickstart the test runs is the one on the Getting started page too."""
+    assert quickstart_block(DOCS / "getting-started.md") == quickstart_block()
+
+
+def test_the_architecture_diagram_is_the_same_in_the_readme_and_on_the_home_page() -> None:
+    """One architecture diagram: the README's and docs/index.md's are equal."""
+    assert _between(README, "architecture") == _between(DOCS / "index.md", "architecture")
+    diagram = _between(README, "architecture")
+    for stage in ("intake", "window", "wire", "triton", "publisher", "delivery"):
+        assert f"{stage}[" in diagram or f"{stage} -->" in diagram, stage
 
 
 def test_the_two_commands_section_starts_with_make_demo_and_make_test() -> None:
@@ -74,11 +78,13 @@ def test_the_two_commands_section_starts_with_make_demo_and_make_test() -> None:
     assert "make test" in first_block
 
 
-def test_contents_links_use_githubs_anchors() -> None:
+def test_anchors_drop_punctuation_the_same_way_on_a_code_host_and_on_the_site() -> None:
     """Backticks, colons and parentheses drop out of an anchor; spaces become hyphens."""
-    assert anchor("What `make demo` shows") == "what-make-demo-shows"
-    assert anchor("Kafka: TLS and SASL") == "kafka-tls-and-sasl"
-    assert (
-        anchor("Results (one run: `python -m devtools bench --backlog 1000000`)")
-        == "results-one-run-python--m-devtools-bench---backlog-1000000"
-    )
+    for title, anchor in {
+        "What `make demo` shows": "what-make-demo-shows",
+        "Kafka: TLS and SASL": "kafka-tls-and-sasl",
+        "Models failing (failure-rate breaker)": "models-failing-failure-rate-breaker",
+    }.items():
+        assert github_anchor(title) == mkdocs_anchor(title) == anchor
+    # Where they part: a code host keeps each hyphen, the site folds a run into one.
+    assert github_anchor("a / b") == "a--b" != mkdocs_anchor("a / b")

@@ -40,7 +40,7 @@ def _down_alert(job: str, instance: str) -> dict[str, Any]:
         "exp_labels": {"job": job, "instance": instance, "severity": "warning"},
         "exp_annotations": {
             "summary": f"Worker {instance} does not answer /metrics",
-            "runbook": "README.md#worker-down",
+            "runbook_url": "DOCS_BASE_URL/runbook/#worker-down",
         },
     }
 
@@ -94,7 +94,7 @@ def rule_tests(workers_up: str) -> dict[str, Any]:
                             "exp_labels": {"severity": "critical"},
                             "exp_annotations": {
                                 "summary": "No worker is scraped; nothing consumes the requests",
-                                "runbook": "README.md#worker-down",
+                                "runbook_url": "DOCS_BASE_URL/runbook/#worker-down",
                             },
                         }
                     ],

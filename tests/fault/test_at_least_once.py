@@ -1,6 +1,6 @@
 """at_least_once after a SIGKILL: the work redone is bounded, even behind a stuck record.
 
-The bound the README states: a crash redoes the records in flight (at most the window)
+The bound docs/reliability.md states: a crash redoes the records in flight (at most the window)
 plus those finished since the last commit (at most one commit interval of throughput).
 Done records beyond a stuck one travel in the commit metadata and are not redone.
 """
@@ -77,7 +77,7 @@ async def test_sigkill_with_the_defaults_redoes_at_most_the_window_and_one_inter
     requests = samples.good_requests(9000, seed=61, models=("double",))
     await send(kafka.bootstrap_servers, topics.input, requests)
     env = worker_env(kafka, triton, topics)
-    del env["WORKER_COMMIT_INTERVAL_MS"]  # the default, as the README states it
+    del env["WORKER_COMMIT_INTERVAL_MS"]  # the default, as docs/reliability.md states it
     first = spawn_worker(env, tmp_path / "first.log")
     try:
         got = await collect(kafka.bootstrap_servers, topics, 3000, timeout_s=120)

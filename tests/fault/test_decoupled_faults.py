@@ -37,7 +37,7 @@ REQUESTS = 16
 
 
 def _report(scenario: str, got: Streams, repeated: int) -> None:
-    """A line of the README's reliability table (visible with ``pytest -s``)."""
+    """A line of the reliability page's table (visible with ``pytest -s``)."""
     results = sum(map(len, got.results.values()))
     print(
         f"\nRELIABILITY | {scenario} | {REQUESTS} x {TOKENS} | 0 | {results - REQUESTS * TOKENS} "

@@ -4,7 +4,7 @@ Real Kafka, real Triton: the ``tokens`` model streams one response per token, th
 final flag on the last token, or alone after it (``separate_final``), or alone for
 zero tokens; ``fail_after`` makes it send an error response midway. Ordinary
 requests flow beside them through the same worker and pool (decoupled requests
-have streams of their own: shared ones crashed tritonserver 2.51, see the README).
+have streams of their own: shared ones crashed tritonserver 2.51, see docs/decisions/0009).
 """
 
 from __future__ import annotations

@@ -257,7 +257,7 @@ class Answers:
         return records[0]
 
     def report(self, scenario: str, offsets: Sequence[int]) -> None:
-        """One row of the README's reliability table (visible with ``pytest -s``)."""
+        """One row of the reliability page's table (visible with ``pytest -s``)."""
         lost = sum(1 for o in offsets if self.count(o) == 0)
         duplicated = sum(max(0, self.count(o) - 1) for o in offsets)
         codes = sorted(

@@ -1,4 +1,5 @@
-"""The README's quickstart, run as written against the local Kafka and Triton.
+"""The README's quickstart (also on docs/getting-started.md), run as written against the local
+Kafka and Triton.
 
 Only the placeholders change: the example addresses become the local stack's, and the
 topic names get a suffix of this test's own. Every command of the block runs, in

@@ -214,7 +214,7 @@ def results_published(worker: Worker, model: str = "double") -> float:
 
 
 def report(scenario: str, sent: int, got: Collected, recovery_s: float | None = None) -> None:
-    """Print one line of the README's reliability table (visible with ``pytest -s``)."""
+    """Print one line of the reliability page's table (visible with ``pytest -s``)."""
     answered = len(got)
     recovery = f"{recovery_s:.1f} s" if recovery_s is not None else "-"
     print(

@@ -1,7 +1,7 @@
 """The worker's Prometheus metrics, declared once: exported names, types, labels and meanings.
 
 Metrics live on a registry owned by a ``Metrics`` object rather than the global
-one, so tests can build several; the README's metrics table is generated from here.
+one, so tests can build several; the metrics table of docs/observability.md is generated from here.
 """
 
 from __future__ import annotations

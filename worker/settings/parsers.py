@@ -5,8 +5,8 @@ A setting's type is an ordinary annotation (``int``, ``float``, ``bool``, ``str`
 msgspec checks the typed value. Text forms msgspec does not know (sizes such as
 ``8MiB``, comma-separated lists, ``host:port``, the allowlist rules) have a small
 ``Hook`` in the annotation that turns the text into the typed value first. From the
-same annotation come the type column of the README, the ``--help`` placeholder and
-the "must be ..." of an error.
+same annotation come the type column of the settings reference (docs/configuration.md), the
+``--help`` placeholder and the "must be ..." of an error.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ class Hook:
     """Text to typed value for a form msgspec does not read, and how the form is described."""
 
     convert: Callable[[str], object]
-    type_doc: str  # the README's type column
+    type_doc: str  # the settings reference's type column
     metavar: str  # the --help placeholder
     expected: str  # completes "must be ..."
     check: Callable[[object], bool] = lambda _: True  # beyond the msgspec constraints
@@ -186,7 +186,7 @@ class ValueKind:
         return typing.get_args(self.base) if typing.get_origin(self.base) is Literal else ()
 
     def type_doc(self) -> str:
-        """The README's type column."""
+        """The settings reference's type column."""
         if self.hook is not None:
             return self.hook.type_doc
         if self.choices:

@@ -1,4 +1,4 @@
-"""The settings as the README's reference table (a contract test keeps the README equal)."""
+"""The settings as the reference table of docs/configuration.md (a contract test keeps it equal)."""
 
 from __future__ import annotations
 

@@ -3,8 +3,8 @@
 Every setting is declared once, as a field of a section, annotated with its type,
 its msgspec constraints (and a text hook where msgspec has no form for it) and its
 documentation. The environment variable (``WORKER_<FIELD>``, flat whatever the
-section), the ``run`` flag, the README table and the checks of the deployment files
-all derive from those declarations. Components take the section they use.
+section), the ``run`` flag, the settings reference (docs/configuration.md) and the checks
+of the deployment files all derive from those declarations. Components take the section they use.
 Every check that involves several settings lives here too.
 """
 
@@ -66,7 +66,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     limits: LimitSettings = msgspec.field(default_factory=LimitSettings)
     ops: OpsSettings = msgspec.field(default_factory=OpsSettings)
 
-    #: Section attribute -> its class, in declaration order (the README's order).
+    #: Section attribute -> its class, in declaration order (the settings reference's order).
     SECTIONS: ClassVar[dict[str, type[_Section]]]
 
     def __post_init__(self) -> None:

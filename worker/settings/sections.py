@@ -107,7 +107,7 @@ class KafkaSettings(_Section, frozen=True, kw_only=True):
 
     kafka_client: Annotated[KafkaClient, Doc(
         "The Kafka client library: aiokafka (pure Python), or confluent (librdkafka through "
-        "confluent-kafka; README: Choosing the Kafka client).")] = "aiokafka"
+        "confluent-kafka; docs/kafka-clients.md).")] = "aiokafka"
     group_protocol: Annotated[GroupProtocol, Doc(
         "Consumer group protocol: classic (eager rebalances), or consumer (KIP-848, "
         "incremental, assignments computed by the broker; needs WORKER_KAFKA_CLIENT "
@@ -188,7 +188,7 @@ class TritonSettings(_Section, frozen=True, kw_only=True):
     triton_trace: Annotated[TritonTrace, Doc(
         "unary: a record with a sampled W3C traceparent goes to Triton as a ModelInfer call of "
         "its own (not batched), the context as gRPC metadata, so Triton continues the trace; "
-        "stream: it shares the streams, whose metadata cannot carry it (README: Tracing).")] = (
+        "stream: it shares the streams, whose metadata cannot carry it (docs/tracing.md).")] = (
         "stream")
 
     def _check_combinations(self) -> None:

@@ -1,4 +1,4 @@
-"""One setting as the environment, the flags and the README see it, read off its declaration."""
+"""One setting as the environment, the flags and the docs see it, read off its declaration."""
 
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ class SettingSpec:
         return getattr(getattr(settings, self.section), self.field)
 
     def default_doc(self) -> str:
-        """How the default reads in the README and ``--help``."""
+        """How the default reads in the settings reference and ``--help``."""
         if self.doc.default_doc is not None:
             return self.doc.default_doc
         if self.required:

@@ -165,7 +165,7 @@ def test_forget_partition_drops_its_lag() -> None:
 
 
 def test_metrics_reference_lists_every_metric() -> None:
-    """The README table has one row per metric with its type and labels."""
+    """The metrics table (docs/observability.md) has one row per metric with its type and labels."""
     rows = metrics_reference_markdown().strip().splitlines()
     assert rows[0] == "| name | type | labels | meaning |"
     assert len(rows) == 2 + len(METRICS_SPEC)

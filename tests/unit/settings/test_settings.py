@@ -308,7 +308,7 @@ def test_spec_matches_fields_and_naming_rule() -> None:
 
 
 def test_reference_table_lists_every_setting() -> None:
-    """The README table has a row per setting with its env var, flag and default."""
+    """The settings reference has a row per setting with its env var, flag and default."""
     table = reference_table_markdown()
     rows = table.strip().splitlines()
     assert rows[0] == "| env var | flag | type | default | meaning |"
