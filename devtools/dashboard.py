@@ -21,6 +21,9 @@ LAYOUT_SVG = PROJECT_ROOT / "docs" / "dashboard-layout.svg"
 _COLUMN = 40
 _ROW = 18
 _FONT = "font-family:sans-serif;font-size:12px"
+_MONO = "font-family:monospace;font-size:10px;fill:#3d71d9"
+#: Pixels of one character at that size: a metric name longer than its box is cut.
+_MONO_WIDTH = 6
 
 
 def panels() -> list[dict[str, Any]]:
@@ -84,10 +87,11 @@ def layout_svg() -> str:
             f'<text x="{x + 8}" y="{y + 34}" style="{_FONT};fill:#6e6e6e">'
             f"{escape(panel['type'])}</text>"
         )
+        fits = (w - 16) // _MONO_WIDTH
         for line, name in enumerate(metric_names(panel)):
+            shown = name if len(name) <= fits else name[: fits - 1] + "…"
             out.append(
-                f'<text x="{x + 8}" y="{y + 52 + 15 * line}" '
-                f'style="{_FONT};font-family:monospace;fill:#3d71d9">{escape(name)}</text>'
+                f'<text x="{x + 8}" y="{y + 50 + 13 * line}" style="{_MONO}">{escape(shown)}</text>'
             )
     out.append("</svg>")
     return "\n".join(out) + "\n"
