@@ -17,15 +17,21 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from types import FrameType
-from typing import NoReturn, Protocol
+from typing import Any, NoReturn, Protocol, TypeVar
 
 import structlog
 
 from worker.errors import ExitCode
 
-__all__ = ["FORCED_EXIT_S", "Stoppable", "TwoStageSignals", "end_process"]
+__all__ = [
+    "FORCED_EXIT_S",
+    "Stoppable",
+    "TwoStageSignals",
+    "end_process",
+    "run_interruptible",
+]
 
 log = structlog.get_logger(__name__)
 
@@ -35,6 +41,7 @@ FORCED_EXIT_S = 2.0
 #: its budget (FORCED_CLOSE_TIMEOUT_S), and the exit itself still needs a moment.
 WATCHDOG_S = 1.6
 _SIGNALS = (signal.SIGTERM, signal.SIGINT)
+_T = TypeVar("_T")
 
 
 class Stoppable(Protocol):
@@ -125,3 +132,41 @@ def end_process(code: int) -> NoReturn:
         with contextlib.suppress(Exception):
             stream.flush()
     os._exit(code)
+
+
+#: How often Ctrl-C's cancellation of a command is made again while the command goes on.
+RECANCEL_S = 0.2
+
+
+def run_interruptible(work: Coroutine[Any, Any, _T]) -> _T:
+    """``asyncio.run(work)`` for a command other than ``run``: Ctrl-C raises KeyboardInterrupt.
+
+    asyncio's own Ctrl-C handling cancels the work once. On Python 3.11 ``asyncio.wait_for``
+    loses a cancellation that arrives as its awaitable completes (a connection accepted as
+    the user presses Ctrl-C), and the command then waits out its timeout. Here the work
+    is cancelled again every ``RECANCEL_S`` until it ends.
+    """
+    return asyncio.run(_until_interrupted(work))
+
+
+async def _until_interrupted(work: Coroutine[Any, Any, _T]) -> _T:
+    loop = asyncio.get_running_loop()
+    task = asyncio.ensure_future(work)
+    interrupted = False
+
+    def cancel() -> None:
+        nonlocal interrupted
+        interrupted = True
+        if not task.done():
+            task.cancel()
+            loop.call_later(RECANCEL_S, cancel)
+
+    loop.add_signal_handler(signal.SIGINT, cancel)
+    try:
+        return await task
+    except asyncio.CancelledError:
+        if interrupted:
+            raise KeyboardInterrupt from None
+        raise
+    finally:
+        loop.remove_signal_handler(signal.SIGINT)

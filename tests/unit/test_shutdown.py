@@ -207,3 +207,23 @@ def test_the_watchdog_ends_a_process_the_shutdown_cannot_end() -> None:
             proc.wait()
         if proc.stdout is not None:
             proc.stdout.close()
+
+
+def test_ctrl_c_ends_a_command_whose_work_lost_the_first_cancellation() -> None:
+    """Ctrl-C while a command's work swallows one cancellation: it is cancelled again, at once."""
+
+    async def stubborn() -> str:
+        loop = asyncio.get_running_loop()
+        loop.call_later(0.05, os.kill, os.getpid(), signal.SIGINT)
+        try:
+            await asyncio.sleep(5)
+        except asyncio.CancelledError:
+            pass  # as asyncio.wait_for (3.11) does when its awaitable completes meanwhile
+        await asyncio.sleep(5)
+        return "went on"
+
+    started = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        shutdown.run_interruptible(stubborn())
+    assert time.monotonic() - started < 2 * shutdown.RECANCEL_S + 1.0
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

@@ -37,6 +37,7 @@ from worker.checks.kafka import inspect_kafka
 from worker.checks.rows import CheckResult, kafka_rows
 from worker.errors import CannotRun, ExitCode
 from worker.settings import ConfigError, Settings, add_run_arguments, load_settings
+from worker.shutdown import run_interruptible
 from worker.triton.auth import TritonAuth
 from worker.wire.tensors import DATATYPES
 from worker.wire.validation import ModelSpec
@@ -243,7 +244,7 @@ def run_check(args: argparse.Namespace) -> int:
     for name in ("aiokafka", "librdkafka"):
         logging.getLogger(name).setLevel(logging.CRITICAL)
     try:
-        results = asyncio.run(run_checks(settings))
+        results = run_interruptible(run_checks(settings))
     except ConfigError as exc:  # a file the settings name cannot be read, as `run` says
         print(f"error: {exc}", file=sys.stderr)
         return ExitCode.CONFIG

@@ -35,6 +35,7 @@ from worker.settings import (
     add_setting_arguments,
     read_settings,
 )
+from worker.shutdown import run_interruptible
 
 __all__ = [
     "CommandFailed",
@@ -214,7 +215,7 @@ def run_command(work: Coroutine[Any, Any, int]) -> int:
     # The line printed says what failed; aiokafka's own retries would repeat it.
     logging.getLogger("aiokafka").setLevel(logging.CRITICAL)
     try:
-        return asyncio.run(work)
+        return run_interruptible(work)
     except ConfigError as exc:
         return _fail(str(exc), ExitCode.CONFIG)
     except CommandFailed as exc:

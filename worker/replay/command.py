@@ -8,7 +8,6 @@ topic, and nothing else the worker needs: no input or output topic, no group.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import os
 import sys
@@ -31,6 +30,7 @@ from worker.settings import (
     add_setting_arguments,
     read_settings,
 )
+from worker.shutdown import run_interruptible
 
 __all__ = ["add_replay_parser", "render", "run_replay"]
 
@@ -269,7 +269,7 @@ def run_replay(args: argparse.Namespace) -> int:
     try:
         # Off a terminal the bar would only repeat the summary's counts.
         with progress_bar(errors, disable=not errors.is_terminal) as progress:
-            plan = asyncio.run(replay(planner, kafka, auth, progress))
+            plan = run_interruptible(replay(planner, kafka, auth, progress))
     except ConfigError as exc:  # e.g. an OAUTHBEARER token command failing on connect
         print(f"error: {exc}", file=sys.stderr)
         return ExitCode.CONFIG
