@@ -30,6 +30,7 @@ from confluent_kafka.aio import AIOConsumer
 
 from worker.flow.breaker import CircuitBreaker
 from worker.flow.window import Window
+from worker.kafka import rdkafka_log
 from worker.kafka.intake import REFUSED_CODES, Dispatch, Feed, Rebalance, refused
 from worker.kafka.rdkafka_threads import DaemonExecutor, unless_stopped
 from worker.kafka.rdkafka_types import (
@@ -110,7 +111,10 @@ class RdIntake(Feed):
         self.consumer: AIOConsumer | None = None
 
     async def start(self) -> None:
-        self.consumer = AIOConsumer(self._config, executor=DaemonExecutor(4, "rdkafka-consumer"))
+        config = dict(self._config)  # the asyncio wrapper rewrites the callbacks in place
+        if "error_cb" in config:
+            config["error_cb"] = rdkafka_log.awaited(config["error_cb"])
+        self.consumer = AIOConsumer(config, executor=DaemonExecutor(4, "rdkafka-consumer"))
         await self.consumer.subscribe(
             self._topics,
             on_assign=self._on_assign,
