@@ -308,6 +308,11 @@ class Worker:
 
     async def on_revoked(self, partitions: set[TopicPartition]) -> None:
         """Wait (bounded) for the revoked partitions' in-flight records, then hand them over."""
+        if partitions:  # the first join reports an empty revocation (aiokafka)
+            in_flight = sum(self.window.in_flight_for(tp) for tp in partitions)
+            log.info(
+                "partitions_revoked", partitions=sorted(map(str, partitions)), in_flight=in_flight
+            )
         waits = [self.window.wait_empty(tp) for tp in partitions]
         try:
             await asyncio.wait_for(asyncio.gather(*waits), self.settings.kafka.revoke_timeout_s)

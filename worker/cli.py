@@ -6,12 +6,16 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from worker import __version__
 from worker.checks.report import add_check_parser
 from worker.commands import add_produce_parser, add_tail_parser, add_topics_parser
 from worker.errors import ExitCode
 from worker.replay import add_replay_parser
+
+if TYPE_CHECKING:
+    from worker.settings import Settings
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -55,14 +59,24 @@ def run_worker(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return ExitCode.CONFIG
 
-    from worker.app import run_async, serve
-    from worker.errors import CannotRun, Fatal, WriteFailed
     from worker.observability import configure_logging
     from worker.shutdown import end_process
 
     configure_logging(settings.ops.log_format, settings.ops.log_level)
+    # Every way out ends the same: the worker has closed its clients (librdkafka's threads
+    # joined), then the process ends without the interpreter's teardown (see end_process).
+    end_process(_serve(settings))
+
+
+def _serve(settings: Settings) -> int:
+    """Serve until stopped; the exit code, after one line on stderr when the worker refused
+    to run or could not go on."""
+    from worker.app import run_async, serve
+    from worker.errors import CannotRun, Fatal, WriteFailed
+    from worker.settings import ConfigError
+
     try:
-        end_process(run_async(serve(settings)))
+        return run_async(serve(settings))
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return ExitCode.CONFIG

@@ -3,13 +3,33 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
+import logging
+import time
 from typing import Any
 
 import confluent_kafka
+from aiokafka.structs import ConsumerRecord, TopicPartition
 
 from devtools import samples
+from devtools.devstack.process import free_port
 from tests.support.kafka import Topics, collect, create
 from tests.support.worker import running_worker, settings_for
+from worker.flow.breaker import CircuitBreaker
+from worker.flow.window import Window
+from worker.kafka import rdkafka_config
+from worker.kafka.intake import Dispatch
+from worker.kafka.rdkafka_intake import RdIntake
+from worker.observability import Metrics
+from worker.settings import Settings
+
+#: A backlog of eight prefetch queues' worth (librdkafka keeps 1,000 records per partition),
+#: of records the size of a request: one fetch (1 MiB per partition) takes about 1,000.
+_BACKLOG = 8000
+_VALUE = b"x" * 1024
+#: Longest the intake may go without handing a record over while a backlog waits: many
+#: consume waits (20 ms), far below librdkafka's default prefetch backoff (1 s).
+_MAX_PAUSE_S = 0.25
 
 
 async def test_header_keys_that_are_not_utf8_do_not_stop_the_partition(
@@ -37,3 +57,102 @@ async def test_header_keys_that_are_not_utf8_do_not_stop_the_partition(
         got = await collect(kafka.bootstrap_servers, topics, 3)
     assert got.dead_letters == {}
     assert set(got.results) == {odd.request_id, *(r.request_id for r in rest)}
+
+
+def _intake(settings: Settings, topics: list[str], window: Window, dispatch: Dispatch) -> RdIntake:
+    """The worker's librdkafka intake on ``topics``, alone: no delivery behind it."""
+    return RdIntake(
+        rdkafka_config.consumer_config(settings.kafka, settings.kafka_auth),
+        topics,
+        max_poll_records=settings.kafka.max_poll_records,
+        window=window,
+        breaker=CircuitBreaker(5),
+        metrics=Metrics(),
+        dispatch=dispatch,
+        rebalance=_NoListener(),
+    )
+
+
+class _NoListener:
+    """Assignments and revocations heard and ignored (nothing is committed here)."""
+
+    async def on_assigned(self, partitions: set[TopicPartition]) -> None:
+        return None
+
+    async def on_revoked(self, partitions: set[TopicPartition]) -> None:
+        return None
+
+
+async def test_a_backlog_drains_without_waiting_out_the_prefetch_backoff(
+    kafka: Any, triton: Any, unique: str
+) -> None:
+    """8,000 records wait on one partition, each done as it is dispatched: the intake never
+    goes 250 ms without handing records over (librdkafka's 1 s prefetch backoff stalled it)."""
+    topics = Topics.fresh(unique)
+    await create(kafka, topics)
+    producer = confluent_kafka.Producer({"bootstrap.servers": kafka.bootstrap_servers})
+    for i in range(_BACKLOG):
+        producer.produce(topics.input, _VALUE, key=str(i).encode())
+        if i % 1000 == 999:
+            producer.poll(0)
+    assert await asyncio.to_thread(producer.flush, 30) == 0
+    settings = settings_for(kafka, triton, topics, kafka_client="confluent")
+    # Room for more than a poll: the intake never pauses the partition, so only librdkafka's
+    # prefetch sets the pace.
+    window = Window(1000, 1000)
+    handed: list[tuple[float, int]] = []
+    drained = asyncio.Event()
+
+    def dispatch(records: list[ConsumerRecord[bytes, bytes]]) -> None:
+        handed.append((time.monotonic(), len(records)))
+        for record in records:  # done at once: only the intake sets the pace
+            window.release(TopicPartition(record.topic, record.partition))
+        if sum(count for _, count in handed) >= _BACKLOG:
+            drained.set()
+
+    intake = _intake(settings, [topics.input], window, dispatch)
+    await intake.start()
+    running = asyncio.create_task(intake.run())
+    try:
+        await asyncio.wait_for(drained.wait(), 60)
+    finally:
+        intake.request_stop()
+        await running
+        await intake.stop()
+    times = [at for at, _ in handed]
+    longest_s = max(later - earlier for earlier, later in itertools.pairwise(times))
+    print(f"\n{_BACKLOG} records in {times[-1] - times[0]:.2f} s, longest pause {longest_s:.3f} s")
+    assert longest_s < _MAX_PAUSE_S, f"the intake stood still for {longest_s:.2f} s"
+
+
+async def test_a_broker_that_cannot_be_reached_is_reported_and_the_intake_goes_on(
+    kafka: Any, triton: Any, unique: str
+) -> None:
+    """No broker at the bootstrap address: librdkafka's error report is logged, and the fetch
+    loop carries on until asked to stop (each report raised TypeError out of consume)."""
+    topics = Topics.fresh(unique)
+    address = f"127.0.0.1:{free_port()}"
+    settings = settings_for(
+        kafka, triton, topics, kafka_client="confluent", bootstrap_servers=address
+    )
+    loop = asyncio.get_running_loop()
+    reported = asyncio.Event()
+
+    class Heard(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            detail = str(getattr(record, "detail", ""))
+            if record.getMessage() == "kafka_client_error" and address in detail:
+                loop.call_soon_threadsafe(reported.set)
+
+    heard = Heard()
+    logging.getLogger("librdkafka").addHandler(heard)
+    intake = _intake(settings, [topics.input], Window(4, 4), lambda _: None)
+    await intake.start()
+    running = asyncio.create_task(intake.run())
+    try:
+        await asyncio.wait_for(reported.wait(), 30)
+    finally:
+        logging.getLogger("librdkafka").removeHandler(heard)
+        intake.request_stop()
+        await running  # ends as asked, not with the consume that heard the report
+        await intake.stop()

@@ -11,6 +11,7 @@ question and must fail the same row, with the same thing to do.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from pathlib import Path
 from typing import Any
@@ -30,8 +31,10 @@ from tests.support import (
     worker_env,
 )
 from tests.support.acls import ALICE_PASSWORD, CAROL_PASSWORD, Grant, grant, revoke, sasl_settings
+from worker.app import Worker
 from worker.checks.report import kafka_checks
 from worker.checks.rows import CheckResult
+from worker.errors import CannotRun
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -43,6 +46,9 @@ STARTUP_WAIT_S = 3.0
 #: heartbeat (aiokafka), or the rejoin after the session timeout (librdkafka), refused.
 RUNNING_REFUSAL_BOUND_S = 40.0
 SESSION_TIMEOUT_MS = 6000
+#: Each librdkafka refusal is repeated this often: enough to catch an exit that races the
+#: client's threads again (seen at 1 in 50 to 150 starts), few enough to take seconds.
+_REPEATS = 7
 
 
 async def _refused(env: dict[str, str], tmp_path: Path, bound_s: float = REFUSAL_BOUND_S) -> Any:
@@ -240,3 +246,68 @@ async def test_group_refused_while_running_ends_the_worker(
     line = exited.error_line()
     assert f"Kafka refused consumer group {topics.group!r} to the worker" in line
     assert "grant its principal Describe and Read on the group" in line
+
+
+# -- librdkafka's clients at exit ---------------------------------------------------------
+
+
+def _librdkafka_threads() -> set[int]:
+    """The ids of this process's librdkafka threads (librdkafka names them ``rdk:...``)."""
+    found = set()
+    for task in Path("/proc/self/task").iterdir():
+        with contextlib.suppress(OSError):  # a thread that ended meanwhile
+            if (task / "comm").read_text().startswith("rdk:"):
+                found.add(int(task.name))
+    return found
+
+
+def _refusals(kafka: Any, pki: LocalPki) -> dict[str, tuple[dict[str, str], str]]:
+    """Settings the secure Kafka refuses at start-up, each with what its line says."""
+    alice = sasl_settings(kafka, pki, "alice")
+    return {
+        "wrong password": ({**alice, "sasl_password": "not-the-password"}, "authentication"),
+        "untrusted CA": ({**alice, "ssl_cafile": str(pki.other_ca_cert)}, "not trusted"),
+        "missing ACL": (sasl_settings(kafka, pki, "bob"), "not authorized to describe it"),
+    }
+
+
+async def test_a_refused_start_leaves_no_librdkafka_client_behind(
+    secure_kafka: Any, triton: Any, pki: LocalPki, unique: str
+) -> None:
+    """A wrong password refused by the start-up gate on librdkafka: once the worker's run has
+    ended, none of its librdkafka clients' threads is left (the admin client's went on
+    retrying the handshake while the process exited, which crashed it now and then)."""
+    topics = Topics.fresh(unique)
+    extra, expected = _refusals(secure_kafka, pki)["wrong password"]
+    settings = settings_for(secure_kafka, triton, topics, kafka_client="confluent", **extra)
+    before = _librdkafka_threads()
+
+    with pytest.raises(CannotRun, match=expected):
+        await Worker(settings).run()
+
+    assert _librdkafka_threads() <= before
+
+
+async def test_refused_starts_on_librdkafka_exit_with_their_code_every_time(
+    secure_kafka: Any, triton: Any, pki: LocalPki, unique: str, tmp_path: Path
+) -> None:
+    """21 starts refused on librdkafka (wrong password, untrusted CA, missing ACL), four at a
+    time: each exits 2 with its one line, none by a signal (1 in 50-150 ended by SIGSEGV)."""
+    topics = Topics.fresh(unique)
+    await create(secure_kafka, topics)
+    cases = list(_refusals(secure_kafka, pki).items()) * _REPEATS
+    at_once = asyncio.Semaphore(4)
+
+    async def refused(index: int, extra: dict[str, str]) -> Any:
+        env = worker_env(secure_kafka, triton, topics, kafka_client="confluent", **extra)
+        async with at_once:
+            log_path = tmp_path / f"worker-{index}.log"
+            return await asyncio.to_thread(run_to_exit, env, log_path, REFUSAL_BOUND_S)
+
+    runs = [refused(i, extra) for i, (_, (extra, _)) in enumerate(cases)]
+    exits = await asyncio.gather(*runs)
+
+    codes = [exited.code for exited in exits]
+    assert codes == [2] * len(cases), codes
+    for (case, (_, expected)), exited in zip(cases, exits, strict=True):
+        assert expected in exited.error_line(), case

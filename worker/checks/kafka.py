@@ -267,5 +267,5 @@ async def _ask_rdkafka(settings: Settings, progress: _Progress, deadline: float)
         text = reported.str() if hasattr(reported, "str") else str(reported)
         raise _Unanswered(text.split(" (after ", 1)[0]) from None
     finally:
-        admin.close()
+        await admin.close()
     return Findings(where, metadata, group)

@@ -11,11 +11,15 @@ being down, through its error callback (served by ``poll``), not through the req
 which waits for a broker until it times out: a call ends as soon as one is reported,
 ``refusal`` holding a refused handshake (a configuration error) and ``no_answer`` the
 first report of a broker that could not be asked (down, or another security protocol).
+
+``close`` destroys the client before it returns: its librdkafka threads go on retrying a
+refused handshake otherwise, until the process exit frees what they use under them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Any
@@ -24,9 +28,10 @@ from aiokafka.errors import for_code
 from confluent_kafka import KafkaError, KafkaException, TopicCollection
 from confluent_kafka.admin import AdminClient
 
+from worker.flow.bounded import CLOSE_TIMEOUT_S
 from worker.flow.retry import Backoff
 from worker.kafka import rdkafka_config, rdkafka_log
-from worker.kafka.rdkafka_threads import in_thread
+from worker.kafka.rdkafka_threads import in_thread, teardown
 from worker.settings import Settings
 
 __all__ = ["NOT_REPORTED", "Interrupted", "RdAdmin", "refusal_message"]
@@ -79,6 +84,8 @@ class RdAdmin:
         self.refusal: KafkaError | None = None
         self.no_answer: KafkaError | None = None
         self._all_down = False
+        #: Held by a poll and by the destruction: the client is never destroyed mid-poll.
+        self._lock = threading.Lock()
 
         def on_error(error: KafkaError) -> None:  # called from poll(), on a thread
             code = error.code()
@@ -110,7 +117,7 @@ class RdAdmin:
         call = asyncio.wrap_future(future)
         try:
             while not call.done():
-                await in_thread(self._admin.poll, _POLL_S)
+                await in_thread(self._poll)
                 if not call.done() and (self.refusal is not None or self._all_down):
                     reported = self.refusal or self.no_answer
                     raise Interrupted(reported or KafkaError(KafkaError._ALL_BROKERS_DOWN))
@@ -181,6 +188,17 @@ class RdAdmin:
             "authorized_operations": _bits(group.authorized_operations),
         }
 
-    def close(self) -> None:
-        """Drop the client (librdkafka's admin has no close: its threads end with it)."""
-        self._admin = None  # type: ignore[assignment]
+    def _poll(self) -> None:
+        with self._lock:
+            if self._admin is not None:
+                self._admin.poll(_POLL_S)
+
+    def _destroy(self) -> None:
+        with self._lock:
+            # The last reference (librdkafka's admin client has no close): its destruction
+            # joins the client's threads, here rather than whenever the collector gets to it.
+            self._admin = None  # type: ignore[assignment]
+
+    async def close(self) -> None:
+        """Destroy the client; its librdkafka threads have ended when this returns (bounded)."""
+        await teardown(self._destroy, "admin", CLOSE_TIMEOUT_S)

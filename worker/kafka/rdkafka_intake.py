@@ -9,8 +9,8 @@ librdkafka's consumer takes one call at a time, and a rebalance callback runs
 inside ``consume``: so that no task holding a lock (a commit) waits behind
 ``consume`` while a revoke callback needs that lock, calls from outside the loop are
 queued and run by the loop between two ``consume`` calls, a callback's own calls go
-straight through, and a queued call still waiting when a rebalance starts fails
-with CommitFailedError (retried later, as after a rebalance with aiokafka).
+straight through, and any other call fails with CommitFailedError while a callback
+runs (retried later, as after a rebalance with aiokafka), the loop stopped or not.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from confluent_kafka.aio import AIOConsumer
 
 from worker.flow.breaker import CircuitBreaker
 from worker.flow.window import Window
+from worker.kafka import rdkafka_log
 from worker.kafka.intake import REFUSED_CODES, Dispatch, Feed, Rebalance, refused
 from worker.kafka.rdkafka_threads import DaemonExecutor, unless_stopped
 from worker.kafka.rdkafka_types import (
@@ -49,20 +50,16 @@ log = structlog.get_logger(__name__)
 _T = TypeVar("_T")
 
 #: Wait in one consume while records come (librdkafka's consume waits for all of it
-#: unless max_poll_records arrive sooner); a call queued from outside the loop (a commit)
-#: and fetched records waiting for a slot wait behind it.
+#: unless max_poll_records arrive sooner); queued calls (a commit) wait behind it.
 _POLL_TIMEOUT_S = 0.02
-#: Each consume that finds nothing doubles the next wait, up to this: an idle worker, or
-#: one whose records wait for room, polls about 10 times a second (as ``Intake`` does).
-#: Only a consume with nothing in flight and nothing fetched waits that long; a wait for
-#: room ends as soon as a slot frees.
+#: Each consume that finds nothing doubles the next wait, up to this: an idle worker
+#: polls about 10 times a second (as ``Intake`` does); a wait for room ends at a free slot.
 _IDLE_POLL_TIMEOUT_S = 0.1
 #: Once stopping, how long a consumer call may take before it is left behind.
 _STUCK_S = 0.5
-#: How often the cached end offsets (for the lag gauges) are read.
-_HIGHWATER_INTERVAL_S = 1.0
-#: Bound on one committed-offsets request.
-_COMMITTED_TIMEOUT_S = 10.0
+#: How often the cached end offsets (for the lag gauges) are read; bound on one
+#: committed-offsets request.
+_HIGHWATER_INTERVAL_S, _COMMITTED_TIMEOUT_S = 1.0, 10.0
 
 #: True inside a rebalance callback (its calls are the consumer's own: no queueing).
 _IN_CALLBACK: contextvars.ContextVar[bool] = contextvars.ContextVar("in_callback", default=False)
@@ -110,7 +107,8 @@ class RdIntake(Feed):
         self.consumer: AIOConsumer | None = None
 
     async def start(self) -> None:
-        self.consumer = AIOConsumer(self._config, executor=DaemonExecutor(4, "rdkafka-consumer"))
+        config = rdkafka_log.for_aio(self._config)
+        self.consumer = AIOConsumer(config, executor=DaemonExecutor(4, "rdkafka-consumer"))
         await self.consumer.subscribe(
             self._topics,
             on_assign=self._on_assign,
@@ -235,11 +233,14 @@ class RdIntake(Feed):
 
     async def _call(self, call: Callable[[], Awaitable[_T]]) -> _T:
         """Run a consumer call now (in a callback, or with no loop running), or queue it
-        for the loop; CommitFailedError when a rebalance starts before it ran."""
-        if _IN_CALLBACK.get() or not self._looping:
+        for the loop; CommitFailedError while a rebalance callback runs (inside consume: the
+        call would wait for it, and it maybe for what the caller holds, a commit's lock)."""
+        if _IN_CALLBACK.get():
             return await call()
         if self._rebalancing:
             raise from_rd_error("rebalance in progress", commit=True)
+        if not self._looping:
+            return await call()
         future: asyncio.Future[_T] = asyncio.get_running_loop().create_future()
         self._requests.append((call, future))
         self._request_queued.set()
@@ -341,7 +342,9 @@ class RdIntake(Feed):
         self._group_snapshot = None
         self._fail_queued()
         try:
-            self._group_snapshot = await consumer.consumer_group_metadata()
+            # None while the consumer closes (only exactly_once asks for it, and fails then).
+            with contextlib.suppress(RuntimeError, confluent_kafka.KafkaException):
+                self._group_snapshot = await consumer.consumer_group_metadata()
             yield
         finally:
             self._rebalancing = False
@@ -349,7 +352,10 @@ class RdIntake(Feed):
             _IN_CALLBACK.reset(token)
 
     async def _on_assign(self, consumer: AIOConsumer, partitions: list[Any]) -> None:
-        """Tell the listener (it reads the commits), then take the partitions."""
+        """Tell the listener (it reads the commits), then take the partitions; none once
+        stopping (close() may rejoin first): the binding assigns them, close revokes them."""
+        if self._stopping.is_set():
+            return
         async with self._callback(consumer):
             assigned = {tp_of(p) for p in partitions}
             await self._rebalance.on_assigned(assigned)

@@ -17,10 +17,10 @@ import logging
 import re
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine, Mapping
 from typing import Any
 
-__all__ = ["REPEAT_WINDOW_S", "RdLogger", "Repeats", "callbacks", "on_error"]
+__all__ = ["REPEAT_WINDOW_S", "RdLogger", "Repeats", "awaited", "callbacks", "for_aio", "on_error"]
 
 #: The logger of every librdkafka line (see ``worker.observability.logging``).
 log = logging.getLogger("librdkafka")
@@ -103,6 +103,26 @@ def on_error(error: Any, repeats: Repeats = _REPEATS) -> None:
         code=str(error.name()),
         fatal=fatal,
     )
+
+
+def awaited(callback: Callable[[Any], None]) -> Callable[[Any], Coroutine[Any, Any, None]]:
+    """``callback`` as ``confluent_kafka.aio``'s consumer calls its ``error_cb``: awaited, on
+    the event loop (the plain function's None made each error report raise TypeError out of
+    ``consume``, ending the fetch loop at a broker's first refused connection)."""
+
+    async def call(error: Any) -> None:
+        callback(error)
+
+    return call
+
+
+def for_aio(config: Mapping[str, Any]) -> dict[str, Any]:
+    """A copy of a client's configuration for ``confluent_kafka.aio`` (which rewrites the
+    callbacks of the one it is given, in place): its ``error_cb`` awaited."""
+    copy = dict(config)
+    if "error_cb" in copy:
+        copy["error_cb"] = awaited(copy["error_cb"])
+    return copy
 
 
 def callbacks() -> dict[str, Any]:

@@ -28,7 +28,7 @@ from aiokafka.structs import ConsumerRecord
 
 from worker import errors
 from worker.kafka.publisher import Headers, Publisher, settle_acks, write_with_retries
-from worker.kafka.rdkafka_threads import in_thread
+from worker.kafka.rdkafka_threads import in_thread, teardown
 from worker.kafka.rdkafka_types import from_rd_error
 
 __all__ = ["RdProducer", "RdPublisher"]
@@ -38,9 +38,10 @@ log = structlog.get_logger(__name__)
 #: Wait before trying again a record refused because librdkafka's queue is full.
 _QUEUE_FULL_WAIT_S = 0.005
 
-#: Bound on connecting at start-up and on flushing at stop.
+#: Bound on connecting at start-up, on flushing at stop, and on destroying the client.
 _START_TIMEOUT_S = 10.0
 _FLUSH_TIMEOUT_S = 30.0
+_DESTROY_TIMEOUT_S = 5.0
 
 
 #: One delivery report: the record's future, librdkafka's error (or None), the message.
@@ -70,16 +71,17 @@ class RdProducer:
     async def start(self) -> None:
         """Create the producer and reach a broker (KafkaError when none answers)."""
         self._loop = asyncio.get_running_loop()
-        self._producer = confluent_kafka.Producer(self._config)
+        producer = self._producer = confluent_kafka.Producer(self._config)
         # Polled first: an OAUTHBEARER token is asked for (oauth_cb) from poll.
         self._poller = threading.Thread(target=self._poll, name="rdkafka-producer", daemon=True)
         self._poller.start()
         try:
-            await in_thread(functools.partial(self._producer.list_topics, timeout=_START_TIMEOUT_S))
+            await in_thread(functools.partial(producer.list_topics, timeout=_START_TIMEOUT_S))
         except confluent_kafka.KafkaException as exc:
+            self._producer = None
             self._closing.set()
             await in_thread(self._poller.join)
-            self._producer = None
+            await _destroy(producer)
             raise from_rd_error(exc) from None
 
     def _poll(self) -> None:
@@ -141,7 +143,8 @@ class RdProducer:
                 raise from_rd_error(exc) from None
 
     async def stop(self) -> None:
-        """Flush what is queued (bounded) and stop the poll thread. Idempotent."""
+        """Flush what is queued (bounded), stop the poll thread and destroy the client (its
+        threads joined). Idempotent."""
         producer = self._producer
         if producer is None:
             return
@@ -150,7 +153,20 @@ class RdProducer:
         self._closing.set()
         if self._poller is not None:
             await in_thread(self._poller.join)
-        self._settle_reports()  # those the flush delivered
+        await _destroy(producer)
+        self._settle_reports()  # those the flush delivered, and those the destruction failed
+
+
+async def _destroy(producer: confluent_kafka.Producer) -> None:
+    """Destroy the client now, its threads joined, rather than whenever its last reference
+    goes: what the flush left is dropped first (its records are not acknowledged, so not
+    done; ``close`` would flush them for ever with the broker down)."""
+
+    def destroy() -> None:
+        producer.purge(in_queue=True, in_flight=True, blocking=False)
+        producer.close()
+
+    await teardown(destroy, "producer", _DESTROY_TIMEOUT_S)
 
 
 class RdPublisher(Publisher):

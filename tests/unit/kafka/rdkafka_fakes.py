@@ -137,6 +137,11 @@ class FakeRdKafka:
             self._reports += [(callback, purged, value) for callback, _, value in self._held]
             self._held = []
 
+    def close(self) -> bool:
+        self.calls.append("close")
+        self.flush()
+        return True
+
     def send_offsets_to_transaction(
         self, positions: list[Any], group: Any, timeout: float | None = None
     ) -> None:

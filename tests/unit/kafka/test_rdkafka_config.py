@@ -62,6 +62,8 @@ def test_consumer_config_carries_the_group_and_fetch_settings() -> None:
     # Prefetch bounded: 16 MiB, two polls' worth per partition (not librdkafka's 100,000).
     assert config["queued.max.messages.kbytes"] == 16 * 1024
     assert config["queued.min.messages"] == 1000
+    # A queue that small is drained in well under librdkafka's 1 s refetch backoff.
+    assert config["fetch.queue.backoff.ms"] == 20
     more = _settings(MAX_POLL_RECORDS="2000")
     assert consumer_config(more.kafka, more.kafka_auth)["queued.min.messages"] == 4000
     confluent_kafka.Consumer(config).close()  # librdkafka accepts every property

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
+import weakref
 
 import pytest
 
@@ -26,8 +28,6 @@ def test_importing_the_worker_starts_no_thread() -> None:
 
 
 async def test_in_thread_runs_the_call_on_a_daemon_thread_started_on_first_use() -> None:
-    import threading
-
     def where() -> tuple[str, bool]:
         thread = threading.current_thread()
         return thread.name, thread.daemon
@@ -35,3 +35,36 @@ async def test_in_thread_runs_the_call_on_a_daemon_thread_started_on_first_use()
     name, daemon = await rdkafka_threads.in_thread(where)
     assert name.startswith("rdkafka-call-") and daemon
     assert await rdkafka_threads.in_thread(pow, 2, 10) == 1024
+
+
+def test_an_idle_thread_holds_nothing_of_the_call_it_ran() -> None:
+    """A call has run and its thread waits for the next: the call's arguments are freed (a
+    librdkafka client held there outlived its close, its threads still running at exit)."""
+    executor = rdkafka_threads.DaemonExecutor(1, "test-idle")
+
+    class Client:
+        def poll(self) -> int:
+            return 0
+
+    client = Client()
+    freed = threading.Event()
+    weakref.finalize(client, freed.set)
+    assert executor.submit(client.poll).result(timeout=5) == 0
+    del client
+    assert freed.wait(5), "the idle thread still holds the client"
+    executor.shutdown()
+
+
+async def test_teardown_runs_on_a_thread_of_its_own_within_its_bound() -> None:
+    """teardown: True once the call returned; False when it outlasts the bound (left running)."""
+    seen: list[tuple[str, bool]] = []
+
+    def destroy() -> None:
+        thread = threading.current_thread()
+        seen.append((thread.name, thread.daemon))
+
+    assert await rdkafka_threads.teardown(destroy, "client", 5.0) is True
+    assert seen == [("rdkafka-teardown-client", True)]
+    release = threading.Event()
+    assert await rdkafka_threads.teardown(release.wait, "stuck", 0.05) is False
+    release.set()

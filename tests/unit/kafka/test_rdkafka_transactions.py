@@ -30,6 +30,10 @@ from worker.settings import load_settings
 
 pytestmark = pytest.mark.timeout(10)
 
+#: A failed transaction's last calls: what was queued purged, the transaction aborted, then
+#: the producer destroyed (its leftovers purged, the client closed).
+_ABORTED_THEN_DESTROYED = ["purge", "abort", "purge", "close"]
+
 PARTITIONS = [TopicPartition("in", 0), TopicPartition("in", 1)]
 SETTINGS = load_settings(
     {
@@ -170,7 +174,7 @@ async def test_record_refused_before_it_is_queued_fails_the_transaction_not_the_
     broker.produce_errors[2] = rd_error(code, fatal=code == KafkaError._FATAL)
     await _commit(delivery)
     first = broker.producers[0]
-    assert first.calls[-2:] == ["purge", "abort"]
+    assert first.calls[-4:] == _ABORTED_THEN_DESTROYED
     assert broker.visible == []
     await _commit(delivery)
     await asyncio.gather(*tasks.values())
@@ -189,7 +193,7 @@ async def test_records_finishing_after_offsets_refused_are_committed_by_the_next
     before = await _complete_all(delivery, range(2))
     broker.offsets_errors.append(rd_error(KafkaError.REBALANCE_IN_PROGRESS))
     await _commit(delivery)
-    assert broker.producers[0].calls[-1] == "abort"
+    assert broker.producers[0].calls[-3:] == _ABORTED_THEN_DESTROYED[1:]
     after = await _complete_all(delivery, range(2, 4))
     await _commit(delivery)
     await asyncio.gather(*before.values(), *after.values())
@@ -209,7 +213,7 @@ async def test_offsets_call_blocked_past_its_timeout_is_given_up_and_redone(
     broker.offsets_stuck = release
     try:
         await _commit(delivery)
-        assert broker.producers[0].calls[-2:] == ["purge", "abort"]
+        assert broker.producers[0].calls[-4:] == _ABORTED_THEN_DESTROYED
         assert broker.visible == []
         await _commit(delivery)
         await asyncio.gather(*tasks.values())
@@ -251,7 +255,7 @@ async def test_transaction_fails_at_its_first_refused_record_not_after_the_other
     broker.refuse.add(1)  # the transaction's second record: partition 0's at offset 1
     broker.hold_after_refusal = True
     await _commit(delivery)
-    assert broker.producers[0].calls[-2:] == ["purge", "abort"]
+    assert broker.producers[0].calls[-4:] == _ABORTED_THEN_DESTROYED
     assert broker.visible == []
     # The refused record's path stages its dead letter when it next runs; until then its
     # partition commits only what comes before it (which Python's wait_for may or may not
