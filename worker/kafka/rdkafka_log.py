@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["REPEAT_WINDOW_S", "RdLogger", "Repeats", "callbacks", "on_error"]
+__all__ = ["REPEAT_WINDOW_S", "RdLogger", "Repeats", "callbacks", "on_error", "on_error_async"]
 
 #: The logger of every librdkafka line (see ``worker.observability.logging``).
 log = logging.getLogger("librdkafka")
@@ -105,6 +105,15 @@ def on_error(error: Any, repeats: Repeats = _REPEATS) -> None:
     )
 
 
-def callbacks() -> dict[str, Any]:
-    """The ``logger`` and ``error_cb`` properties of a librdkafka client's configuration."""
-    return {"logger": RdLogger(), "error_cb": on_error}
+async def on_error_async(error: Any) -> None:
+    """``on_error`` for a client of confluent-kafka's asyncio API (``AIOConsumer``), which
+    awaits its ``error_cb`` on the event loop: a plain function's None made the librdkafka
+    call that served the error (consume, close) raise TypeError, which ended the worker
+    at the first broker it could not reach."""
+    on_error(error)
+
+
+def callbacks(*, asyncio_api: bool = False) -> dict[str, Any]:
+    """The ``logger`` and ``error_cb`` properties of a librdkafka client's configuration
+    (``asyncio_api``: for a client of confluent-kafka's asyncio API)."""
+    return {"logger": RdLogger(), "error_cb": on_error_async if asyncio_api else on_error}
