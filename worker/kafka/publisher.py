@@ -10,7 +10,12 @@ from typing import Any, TypeVar
 
 import structlog
 from aiokafka import AIOKafkaProducer
-from aiokafka.errors import KafkaError, MessageSizeTooLargeError, OutOfOrderSequenceNumber
+from aiokafka.errors import (
+    KafkaError,
+    MessageSizeTooLargeError,
+    OutOfOrderSequenceNumber,
+    ProducerClosed,
+)
 from aiokafka.partitioner import DefaultPartitioner
 from aiokafka.structs import ConsumerRecord
 
@@ -122,6 +127,12 @@ class Publisher:
         # Bumped each time the producer is replaced (see _renew_producer).
         self._generation = 0
         self._renewing = asyncio.Lock()
+        # Generations whose producer has been stopped: every one below ``_stopped_below``,
+        # and those in ``_stopped_early`` (stopped before an older one was). A send of theirs
+        # still pending will never be acknowledged (see _ack_or_retired).
+        self._stopped_below = 0
+        self._stopped_early: set[int] = set()
+        self._retiring = asyncio.Event()
 
     async def start(self) -> None:
         await self._producer.start()
@@ -152,7 +163,19 @@ class Publisher:
                 raise
             self._producer, self._generation = fresh, generation + 1
         log.warning("producer_renewed", reason=f"{type(reason).__name__}: {reason}")
-        await old.stop()
+        try:
+            await old.stop()
+        finally:
+            self._stopped_early.add(generation)
+            while self._stopped_below in self._stopped_early:
+                self._stopped_early.discard(self._stopped_below)
+                self._stopped_below += 1
+            retiring, self._retiring = self._retiring, asyncio.Event()
+            retiring.set()
+
+    def _retired(self, generation: int) -> bool:
+        """True once the producer of ``generation`` has been stopped."""
+        return generation < self._stopped_below or generation in self._stopped_early
 
     async def _acked(self, generation: int, sent: Awaitable[_T]) -> _T:
         """The broker's ack of a record sent by the producer of ``generation``.
@@ -161,10 +184,33 @@ class Publisher:
         the partition again: it is renewed before the error propagates.
         """
         try:
-            return await sent
+            return await self._ack_or_retired(generation, sent)
         except (MessageSizeTooLargeError, OutOfOrderSequenceNumber) as exc:
             await self._renew_producer(generation, exc)
             raise
+
+    async def _ack_or_retired(self, generation: int, sent: Awaitable[_T]) -> _T:
+        """The ack; ProducerClosed (retried by the writer) once the producer of
+        ``generation`` was stopped with the record still unsent.
+
+        aiokafka's ``send_batch`` waits for the partition's pending batch to drain, then
+        appends its batch without checking that the producer was closed meanwhile: a batch
+        appended while ``stop()`` flushes is never sent and its future never resolves
+        (seen in the chaos soak: results of innocent records written alone after a size
+        refusal waited for ever while their producer was being replaced). Once ``stop()``
+        has returned, whatever of that producer is still pending is such a batch.
+        """
+        ack = asyncio.ensure_future(sent)
+        while not ack.done() and not self._retired(generation):
+            retiring = asyncio.ensure_future(self._retiring.wait())
+            try:
+                await asyncio.wait({ack, retiring}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                retiring.cancel()
+        if not ack.done():
+            ack.cancel()
+            raise ProducerClosed()
+        return ack.result()
 
     async def write_result(self, value: bytes, key: bytes | None, headers: Headers) -> Any:
         """Write a result and wait for the broker's ack.
