@@ -17,10 +17,10 @@ import logging
 import re
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Generator
 from typing import Any
 
-__all__ = ["REPEAT_WINDOW_S", "RdLogger", "Repeats", "callbacks", "on_error", "on_error_async"]
+__all__ = ["REPEAT_WINDOW_S", "RdLogger", "Repeats", "callbacks", "on_error", "on_error_awaited"]
 
 #: The logger of every librdkafka line (see ``worker.observability.logging``).
 log = logging.getLogger("librdkafka")
@@ -105,15 +105,28 @@ def on_error(error: Any, repeats: Repeats = _REPEATS) -> None:
     )
 
 
-async def on_error_async(error: Any) -> None:
+class _Done:
+    """An awaitable that is already done (awaiting it returns None at once)."""
+
+    def __await__(self) -> Generator[None, None, None]:
+        yield from ()
+
+
+_DONE = _Done()
+
+
+def on_error_awaited(error: Any) -> Awaitable[None]:
     """``on_error`` for a client of confluent-kafka's asyncio API (``AIOConsumer``), which
-    awaits its ``error_cb`` on the event loop: a plain function's None made the librdkafka
-    call that served the error (consume, close) raise TypeError, which ended the worker
-    at the first broker it could not reach."""
+    awaits what its ``error_cb`` returns: a plain function's None made the librdkafka call
+    that served the error (consume, close) raise TypeError, which ended the worker at the
+    first broker it could not reach. It logs at once and returns an awaitable already
+    done (not a coroutine, which would be reported as never awaited if the callback came
+    after the event loop had closed)."""
     on_error(error)
+    return _DONE
 
 
 def callbacks(*, asyncio_api: bool = False) -> dict[str, Any]:
     """The ``logger`` and ``error_cb`` properties of a librdkafka client's configuration
     (``asyncio_api``: for a client of confluent-kafka's asyncio API)."""
-    return {"logger": RdLogger(), "error_cb": on_error_async if asyncio_api else on_error}
+    return {"logger": RdLogger(), "error_cb": on_error_awaited if asyncio_api else on_error}
