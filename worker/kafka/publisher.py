@@ -20,15 +20,21 @@ from aiokafka.partitioner import DefaultPartitioner
 from aiokafka.structs import ConsumerRecord
 
 from worker import errors
-from worker.flow.retry import Backoff
+from worker.kafka._compat import fail_unsent
+from worker.kafka.writes import Retirements, settle_acks, write_with_retries
+
+__all__ = [
+    "DeadLetterWriteFailed",
+    "Publisher",
+    "ResultWriteFailed",
+    "settle_acks",  # re-exported: the librdkafka publisher and the audit log use them
+    "write_with_retries",
+]
 
 log = structlog.get_logger(__name__)
 
 Headers = Sequence[tuple[str, bytes | None]]
 _T = TypeVar("_T")
-
-#: Waits between tries of a write that failed on a Kafka error (a broker restart, a leader move).
-_WRITE_BACKOFF = Backoff(first_s=0.2, max_s=5.0)
 
 #: Producer batch per partition. aiokafka's 16 KiB default fills after ~40 results;
 #: senders then queue behind the in-flight batch, which costs CPU per record.
@@ -127,12 +133,8 @@ class Publisher:
         # Bumped each time the producer is replaced (see _renew_producer).
         self._generation = 0
         self._renewing = asyncio.Lock()
-        # Generations whose producer has been stopped: every one below ``_stopped_below``,
-        # and those in ``_stopped_early`` (stopped before an older one was). A send of theirs
-        # still pending will never be acknowledged (see _ack_or_retired).
-        self._stopped_below = 0
-        self._stopped_early: set[int] = set()
-        self._retiring = asyncio.Event()
+        # Which producers were stopped: their sends still pending are never acknowledged.
+        self._retired = Retirements()
 
     async def start(self) -> None:
         await self._producer.start()
@@ -166,16 +168,9 @@ class Publisher:
         try:
             await old.stop()
         finally:
-            self._stopped_early.add(generation)
-            while self._stopped_below in self._stopped_early:
-                self._stopped_early.discard(self._stopped_below)
-                self._stopped_below += 1
-            retiring, self._retiring = self._retiring, asyncio.Event()
-            retiring.set()
-
-    def _retired(self, generation: int) -> bool:
-        """True once the producer of ``generation`` has been stopped."""
-        return generation < self._stopped_below or generation in self._stopped_early
+            # What it left unsent fails, so that its writers try again on the new producer.
+            fail_unsent(old, ProducerClosed())
+            self._retired.retire(generation)
 
     async def _acked(self, generation: int, sent: Awaitable[_T]) -> _T:
         """The broker's ack of a record sent by the producer of ``generation``.
@@ -184,33 +179,10 @@ class Publisher:
         the partition again: it is renewed before the error propagates.
         """
         try:
-            return await self._ack_or_retired(generation, sent)
+            return await self._retired.ack(generation, sent)
         except (MessageSizeTooLargeError, OutOfOrderSequenceNumber) as exc:
             await self._renew_producer(generation, exc)
             raise
-
-    async def _ack_or_retired(self, generation: int, sent: Awaitable[_T]) -> _T:
-        """The ack; ProducerClosed (retried by the writer) once the producer of
-        ``generation`` was stopped with the record still unsent.
-
-        aiokafka's ``send_batch`` waits for the partition's pending batch to drain, then
-        appends its batch without checking that the producer was closed meanwhile: a batch
-        appended while ``stop()`` flushes is never sent and its future never resolves
-        (seen in the chaos soak: results of innocent records written alone after a size
-        refusal waited for ever while their producer was being replaced). Once ``stop()``
-        has returned, whatever of that producer is still pending is such a batch.
-        """
-        ack = asyncio.ensure_future(sent)
-        while not ack.done() and not self._retired(generation):
-            retiring = asyncio.ensure_future(self._retiring.wait())
-            try:
-                await asyncio.wait({ack, retiring}, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                retiring.cancel()
-        if not ack.done():
-            ack.cancel()
-            raise ProducerClosed()
-        return ack.result()
 
     async def write_result(self, value: bytes, key: bytes | None, headers: Headers) -> Any:
         """Write a result and wait for the broker's ack.
@@ -256,7 +228,11 @@ class Publisher:
             return await self._acked(generation, sent)
 
         return await write_with_retries(
-            send_once, what=f"write to {topic!r}", attempts=self._write_attempts, failure=failure
+            send_once,
+            what=f"write to {topic!r}",
+            attempts=self._write_attempts,
+            failure=failure,
+            collateral=_replaced,
         )
 
     # -- the at-least-once sink: straight to the broker, waiting for each ack ------
@@ -392,51 +368,15 @@ class Publisher:
             return await self._acked(generation, sent)
 
         return await write_with_retries(
-            send_once, what=f"write to {topic!r}", attempts=self._write_attempts, failure=failure
+            send_once,
+            what=f"write to {topic!r}",
+            attempts=self._write_attempts,
+            failure=failure,
+            collateral=_replaced,
         )
 
 
-async def settle_acks(
-    sent: Sequence[asyncio.Future[Any] | BaseException],
-) -> list[BaseException | None]:
-    """Each send's outcome, awaited in order: None once acknowledged, else its error (an
-    error raised before sending stands for itself)."""
-    outcomes: list[BaseException | None] = []
-    for future in sent:
-        if isinstance(future, BaseException):
-            outcomes.append(future)
-            continue
-        try:
-            await future
-        except Exception as exc:
-            outcomes.append(exc)
-        else:
-            outcomes.append(None)
-    return outcomes
-
-
-async def write_with_retries(
-    write: Callable[[], Awaitable[_T]],
-    *,
-    what: str,
-    attempts: int,
-    failure: type[errors.WriteFailed],
-) -> _T:
-    """Call ``write``, retrying Kafka errors (a broker restart, a leader moving) with
-    backoff; raise ``failure`` when every try failed. A size refusal is not retried:
-    MessageSizeTooLargeError propagates at once."""
-    for attempt in range(1, attempts + 1):
-        try:
-            return await write()
-        except MessageSizeTooLargeError:
-            raise
-        except KafkaError as exc:
-            log.warning(
-                "write_failed", what=what, attempt=attempt, error=f"{type(exc).__name__}: {exc}"
-            )
-            if attempt == attempts:
-                raise failure(
-                    f"{what} failed {attempt} times: {type(exc).__name__}: {exc}"
-                ) from exc
-            await asyncio.sleep(_WRITE_BACKOFF.delay_s(attempt))
-    raise AssertionError("unreachable")
+def _replaced(exc: KafkaError) -> bool:
+    """The write failed because its producer was replaced (another record's size refusal
+    broke its sequence numbers, or it was closed with the write unsent)."""
+    return isinstance(exc, OutOfOrderSequenceNumber | ProducerClosed)

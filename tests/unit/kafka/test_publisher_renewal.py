@@ -4,13 +4,17 @@ aiokafka's ``send_batch`` waits for the partition's pending batch to drain, then
 its own without checking that the producer was closed meanwhile: appended while
 ``stop()`` flushes, the batch is never sent and its future never resolves. The chaos
 soak met it under load (results of records written alone after a size refusal waited
-for ever); a real broker cannot be made to hit that window on demand, so a fake
-producer stands in for aiokafka here and leaves the first producer's batch unsent.
+for ever). What a stopped producer still holds is failed when it is replaced; a batch
+appended after that is caught by its write waiting for the ack. A real broker cannot be
+made to hit that window on demand (tests/integration/test_publisher.py has the burst that
+met the others), so a fake producer stands in for aiokafka here and leaves the first
+producer's batch unsent.
 """
 
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -36,6 +40,8 @@ class _Producer:
     def __init__(self, **_: Any) -> None:
         self.orphans = not _Producer.made
         self.stopped = False
+        # Nothing queued when stopped: the orphan was appended after, out of the sweep's reach.
+        self._message_accumulator = SimpleNamespace(_batches={}, _pending_batches=set())
         _Producer.made.append(self)
 
     async def start(self) -> None:
