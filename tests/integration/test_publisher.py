@@ -183,10 +183,12 @@ async def test_results_of_many_records_are_sent_together_and_a_refused_one_is_re
 async def test_a_burst_of_results_over_the_limit_leaves_no_write_waiting(
     kafka: Any, unique: str
 ) -> None:
-    """32 writers, one result in 40 over max.message.bytes, 3,200 writes: each small one
-    lands and each big one is OUTPUT_TOO_LARGE, none waits (aiokafka: each refusal replaces
-    the producer; writes caught on a producer being closed waited up to the request timeout
-    or for ever, and a write replaced five times in a row stopped the worker)."""
+    """32 writers, one result in 40 over max.message.bytes, each result followed by a dead
+    letter: each small result and every dead letter lands, each big result is
+    OUTPUT_TOO_LARGE, none waits (aiokafka: each refusal replaces the producer; writes caught
+    on a producer being closed waited up to the request timeout or for ever, among them a
+    first dead letter waiting for its topic's metadata on a fresh producer, and a write
+    replaced five times in a row stopped the worker)."""
     topics = Topics.fresh(unique)
     await kafka.create_topics(
         [topics.output, topics.dlq], partitions=2, configs={"max.message.bytes": str(LIMIT)}
@@ -203,6 +205,8 @@ async def test_a_burst_of_results_over_the_limit_leaves_no_write_waiting(
                     await asyncio.wait_for(write, 20)
             else:
                 await asyncio.wait_for(write, 20)
+            letter = publisher.write_dead_letter(f"d-{w}-{i}".encode(), b"k", [])
+            await asyncio.wait_for(letter, 20)
 
     await publisher.start()
     try:
@@ -215,3 +219,7 @@ async def test_a_burst_of_results_over_the_limit_leaves_no_write_waiting(
         landed |= {r.value for r in tp_records}
     want = {f"r-{w}-{i}".encode() for w in range(32) for i in range(100) if (w, i) not in big}
     assert want <= landed
+    letters = set()
+    for p in range(2):
+        letters |= {r.value for r in await _read_partition(kafka.bootstrap_servers, topics.dlq, p)}
+    assert letters == {f"d-{w}-{i}".encode() for w in range(32) for i in range(100)}

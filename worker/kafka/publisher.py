@@ -160,6 +160,10 @@ class Publisher:
             fresh = AIOKafkaProducer(**self._producer_kwargs)
             try:
                 await fresh.start()
+                # Known before it takes writes: a send waiting for a topic's metadata on
+                # a producer stopped meanwhile (another refusal) would wait for ever.
+                for topic in (self.output_topic, self.dlq_topic):
+                    await fresh.partitions_for(topic)
             except BaseException:
                 await fresh.stop()
                 raise
