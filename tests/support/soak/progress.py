@@ -9,7 +9,6 @@ fault by fault (``excuse`` and ``resume``).
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -83,9 +82,9 @@ class Progress:
 
 
 class OffsetReader:
-    """The group's committed offsets of one topic, each read bounded in time. (aiokafka's
-    admin client: librdkafka's aborted this process on an assertion when a bounded
-    request met a broker restart.)"""
+    """The group's committed offsets of one topic, each read bounded in time (aiokafka's
+    admin client: librdkafka's aborted this process on an assertion when a request with a
+    timeout met a broker restart)."""
 
     def __init__(self, bootstrap: str, group: str, topic: str, timeout_s: float = 2.0) -> None:
         self._bootstrap, self._group, self._topic = bootstrap, group, topic
@@ -94,16 +93,16 @@ class OffsetReader:
 
     async def read(self) -> dict[int, int]:
         """Partition → committed offset; empty when the broker does not answer in time."""
+        # Bounded by the client's own request timeout, not by cancelling it: a start or a
+        # request cancelled midway leaves a connection open.
         try:
             if self._admin is None:
                 self._admin = AIOKafkaAdminClient(
                     bootstrap_servers=self._bootstrap,
                     request_timeout_ms=int(self._timeout_s * 1000),
                 )
-                await asyncio.wait_for(self._admin.start(), self._timeout_s)
-            found = await asyncio.wait_for(
-                self._admin.list_consumer_group_offsets(self._group), self._timeout_s
-            )
+                await self._admin.start()
+            found = await self._admin.list_consumer_group_offsets(self._group)
         except Exception:  # the broker is out of reach: nothing moved, as far as we know
             await self.close()
             return {}
