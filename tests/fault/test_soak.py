@@ -62,6 +62,7 @@ from tests.support.soak import (
     triton_model_ready,
 )
 from tests.support.soak.oracle import Limits, Run, describe, judge, measure
+from tests.support.soak.schedule import TYPICAL_S
 from tests.support.worker import kafka_client_under_test
 
 SOAK_S = float(os.environ.get("SOAK_S", "30"))
@@ -181,12 +182,14 @@ def _lanes(
 
 
 async def _run_schedule(chaos: Chaos, seed: int, delivery: str) -> None:
-    """Faults from the seed until SOAK_S has passed, never before the mode's first kinds."""
+    """Faults from the seed while the next one would end within SOAK_S, and at least the
+    mode's first kinds."""
     ends_at = time.monotonic() + SOAK_S
     first = FIRST_KINDS[delivery]
     for fault in schedule(seed, first):
         done = {a.fault.kind for a in chaos.applied}
-        if set(first) <= done and time.monotonic() + fault.gap_s >= ends_at:
+        expected_end = time.monotonic() + fault.gap_s + TYPICAL_S[fault.kind]
+        if set(first) <= done and expected_end > ends_at:
             return
         # The schedule's quiet time between two faults (traffic flows meanwhile).
         await chaos.tripwire.guard(asyncio.sleep(fault.gap_s), fault.gap_s + 5, "quiet")

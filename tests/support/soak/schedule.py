@@ -26,6 +26,20 @@ FIRST_KINDS = {
 }
 
 
+#: About how long each kind takes to apply and recover from on the 2-core machine (the
+#: Tritons load every model again after a restart): a run ends rather than start a fault
+#: that would not end by its length.
+TYPICAL_S = {
+    "worker_kill": 6.0,
+    "worker_stop": 3.0,
+    "triton_restart": 20.0,
+    "triton_kill": 10.0,
+    "endpoint_kill": 8.0,
+    "model_reload": 4.0,
+    "broker_restart": 10.0,
+}
+
+
 @dataclass(frozen=True, slots=True)
 class Fault:
     """One scheduled fault: quiet time before it, its kind, how long the thing stays down,
