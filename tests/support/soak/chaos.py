@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from devtools.devstack.process import free_port, tail
-from tests.support import Topics, worker_env
+from tests.support import Topics, metric_sum, worker_env
 from tests.support.soak.outcomes import Collector, Tripwire
 from tests.support.soak.processes import WorkerProcess
 from tests.support.soak.progress import OffsetReader, Progress
@@ -181,7 +181,9 @@ class Chaos:
         self.resume(settle_s=settle_s)
 
     async def recovered(self, after: str) -> None:
-        """The current worker is ready with no model held, and a new outcome has arrived."""
+        """The current worker is ready with no model held, a new outcome has arrived, and
+        every Triton endpoint is in its rotation again (a sequence started meanwhile on the
+        other endpoint moves back then, and loses its state: part of the disturbance)."""
         answered = len(self.collector.outcomes)
         await self.tripwire.guard(
             self.current.wait_fully_ready(), STEP_TIMEOUT_S, f"worker ready after {after}"
@@ -191,7 +193,17 @@ class Chaos:
             STEP_TIMEOUT_S,
             f"progress after {after}",
         )
+        await self.tripwire.guard(
+            self._endpoints_in_rotation(), STEP_TIMEOUT_S, f"endpoints in rotation after {after}"
+        )
         self.current.mark_warm()
+
+    async def _endpoints_in_rotation(self) -> None:
+        want, port = len(self.stack.tritons), self.current.port
+        while True:
+            if await asyncio.to_thread(metric_sum, port, "worker_triton_endpoint_up") >= want:
+                return
+            await asyncio.sleep(0.2)  # polling another process's metrics: nothing to await
 
     async def run_fault(self, fault: Fault) -> None:
         """One fault of the schedule, applied and recovered from, and noted."""
