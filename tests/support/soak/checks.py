@@ -66,6 +66,15 @@ def check_result(
     return _check_values(sent, record, deferred)
 
 
+def cut_short(sent: Sent, record: ConsumerRecord[bytes, bytes]) -> bool:
+    """True when a token stream's result holds only the first of its tokens, in order: what
+    a Triton that crashed midway answered as complete (the oracle allows it only then)."""
+    if sent.model != "tokens" or sent.tokens is None:
+        return False
+    got = result_outputs(record).get("text_output") or []
+    return 0 < len(got) < len(sent.tokens) and list(got) == sent.tokens[: len(got)]
+
+
 def _check_tokens(sent: Sent, record: ConsumerRecord[bytes, bytes]) -> str | None:
     got = result_outputs(record).get("text_output")
     if got != sent.tokens:

@@ -12,7 +12,13 @@ from aiokafka import AIOKafkaConsumer
 from aiokafka.structs import ConsumerRecord, TopicPartition
 
 from tests.support import Topics
-from tests.support.soak.checks import MlpCheck, check_result, first_header, running_sum_of
+from tests.support.soak.checks import (
+    MlpCheck,
+    check_result,
+    cut_short,
+    first_header,
+    running_sum_of,
+)
 from tests.support.soak.lanes import Ledger
 
 _T = TypeVar("_T")
@@ -74,6 +80,8 @@ class Collector:
         self.outcomes: list[Outcome] = []
         self.by_source: dict[tuple[int, int], list[Outcome]] = {}
         self.problems: list[str] = []
+        #: (request id, appended ms) of token streams answered with only their first tokens.
+        self.cut_short: list[tuple[str, int]] = []
         self.mlp_checks: list[MlpCheck] = []
         self._seen: set[tuple[str, int, int]] = set()
         self._changed = asyncio.Event()
@@ -142,6 +150,9 @@ class Collector:
             return f"{where}: request id {rid!r} was never sent", None
         if code is None and sent.expected_code is not None:
             return f"{rid} ({sent.kind}): a result, expected {sent.expected_code}", None
+        if code is None and cut_short(sent, record):
+            self.cut_short.append((rid, record.timestamp))
+            return None, None
         if code is None:
             wrong = check_result(sent, record, self.mlp_checks)
             if wrong:
