@@ -30,7 +30,14 @@ MAX_BYTES = 8 * 1024 * 1024
 
 async def read_all(bootstrap: str, topic: str) -> list[ConsumerRecord[bytes, bytes]]:
     """Every record of partition 0 of ``topic``, up to its end offset."""
-    tp = TopicPartition(topic, 0)
+    return await _read_partition(bootstrap, topic, 0)
+
+
+async def _read_partition(
+    bootstrap: str, topic: str, partition: int
+) -> list[ConsumerRecord[bytes, bytes]]:
+    """Every record of one partition of ``topic``, up to its end offset."""
+    tp = TopicPartition(topic, partition)
     consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
     consumer.assign([tp])
     await consumer.start()
@@ -171,3 +178,48 @@ async def test_results_of_many_records_are_sent_together_and_a_refused_one_is_re
     landed = [r.value for r in await read_all(kafka.bootstrap_servers, topics.output)]
     assert landed[:10] == [f"a-{i}".encode() for i in range(10)]
     assert sorted(set(landed[10:])) == sorted(f"b-{i}".encode() for i in range(10) if i != 4)
+
+
+async def test_a_burst_of_results_over_the_limit_leaves_no_write_waiting(
+    kafka: Any, unique: str
+) -> None:
+    """32 writers, one result in 40 over max.message.bytes, each result followed by a dead
+    letter: each small result and every dead letter lands, each big result is
+    OUTPUT_TOO_LARGE, none waits (aiokafka: each refusal replaces the producer; writes caught
+    on a producer being closed waited up to the request timeout or for ever, among them a
+    first dead letter waiting for its topic's metadata on a fresh producer, and a write
+    replaced five times in a row stopped the worker)."""
+    topics = Topics.fresh(unique)
+    await kafka.create_topics(
+        [topics.output, topics.dlq], partitions=2, configs={"max.message.bytes": str(LIMIT)}
+    )
+    publisher = _publisher(kafka, topics, unique)
+    big = {(w, i) for w in range(32) for i in range(100) if (w * 100 + i) % 40 == 17}
+
+    async def writer(w: int) -> None:
+        for i in range(100):
+            value = TOO_BIG if (w, i) in big else f"r-{w}-{i}".encode()
+            write = publisher.write_result(value, f"k{i % 7}".encode(), [])
+            if (w, i) in big:
+                with pytest.raises(errors.OutputTooLarge):
+                    await asyncio.wait_for(write, 20)
+            else:
+                await asyncio.wait_for(write, 20)
+            letter = publisher.write_dead_letter(f"d-{w}-{i}".encode(), b"k", [])
+            await asyncio.wait_for(letter, 20)
+
+    await publisher.start()
+    try:
+        await asyncio.gather(*(writer(w) for w in range(32)))
+    finally:
+        await publisher.stop()
+    landed = set()
+    for p in range(2):
+        tp_records = await _read_partition(kafka.bootstrap_servers, topics.output, p)
+        landed |= {r.value for r in tp_records}
+    want = {f"r-{w}-{i}".encode() for w in range(32) for i in range(100) if (w, i) not in big}
+    assert want <= landed
+    letters = set()
+    for p in range(2):
+        letters |= {r.value for r in await _read_partition(kafka.bootstrap_servers, topics.dlq, p)}
+    assert letters == {f"d-{w}-{i}".encode() for w in range(32) for i in range(100)}

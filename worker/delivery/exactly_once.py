@@ -288,11 +288,18 @@ class ExactlyOnce(TrackingDelivery):
         )
 
     async def assigned(self, partitions: set[TopicPartition]) -> None:
-        """Start each partition's producer, then read its committed offset and seek to it.
+        """Start each partition's producer, then read the committed offsets and seek to
+        them; only then may the partitions commit.
 
         The order is the fencing: initialising the id completes or aborts the previous
-        owner's open transaction, so the offset read afterwards is final.
+        owner's open transaction, so the offset read afterwards is final. A partition
+        whose producer started first must not commit before that read either: records
+        fetched meanwhile would be done and committed, the read would find this member's
+        own commit, take it for a previous owner's, and seek back to it, so that records
+        still staged were fetched and staged a second time (a fresh worker with a backlog
+        stopped on "staged twice", exit 3).
         """
+        added = []
         for tp in sorted(partitions):
             if tp in self._partitions:
                 continue
@@ -302,10 +309,15 @@ class ExactlyOnce(TrackingDelivery):
             part = _Partition(producer)
             self._partitions[tp] = part
             self._notify()
-            await self._restart(tp, part)
+            if await self._restart(tp, part, ready=False):
+                added.append(part)
         await self._seek_committed(partitions)
+        for part in added:
+            part.ready.set()
 
-    async def _restart(self, tp: TopicPartition, part: _Partition) -> None:
+    async def _restart(self, tp: TopicPartition, part: _Partition, *, ready: bool = True) -> bool:
+        """A fresh producer for the partition (ready at once with ``ready``); False if it
+        cannot start (the partition is dropped and the worker stops)."""
         try:
             await part.producer.replace()
         except ProducerStartFailed as error:
@@ -313,8 +325,10 @@ class ExactlyOnce(TrackingDelivery):
             log.error("exactly_once_partition_unusable", partition=str(tp), error=str(error))
             self._drop(tp, part, str(error))
             self.fail(error)
-            return
-        part.ready.set()
+            return False
+        if ready:
+            part.ready.set()
+        return True
 
     async def _seek_committed(self, partitions: set[TopicPartition]) -> None:
         ours = [tp for tp in partitions if tp in self._partitions]

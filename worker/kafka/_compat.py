@@ -5,7 +5,13 @@ from __future__ import annotations
 from collections.abc import Awaitable
 from typing import Any
 
-__all__ = ["fetch_committed", "in_transaction", "rebalancing", "send_to_some_broker"]
+__all__ = [
+    "fail_unsent",
+    "fetch_committed",
+    "in_transaction",
+    "rebalancing",
+    "send_to_some_broker",
+]
 
 
 def in_transaction(producer: Any) -> bool:
@@ -36,3 +42,25 @@ def send_to_some_broker(client_owner: Any, request: Any) -> Awaitable[Any]:
     broker: neither has a public call for a request of one's own."""
     client = client_owner._client
     return client.send(client.get_random_node(), request)  # type: ignore[no-any-return]
+
+
+def fail_unsent(producer: Any, error: BaseException) -> int:
+    """Fail with ``error`` every batch a stopped producer still holds; returns how many.
+
+    ``stop()`` flushes only the batches queued when it began and then cancels the sender:
+    a batch appended meanwhile, or one whose send was cut short, is never sent, and its
+    futures (the records' acks, and the drain that a send waiting for room awaits, for up
+    to the request timeout) are never resolved.
+    """
+    accumulator = producer._message_accumulator
+    batches = [b for queue in accumulator._batches.values() for b in queue]
+    batches += list(accumulator._pending_batches)
+    for batch in batches:
+        batch.failure(exception=error)
+        # Whoever awaits them gets the error; those nobody awaits must not be reported
+        # as errors never retrieved.
+        futures = [batch.future, batch._drain_waiter, *(f for f, _ in batch._msg_futures)]
+        for future in futures:
+            if future.done() and not future.cancelled():
+                future.exception()
+    return len(batches)

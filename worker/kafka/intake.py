@@ -88,6 +88,7 @@ class Feed:
         # False while the partition may not run further past its commit point.
         self._admits = admits
         self._backlog: dict[TopicPartition, deque[ConsumerRecord[bytes, bytes]]] = {}
+        self._turn = 0  # which partition with a backlog goes first next time
         self._stopping = asyncio.Event()
         self.running = False
 
@@ -96,15 +97,38 @@ class Feed:
         self._stopping.set()
 
     def _dispatch_backlog(self) -> None:
-        """Dispatch, in order, the backlog's records that delivery admits and that get a slot."""
+        """Dispatch the backlog's records that delivery admits and that get a slot: each
+        partition's in order, the partitions taking turns one record at a time from a
+        starting partition that moves on every call.
+
+        Taking each partition's backlog whole, always in the same order, let the first
+        partitions refill the window every time it freed (two at their per-partition
+        limit fill it), so that a partition behind them got no slot for as long as they
+        had a backlog (under exactly_once, whose records hold their slots until their
+        transaction commits, a final worker draining 6,000 records left two of four
+        partitions uncommitted for more than 10 s).
+        """
         if self._breaker.is_open:
             return  # Triton is out: records stay in the backlog and in Kafka.
+        order = [tp for tp, queue in self._backlog.items() if queue]
+        if not order:
+            return
+        start = self._turn % len(order)
+        self._turn += 1
+        turn = order[start:] + order[:start]
         taken: list[ConsumerRecord[bytes, bytes]] = []
-        for tp, queue in self._backlog.items():
-            while queue and self._admits(tp) and self._window.try_acquire(tp):
-                taken.append(queue.popleft())
+        while turn:
+            turn = [tp for tp in turn if self._take_one(tp, taken)]
         if taken:
             self._dispatch(taken)  # together: the worker may handle them as one batch
+
+    def _take_one(self, tp: TopicPartition, taken: list[ConsumerRecord[bytes, bytes]]) -> bool:
+        """Move ``tp``'s next record to ``taken`` if it may go; True if ``tp`` has more."""
+        queue = self._backlog[tp]
+        if not (self._admits(tp) and self._window.try_acquire(tp)):
+            return False
+        taken.append(queue.popleft())
+        return bool(queue)
 
     def _can_take(self, tp: TopicPartition) -> bool:
         """A record of ``tp`` could be dispatched now: a slot is free and delivery admits it."""

@@ -10,20 +10,31 @@ from typing import Any, TypeVar
 
 import structlog
 from aiokafka import AIOKafkaProducer
-from aiokafka.errors import KafkaError, MessageSizeTooLargeError, OutOfOrderSequenceNumber
+from aiokafka.errors import (
+    KafkaError,
+    MessageSizeTooLargeError,
+    OutOfOrderSequenceNumber,
+    ProducerClosed,
+)
 from aiokafka.partitioner import DefaultPartitioner
 from aiokafka.structs import ConsumerRecord
 
 from worker import errors
-from worker.flow.retry import Backoff
+from worker.kafka._compat import fail_unsent
+from worker.kafka.writes import Retirements, settle_acks, write_with_retries
+
+__all__ = [
+    "DeadLetterWriteFailed",
+    "Publisher",
+    "ResultWriteFailed",
+    "settle_acks",  # re-exported: the librdkafka publisher and the audit log use them
+    "write_with_retries",
+]
 
 log = structlog.get_logger(__name__)
 
 Headers = Sequence[tuple[str, bytes | None]]
 _T = TypeVar("_T")
-
-#: Waits between tries of a write that failed on a Kafka error (a broker restart, a leader move).
-_WRITE_BACKOFF = Backoff(first_s=0.2, max_s=5.0)
 
 #: Producer batch per partition. aiokafka's 16 KiB default fills after ~40 results;
 #: senders then queue behind the in-flight batch, which costs CPU per record.
@@ -122,6 +133,8 @@ class Publisher:
         # Bumped each time the producer is replaced (see _renew_producer).
         self._generation = 0
         self._renewing = asyncio.Lock()
+        # Which producers were stopped: their sends still pending are never acknowledged.
+        self._retired = Retirements()
 
     async def start(self) -> None:
         await self._producer.start()
@@ -147,12 +160,21 @@ class Publisher:
             fresh = AIOKafkaProducer(**self._producer_kwargs)
             try:
                 await fresh.start()
+                # Known before it takes writes: a send waiting for a topic's metadata on
+                # a producer stopped meanwhile (another refusal) would wait for ever.
+                for topic in (self.output_topic, self.dlq_topic):
+                    await fresh.partitions_for(topic)
             except BaseException:
                 await fresh.stop()
                 raise
             self._producer, self._generation = fresh, generation + 1
         log.warning("producer_renewed", reason=f"{type(reason).__name__}: {reason}")
-        await old.stop()
+        try:
+            await old.stop()
+        finally:
+            # What it left unsent fails, so that its writers try again on the new producer.
+            fail_unsent(old, ProducerClosed())
+            self._retired.retire(generation)
 
     async def _acked(self, generation: int, sent: Awaitable[_T]) -> _T:
         """The broker's ack of a record sent by the producer of ``generation``.
@@ -161,7 +183,7 @@ class Publisher:
         the partition again: it is renewed before the error propagates.
         """
         try:
-            return await sent
+            return await self._retired.ack(generation, sent)
         except (MessageSizeTooLargeError, OutOfOrderSequenceNumber) as exc:
             await self._renew_producer(generation, exc)
             raise
@@ -210,7 +232,11 @@ class Publisher:
             return await self._acked(generation, sent)
 
         return await write_with_retries(
-            send_once, what=f"write to {topic!r}", attempts=self._write_attempts, failure=failure
+            send_once,
+            what=f"write to {topic!r}",
+            attempts=self._write_attempts,
+            failure=failure,
+            collateral=_replaced,
         )
 
     # -- the at-least-once sink: straight to the broker, waiting for each ack ------
@@ -346,51 +372,15 @@ class Publisher:
             return await self._acked(generation, sent)
 
         return await write_with_retries(
-            send_once, what=f"write to {topic!r}", attempts=self._write_attempts, failure=failure
+            send_once,
+            what=f"write to {topic!r}",
+            attempts=self._write_attempts,
+            failure=failure,
+            collateral=_replaced,
         )
 
 
-async def settle_acks(
-    sent: Sequence[asyncio.Future[Any] | BaseException],
-) -> list[BaseException | None]:
-    """Each send's outcome, awaited in order: None once acknowledged, else its error (an
-    error raised before sending stands for itself)."""
-    outcomes: list[BaseException | None] = []
-    for future in sent:
-        if isinstance(future, BaseException):
-            outcomes.append(future)
-            continue
-        try:
-            await future
-        except Exception as exc:
-            outcomes.append(exc)
-        else:
-            outcomes.append(None)
-    return outcomes
-
-
-async def write_with_retries(
-    write: Callable[[], Awaitable[_T]],
-    *,
-    what: str,
-    attempts: int,
-    failure: type[errors.WriteFailed],
-) -> _T:
-    """Call ``write``, retrying Kafka errors (a broker restart, a leader moving) with
-    backoff; raise ``failure`` when every try failed. A size refusal is not retried:
-    MessageSizeTooLargeError propagates at once."""
-    for attempt in range(1, attempts + 1):
-        try:
-            return await write()
-        except MessageSizeTooLargeError:
-            raise
-        except KafkaError as exc:
-            log.warning(
-                "write_failed", what=what, attempt=attempt, error=f"{type(exc).__name__}: {exc}"
-            )
-            if attempt == attempts:
-                raise failure(
-                    f"{what} failed {attempt} times: {type(exc).__name__}: {exc}"
-                ) from exc
-            await asyncio.sleep(_WRITE_BACKOFF.delay_s(attempt))
-    raise AssertionError("unreachable")
+def _replaced(exc: KafkaError) -> bool:
+    """The write failed because its producer was replaced (another record's size refusal
+    broke its sequence numbers, or it was closed with the write unsent)."""
+    return isinstance(exc, OutOfOrderSequenceNumber | ProducerClosed)

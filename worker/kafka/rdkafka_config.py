@@ -184,7 +184,8 @@ def consumer_config(kafka: KafkaSettings, auth: KafkaAuthSettings) -> dict[str, 
         "queued.min.messages": max(1000, 2 * kafka.max_poll_records),
         "fetch.queue.backoff.ms": _FETCH_QUEUE_BACKOFF_MS,
         **security_config(auth),
-        **rdkafka_log.callbacks(),
+        # The consumer runs through confluent-kafka's asyncio API (AIOConsumer).
+        **rdkafka_log.callbacks(asyncio_api=True),
     }
     if kafka.group_protocol == "classic":
         if kafka.max_poll_interval_ms < kafka.session_timeout_ms:

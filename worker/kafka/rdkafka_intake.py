@@ -30,7 +30,6 @@ from confluent_kafka.aio import AIOConsumer
 
 from worker.flow.breaker import CircuitBreaker
 from worker.flow.window import Window
-from worker.kafka import rdkafka_log
 from worker.kafka.intake import REFUSED_CODES, Dispatch, Feed, Rebalance, refused
 from worker.kafka.rdkafka_threads import DaemonExecutor, unless_stopped
 from worker.kafka.rdkafka_types import (
@@ -107,7 +106,8 @@ class RdIntake(Feed):
         self.consumer: AIOConsumer | None = None
 
     async def start(self) -> None:
-        config = rdkafka_log.for_aio(self._config)
+        # A copy: confluent_kafka.aio rewrites the callbacks of the configuration it is given.
+        config = dict(self._config)
         self.consumer = AIOConsumer(config, executor=DaemonExecutor(4, "rdkafka-consumer"))
         await self.consumer.subscribe(
             self._topics,

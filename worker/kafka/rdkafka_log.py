@@ -17,10 +17,10 @@ import logging
 import re
 import threading
 import time
-from collections.abc import Callable, Coroutine, Mapping
+from collections.abc import Awaitable, Callable, Generator
 from typing import Any
 
-__all__ = ["REPEAT_WINDOW_S", "RdLogger", "Repeats", "awaited", "callbacks", "for_aio", "on_error"]
+__all__ = ["REPEAT_WINDOW_S", "RdLogger", "Repeats", "callbacks", "on_error", "on_error_awaited"]
 
 #: The logger of every librdkafka line (see ``worker.observability.logging``).
 log = logging.getLogger("librdkafka")
@@ -105,26 +105,28 @@ def on_error(error: Any, repeats: Repeats = _REPEATS) -> None:
     )
 
 
-def awaited(callback: Callable[[Any], None]) -> Callable[[Any], Coroutine[Any, Any, None]]:
-    """``callback`` as ``confluent_kafka.aio``'s consumer calls its ``error_cb``: awaited, on
-    the event loop (the plain function's None made each error report raise TypeError out of
-    ``consume``, ending the fetch loop at a broker's first refused connection)."""
+class _Done:
+    """An awaitable that is already done (awaiting it returns None at once)."""
 
-    async def call(error: Any) -> None:
-        callback(error)
-
-    return call
+    def __await__(self) -> Generator[None, None, None]:
+        yield from ()
 
 
-def for_aio(config: Mapping[str, Any]) -> dict[str, Any]:
-    """A copy of a client's configuration for ``confluent_kafka.aio`` (which rewrites the
-    callbacks of the one it is given, in place): its ``error_cb`` awaited."""
-    copy = dict(config)
-    if "error_cb" in copy:
-        copy["error_cb"] = awaited(copy["error_cb"])
-    return copy
+_DONE = _Done()
 
 
-def callbacks() -> dict[str, Any]:
-    """The ``logger`` and ``error_cb`` properties of a librdkafka client's configuration."""
-    return {"logger": RdLogger(), "error_cb": on_error}
+def on_error_awaited(error: Any) -> Awaitable[None]:
+    """``on_error`` for a client of confluent-kafka's asyncio API (``AIOConsumer``), which
+    awaits what its ``error_cb`` returns: a plain function's None made the librdkafka call
+    that served the error (consume, close) raise TypeError, which ended the worker at the
+    first broker it could not reach. It logs at once and returns an awaitable already
+    done (not a coroutine, which would be reported as never awaited if the callback came
+    after the event loop had closed)."""
+    on_error(error)
+    return _DONE
+
+
+def callbacks(*, asyncio_api: bool = False) -> dict[str, Any]:
+    """The ``logger`` and ``error_cb`` properties of a librdkafka client's configuration
+    (``asyncio_api``: for a client of confluent-kafka's asyncio API)."""
+    return {"logger": RdLogger(), "error_cb": on_error_awaited if asyncio_api else on_error}

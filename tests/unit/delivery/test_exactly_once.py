@@ -131,3 +131,65 @@ async def test_record_finishing_after_a_failed_transaction_is_committed_by_the_n
     assert _values(factory.made[0]) == []
     assert delivery.offsets.commit_point(TP) == 2
     await delivery.close()
+
+
+TP1 = TopicPartition("in", 1)
+
+
+class _TwoPartitions(Edge):
+    """Partitions 0 and 1; the committed offsets are those the producers' transactions sent."""
+
+    def __init__(self, producers: dict[str, FakeProducer]) -> None:
+        self._producers = producers
+
+    def assignment(self) -> set[TopicPartition]:
+        return {TP, TP1}
+
+    async def fetch_committed(
+        self, partitions: Iterable[TopicPartition]
+    ) -> dict[TopicPartition, OffsetAndMetadata]:
+        sent = [o for p in self._producers.values() for o in p.offsets]
+        return {tp: meta for offsets in sent for tp, meta in offsets.items() if tp in partitions}
+
+
+async def test_no_partition_commits_before_the_offsets_of_every_assigned_one_are_read() -> None:
+    """Two partitions, the second's producer slow to start: the first stays not ready until
+    the offsets are read, then its record is committed once and nothing is sought (before,
+    it committed meanwhile, the read took that for a previous owner's commit and sought
+    back to it: its staged records came again, "staged twice")."""
+    reached, gate = asyncio.Event(), asyncio.Event()
+    producers: dict[str, FakeProducer] = {}
+
+    class Slow(FakeProducer):
+        async def start(self) -> None:
+            reached.set()
+            await gate.wait()
+            await super().start()
+
+    def factory(transactional_id: str) -> FakeProducer:
+        producer = Slow() if transactional_id.endswith("-1") else FakeProducer()
+        producers[transactional_id] = producer
+        return producer
+
+    delivery = ExactlyOnce(
+        SETTINGS,
+        OffsetTracker(),
+        _TwoPartitions(producers),
+        Metrics(version="test"),
+        client_kwargs={},
+        max_request_bytes=1 << 20,
+    )
+    delivery._producer = factory  # type: ignore[assignment]  # the factory seam
+    assigning = asyncio.create_task(delivery.assigned({TP, TP1}))
+    await reached.wait()  # partition 0's producer has started; partition 1's has not
+    assert delivery.not_ready() == [str(TP), str(TP1)]
+    gate.set()
+    await assigning
+    assert delivery.not_ready() == []
+    task = await _complete(delivery, 0)
+    await delivery.commit()
+    await task
+    (first, _) = producers.values()
+    assert _values(first) == [b"r0"]
+    assert first.offsets == [{TP: OffsetAndMetadata(1, "")}]
+    await delivery.close()

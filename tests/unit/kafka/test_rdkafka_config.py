@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import base64
 import json
+import time
 from pathlib import Path
+from typing import Any
 
 import confluent_kafka
 import pytest
 from aiokafka.errors import CommitFailedError, KafkaError, MessageSizeTooLargeError
+from confluent_kafka.aio import AIOConsumer
 
+from devtools.devstack.process import free_port
+from worker.kafka import rdkafka_log
 from worker.kafka.rdkafka_config import (
     OAUTH_DEFAULT_LIFETIME_S,
     consumer_config,
@@ -67,6 +72,30 @@ def test_consumer_config_carries_the_group_and_fetch_settings() -> None:
     more = _settings(MAX_POLL_RECORDS="2000")
     assert consumer_config(more.kafka, more.kafka_auth)["queued.min.messages"] == 4000
     confluent_kafka.Consumer(config).close()  # librdkafka accepts every property
+
+
+async def test_the_consumer_reports_client_errors_and_consumes_on(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The consumer's configuration on the asyncio API, no broker at its address: each error
+    is reported and consume goes on (a plain error_cb made consume raise TypeError)."""
+    reported: list[str] = []
+
+    def record(error: Any, *_: Any) -> None:
+        reported.append(str(error.name()))
+
+    monkeypatch.setattr(rdkafka_log, "on_error", record)
+    settings = _settings(BOOTSTRAP_SERVERS=f"127.0.0.1:{free_port()}", GROUP_ID="g")
+    consumer = AIOConsumer(consumer_config(settings.kafka, settings.kafka_auth), max_workers=2)
+    await consumer.subscribe(["requests"])
+    deadline = time.monotonic() + 30
+    try:
+        while not reported:
+            assert time.monotonic() < deadline, "librdkafka reported no error in 30 s"
+            assert await consumer.consume(10, timeout=0.1) == []
+    finally:
+        await consumer.close()
+    assert "_TRANSPORT" in reported
 
 
 def test_consumer_protocol_leaves_the_session_to_the_broker() -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 import io
 import json
 import logging
@@ -93,15 +92,3 @@ def test_every_client_configuration_routes_both() -> None:
     """The consumer's and producers' configurations carry the logger and the error callback."""
     callbacks = rdkafka_log.callbacks()
     assert isinstance(callbacks["logger"], RdLogger) and callbacks["error_cb"] is on_error
-
-
-async def test_the_asyncio_consumer_gets_an_error_callback_it_can_await() -> None:
-    """for_aio: a copy whose error_cb is a coroutine function calling the worker's own; the
-    configuration it was given is left as it was."""
-    heard: list[object] = []
-    config = {"group.id": "g", "error_cb": heard.append}
-    copy = rdkafka_log.for_aio(config)
-    assert config["error_cb"] == heard.append
-    assert inspect.iscoroutinefunction(copy["error_cb"])
-    await copy["error_cb"]("an error")
-    assert heard == ["an error"]

@@ -1,0 +1,193 @@
+"""The soak's producers: one lane per input partition, librdkafka or aiokafka, paced.
+
+Every record goes in the ledger as it is produced, and every delivery report after:
+the oracle judges only what the broker acknowledged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import confluent_kafka
+from aiokafka import AIOKafkaProducer
+from aiokafka.errors import KafkaError
+
+from tests.support.soak.traffic import Sent, Traffic
+
+
+@dataclass(slots=True)
+class Ledger:
+    """Records as produced (by request id) and every delivery report."""
+
+    sent: dict[str, Sent] = field(default_factory=dict)
+    # (request id, partition, offset) for each record the broker acknowledged.
+    acked: list[tuple[str, int, int]] = field(default_factory=list)
+    failed: list[tuple[str, str]] = field(default_factory=list)  # (request id, error)
+    #: Each partition's end as far as acknowledged: one past its highest acked offset.
+    ends: dict[int, int] = field(default_factory=dict)
+
+    def delivered(self, rid: str, partition: int, offset: int) -> None:
+        self.acked.append((rid, partition, offset))  # list.append: safe from flush's thread
+        self.ends[partition] = max(self.ends.get(partition, 0), offset + 1)
+
+    def refused(self, rid: str, error: str) -> None:
+        self.failed.append((rid, error))
+
+    def accepted(self) -> dict[tuple[int, int], str]:
+        """(partition, offset) → request id of every acknowledged record."""
+        return {(p, o): rid for rid, p, o in self.acked}
+
+
+class Pace:
+    """How many records a lane should have produced by now, at ``rate_per_s``."""
+
+    def __init__(self, rate_per_s: float) -> None:
+        self._rate = rate_per_s
+        self._started = time.monotonic()
+
+    def due(self, produced: int, burst: int = 200) -> int:
+        return max(0, min(burst, int((time.monotonic() - self._started) * self._rate) - produced))
+
+
+_TICK_S = 0.02
+
+
+async def _tick(stop: asyncio.Event) -> None:
+    # The producers' pacing: one tick, or less if the soak ends meanwhile.
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(stop.wait(), _TICK_S)
+
+
+@dataclass(frozen=True)
+class LaneSpec:
+    """Where a lane writes and how: its partition, its codec, its traffic's seed and pace."""
+
+    bootstrap: str
+    topic: str
+    partition: int
+    compression: str
+    seed: int
+    rate_per_s: float
+    tag: str  # the run, in sequence keys
+
+
+class ConfluentLane:
+    """One partition fed by a librdkafka producer (acks=all, idempotent, its own codec)."""
+
+    def __init__(self, spec: LaneSpec, ledger: Ledger) -> None:
+        self.spec = spec
+        self.produced = 0
+        self._traffic = Traffic(spec.seed, spec.partition, librdkafka=True, tag=spec.tag)
+        self._ledger = ledger
+        self._producer = confluent_kafka.Producer(
+            {
+                "bootstrap.servers": spec.bootstrap,
+                "acks": "all",
+                "enable.idempotence": True,
+                "compression.type": spec.compression,
+                "linger.ms": 10,
+                # Longer than any broker restart of the soak: librdkafka retries until then.
+                "message.timeout.ms": 120_000,
+            },
+            logger=logging.getLogger(f"soak.librdkafka.p{spec.partition}"),
+        )
+
+    def _report(self, rid: str, err: Any, msg: Any) -> None:
+        if err is not None:
+            self._ledger.refused(rid, str(err))
+        else:
+            self._ledger.delivered(rid, msg.partition(), msg.offset())
+
+    async def run(self, stop: asyncio.Event) -> None:
+        pace, spec = Pace(self.spec.rate_per_s), self.spec
+        pending = None
+        while not stop.is_set():
+            for _ in range(pace.due(self.produced)):
+                record = pending or self._traffic.make(self.produced)
+                headers: list[tuple[str, str | bytes | None]] = list(record.headers)
+                try:
+                    self._producer.produce(
+                        spec.topic,
+                        value=record.value,
+                        key=record.key,
+                        headers=headers,
+                        partition=spec.partition,
+                        on_delivery=functools.partial(self._report, record.sent.rid),
+                    )
+                except BufferError:
+                    pending = record  # librdkafka's queue is full (broker down): next tick
+                    break
+                pending = None
+                self._ledger.sent[record.sent.rid] = record.sent
+                self.produced += 1
+            self._producer.poll(0)
+            await _tick(stop)
+        # Flushed a second at a time, so that a cancelled soak leaves no thread behind for long.
+        deadline = time.monotonic() + 150
+        while (left := len(self._producer)) and time.monotonic() < deadline:
+            await asyncio.to_thread(self._producer.flush, 1.0)
+        assert left == 0, f"p{spec.partition}: {left} records without a delivery report"
+
+
+class AiokafkaLane:
+    """One partition fed by an aiokafka producer (acks=all, idempotent, its own codec)."""
+
+    def __init__(self, spec: LaneSpec, ledger: Ledger) -> None:
+        self.spec = spec
+        self.produced = 0
+        self._traffic = Traffic(spec.seed, spec.partition, librdkafka=False, tag=spec.tag)
+        self._ledger = ledger
+
+    async def run(self, stop: asyncio.Event) -> None:
+        spec = self.spec
+        producer = AIOKafkaProducer(
+            bootstrap_servers=spec.bootstrap,
+            acks="all",
+            enable_idempotence=True,
+            compression_type=spec.compression,
+            linger_ms=10,
+            request_timeout_ms=120_000,
+        )
+        await producer.start()
+        pending: list[asyncio.Future[Any]] = []
+        try:
+            pace = Pace(spec.rate_per_s)
+            while not stop.is_set():
+                for _ in range(pace.due(self.produced)):
+                    record = self._traffic.make(self.produced)
+                    rid = record.sent.rid
+                    self._ledger.sent[rid] = record.sent
+                    self.produced += 1
+                    try:
+                        future = await producer.send(
+                            spec.topic,
+                            record.value,
+                            key=record.key,
+                            headers=[(k, v or b"") for k, v in record.headers],
+                            partition=spec.partition,
+                        )
+                    except KafkaError as exc:
+                        self._ledger.refused(rid, repr(exc))
+                        continue
+                    future.add_done_callback(functools.partial(self._report, rid))
+                    pending.append(future)
+                await _tick(stop)
+            await producer.flush()
+            await asyncio.gather(*pending, return_exceptions=True)
+        finally:
+            await producer.stop()
+
+    def _report(self, rid: str, future: asyncio.Future[Any]) -> None:
+        if future.cancelled():
+            self._ledger.refused(rid, "cancelled")
+        elif (exc := future.exception()) is not None:
+            self._ledger.refused(rid, repr(exc))
+        else:
+            meta = future.result()
+            self._ledger.delivered(rid, meta.partition, meta.offset)

@@ -1,0 +1,120 @@
+"""The soak's servers: one broker and two Triton endpoints, the faults applied to them, and a
+supervisor that restarts a Triton that died by itself.
+
+Triton 2.51 can crash (SIGSEGV in ``TRITONBACKEND_ResponseSend``) while serving decoupled
+and ordinary requests under load (README, "Decoupled models"), and needs a supervisor
+that restarts it, as a deployment has. The soak is that supervisor: such a death is
+noted, the server started again on its ports, and the worker must take it as it takes a
+killed endpoint. A broker that dies by itself fails the soak.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from devtools.devstack.kafka import KafkaCluster
+from devtools.devstack.process import tail
+from devtools.devstack.triton import TritonServer
+from tests.support.soak.outcomes import Tripwire
+from tests.support.soak.processes import triton_model_call, triton_model_ready
+
+
+@dataclass(frozen=True)
+class Stack:
+    """The servers the soak owns: one broker, two Triton endpoints."""
+
+    kafka: KafkaCluster
+    tritons: tuple[TritonServer, ...]
+
+
+@dataclass(frozen=True)
+class Death:
+    """A Triton that died by itself: which, how, when, and when it was serving again."""
+
+    address: str
+    how: str
+    seen_wall_ms: int
+    back_wall_ms: int
+
+
+@dataclass
+class Servers:
+    """Faults on the servers, one at a time, and the supervisor's restarts between them."""
+
+    stack: Stack
+    tripwire: Tripwire
+    say: Callable[[str], None]
+    deaths: list[Death] = field(default_factory=list)
+    #: Held by each fault and by each restart, so that they never overlap.
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    async def on_tritons(
+        self,
+        call: Callable[[TritonServer], object],
+        tritons: tuple[TritonServer, ...] | None = None,
+    ) -> None:
+        """``call`` on each endpoint (all by default) at once, each on a thread of its own."""
+        chosen = tritons if tritons is not None else self.stack.tritons
+        await asyncio.gather(*(asyncio.to_thread(call, t) for t in chosen))
+
+    async def restart_broker(self, down_s: float) -> None:
+        kafka = self.stack.kafka
+        async with self.lock:
+            await asyncio.to_thread(kafka.stop_node, 1)
+            await asyncio.sleep(down_s)  # the outage itself
+            await self.tripwire.guard(asyncio.to_thread(kafka.start_node, 1), 120, "broker start")
+
+    async def bounce_tritons(
+        self, victims: tuple[TritonServer, ...], kill: bool, down_s: float
+    ) -> None:
+        """Stop (SIGTERM) or kill (SIGKILL) ``victims``, then start them again."""
+        stop: Callable[[TritonServer], None] = TritonServer.kill if kill else TritonServer.stop
+        async with self.lock:
+            await self.on_tritons(stop, victims)
+            await asyncio.sleep(down_s)  # the outage itself
+            await self.tripwire.guard(self.on_tritons(TritonServer.start, victims), 120, "Triton")
+
+    async def reload_model(self, model: str, down_s: float) -> None:
+        """Unload ``model`` on every endpoint, then load it again."""
+        async with self.lock:
+            await self.on_tritons(lambda t: triton_model_call(t.http_address, model, "unload"))
+            await asyncio.sleep(down_s)  # the model's outage itself
+            await self.on_tritons(lambda t: triton_model_call(t.http_address, model, "load"))
+            for triton in self.stack.tritons:
+                assert await asyncio.to_thread(triton_model_ready, triton.http_address, model)
+
+    def any_triton_up(self) -> bool:
+        return any(t.running() for t in self.stack.tritons)
+
+    async def supervise(self, stop: asyncio.Event, all_down: Callable[[bool], None]) -> None:
+        """Restart a Triton that died by itself (``all_down(True)`` while none serves,
+        ``all_down(False)`` once one does again); trip the soak if the broker dies."""
+        while not stop.is_set():
+            async with self.lock:  # between faults: a stopped server is a dead one
+                for triton in self.stack.tritons:
+                    if (death := triton.death_report()) is not None:
+                        await self._restart(triton, death, all_down)
+                if not self.stack.kafka.running_nodes():
+                    log = self.stack.kafka.node(1).log_path
+                    self.tripwire.trip(f"the broker died by itself:\n{tail(log, 40)}")
+            with contextlib.suppress(TimeoutError):
+                # Polling other processes' liveness: there is no event to await.
+                await asyncio.wait_for(stop.wait(), 0.5)
+
+    async def _restart(
+        self, triton: TritonServer, death: str, all_down: Callable[[bool], None]
+    ) -> None:
+        seen_ms = int(time.time() * 1000)
+        how = death.splitlines()[0]
+        self.say(f"supervisor: {how}; starting it again")
+        none_up = not self.any_triton_up()
+        if none_up:
+            all_down(True)
+        await self.tripwire.guard(asyncio.to_thread(triton.start), 120, "Triton restart")
+        if none_up:
+            all_down(False)
+        self.deaths.append(Death(triton.grpc_address, how, seen_ms, int(time.time() * 1000)))
