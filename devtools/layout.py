@@ -19,6 +19,10 @@ FLOW = (
     ("settings", "the settings, read once at start-up"),
     ("kafka", "in: the consumer and the fetch loop; out: the producer; client options"),
     ("flow", "flow control: in-flight window, ordering turns, breakers, model holds, retries"),
+    (
+        "records",
+        "the path of a record between the stages: a path chosen per record, one set of steps",
+    ),
     ("wire", "bytes and headers to inference requests and back; the schemas' types"),
     ("triton", "the Triton edge: stream pool, micro-batching, shared memory, errors"),
     ("delivery", "when a record is done and what is committed"),
@@ -28,9 +32,7 @@ FLOW = (
     ("commands", "the commands beside run that reach Kafka: produce, topics, tail"),
 )
 #: Top-level modules of worker/, around the packages.
-TOP_LEVEL = (
-    "app", "dispatch", "record", "fastpath", "streaming", "errors", "audit", "cli", "shutdown",
-)  # fmt: skip
+TOP_LEVEL = ("app", "errors", "audit", "cli", "shutdown")
 
 
 def module_name(path: Path) -> str:

@@ -131,3 +131,12 @@ async def test_record_finishing_after_a_failed_transaction_is_committed_by_the_n
     assert _values(factory.made[0]) == []
     assert delivery.offsets.commit_point(TP) == 2
     await delivery.close()
+
+
+async def test_exactly_once_completes_one_record_at_a_time() -> None:
+    """No batches: each outcome is staged in its partition's transaction, in offset order."""
+    delivery = await _started(Factory("kafka-triton-worker-group-in-0"))
+    assert not delivery.takes_batches
+    with pytest.raises(NotImplementedError, match="one record at a time"):
+        await delivery.complete_many([(record(0), b"r0", [])], [delivery.track(record(0))])
+    await delivery.close()
