@@ -21,9 +21,7 @@ from aiokafka.structs import TopicPartition
 from worker.audit import Audit
 from worker.checks.startup import run_startup_checks
 from worker.delivery import build_delivery
-from worker.dispatch import Dispatcher, fast_path_allowed
 from worker.errors import ExitCode
-from worker.fastpath import FastPath
 from worker.flow.bounded import CLOSE_TIMEOUT_S, Forced, bounded_step, within
 from worker.flow.breaker import CircuitBreaker
 from worker.flow.holds import ModelGate
@@ -34,7 +32,7 @@ from worker.kafka.edge import build_edge, largest_record_bytes
 from worker.observability import HealthServer, InFlightRegistry, Metrics
 from worker.observability.readiness import readiness_of
 from worker.observability.tracing import Tracing, build_tracing
-from worker.record import RecordHandler, RecordRules
+from worker.records import RecordRules, Steps, build_dispatcher
 from worker.settings import Settings
 from worker.shutdown import TwoStageSignals
 from worker.triton import auth as triton_auth
@@ -53,104 +51,56 @@ class Worker:
     def __init__(
         self, settings: Settings, metrics: Metrics | None = None, tracing: Tracing | None = None
     ) -> None:
-        """``tracing``: spans of the records; by default as the OTEL_* variables say."""
+        """Built in order: the Kafka edge, the delivery mode, the steps, the dispatcher;
+        ``start`` and ``_serve`` connect them at run time. ``tracing``: spans of the
+        records; by default as the OTEL_* variables say."""
         self.settings = settings
-        self.metrics = metrics or Metrics()
+        self.metrics = metrics = metrics or Metrics()
         self.tracing = tracing or build_tracing(os.environ, settings)
         self.window = Window(settings.flow.max_in_flight, settings.flow.max_in_flight_per_partition)
-        self.pool = TritonPool(
-            settings.triton.triton_url,
-            settings.triton.triton_streams,
-            client_kwargs=triton_auth.triton_client_kwargs(settings.triton),
-            auth=triton_auth.TritonAuth(settings.triton),
-            shm_min_bytes=settings.triton.shm_min_bytes
-            if settings.triton.triton_shm == "system"
-            else None,
-            shm_pool_bytes=settings.triton.shm_pool_bytes,
-            resolve_interval_s=settings.triton.triton_resolve_interval_s,
-            metrics=self.metrics,
-            trace_unary=settings.triton.triton_trace == "unary",
-        )
+        self.pool, self.batcher = build_triton(settings, metrics)
         self.breaker = CircuitBreaker(
             settings.retry.breaker_failure_threshold,
-            on_change=lambda is_open: self.metrics.breaker_open.set(1 if is_open else 0),
+            on_change=lambda is_open: metrics.breaker_open.set(1 if is_open else 0),
         )
         self.publisher, self.intake = build_edge(
-            settings,
-            window=self.window,
-            breaker=self.breaker,
-            metrics=self.metrics,
-            dispatch=lambda records: self.dispatcher.dispatch_many(records),
-            rebalance=self,
-            admits=lambda tp: self.delivery.admits(tp),
+            settings, window=self.window, breaker=self.breaker, metrics=metrics
         )
-        largest_record = largest_record_bytes(settings)
         self.delivery = build_delivery(
-            settings, self.publisher, self.intake, self.metrics, max_request_bytes=largest_record
+            settings,
+            self.publisher,
+            self.intake,
+            metrics,
+            max_request_bytes=largest_record_bytes(settings),
         )
+        self.models, self.model_health = build_model_holds(settings, self.pool, metrics)
         self.audit = Audit(settings, self.publisher.send_audit)
-        self.batcher = MicroBatcher(
-            self.pool, settings.flow.batch_max_size, settings.flow.batch_delay_ms / 1000
-        )
-        self.limiter = (
-            AdaptiveLimiter(self.window, settings.flow.min_in_flight, settings.flow.max_in_flight)
-            if settings.flow.window_mode == "adaptive"
-            else None
-        )
-        self.models = ModelGate(
-            seen_ready=self.pool.has_spec,
-            listed=self.pool.repository_lists,
-            ready=self.pool.model_ready,
-            released=lambda name, _version: self.pool.forget_model(name),
-            interval_s=settings.retry.breaker_probe_interval_ms / 1000,
-        )
-        self.model_health = ModelHealth.from_settings(
-            settings.retry,
-            lambda name, _, is_open: self.metrics.model_breaker_changed(name, is_open),
-        )
-        self.handler = RecordHandler(
+        self.steps = Steps(
             RecordRules.from_settings(settings),
-            pool=self.pool,
-            batcher=self.batcher,
-            sink=self.delivery.sink,
-            metrics=self.metrics,
-            audit=self.audit,
+            metrics=metrics,
             breaker=self.breaker,
-            limiter=self.limiter,
+            limiter=build_limiter(settings, self.window),
             models=self.models,
-            tracing=self.tracing,
             health=self.model_health,
+            audit=self.audit,
         )
         self.inflight = InFlightRegistry(
-            settings.ops.stuck_after_s, progress=lambda: self.delivery.offsets.progress()
+            settings.ops.stuck_after_s, progress=self.delivery.offsets.progress
         )
-        self.dispatcher = Dispatcher(
+        self.dispatcher = build_dispatcher(
             settings,
+            steps=self.steps,
+            pool=self.pool,
+            batcher=self.batcher,
             delivery=self.delivery,
             window=self.window,
             inflight=self.inflight,
-            handler=self.handler,
             tracing=self.tracing,
         )
-        if fast_path_allowed(settings, self.audit.enabled, self.tracing):
-            self.dispatcher.fast = FastPath(
-                RecordRules.from_settings(settings),
-                pool=self.pool,
-                sink=self.publisher,
-                offsets=self.delivery.offsets,
-                window=self.window,
-                inflight=self.inflight,
-                metrics=self.metrics,
-                breaker=self.breaker,
-                models=self.models,
-                health=self.model_health,
-                limiter=self.limiter,
-                guard=self.handler.guard,
-                model_metrics=self.handler.metrics_for,
-                tracing=self.tracing,
-                batch_max_size=settings.flow.batch_max_size,
-                fallback=self.dispatcher.fall_back,
-            )
+        self._init_lifecycle()
+
+    def _init_lifecycle(self) -> None:
+        """The state of the lifecycle, and the gauges read at scrape time."""
         self.health: HealthServer | None = None
         self.triton_up = False
         self.started = asyncio.Event()
@@ -180,7 +130,7 @@ class Worker:
             await self.health.start()
         await self.pool.start()
         await self.publisher.start()
-        await self.intake.start()
+        await self.intake.start(self)
         log.info("worker_started", settings=self.settings.redacted())
 
     async def run(self) -> None:
@@ -193,7 +143,6 @@ class Worker:
             if await self._start_unless_stopped():
                 await self._serve()
         finally:
-            self.dispatcher.group = None
             await self.stop()
 
     async def _start_unless_stopped(self) -> bool:
@@ -220,8 +169,10 @@ class Worker:
     async def _serve(self) -> None:
         """Fetch and process until ``request_stop``; then stop fetching and drain."""
         async with asyncio.TaskGroup() as tasks:
-            self.dispatcher.group = tasks
-            fetching = tasks.create_task(self.intake.run(), name="intake")
+            dispatch = self.dispatcher.run(tasks)
+            fetching = tasks.create_task(
+                self.intake.run(dispatch, self.delivery.admits), name="intake"
+            )
             background = [
                 tasks.create_task(self.delivery.commit_loop(), name="commits"),
                 tasks.create_task(
@@ -344,6 +295,50 @@ class Worker:
             models_failing=self.model_health.failing(),
             partitions_not_ready=self.delivery.not_ready(),
         )
+
+
+def build_triton(settings: Settings, metrics: Metrics) -> tuple[TritonPool, MicroBatcher]:
+    """The pool of streams to the Triton endpoints ``WORKER_TRITON_URL`` names, and the
+    micro-batcher of the per-record path in front of it."""
+    triton = settings.triton
+    pool = TritonPool(
+        triton.triton_url,
+        triton.triton_streams,
+        client_kwargs=triton_auth.triton_client_kwargs(triton),
+        auth=triton_auth.TritonAuth(triton),
+        shm_min_bytes=triton.shm_min_bytes if triton.triton_shm == "system" else None,
+        shm_pool_bytes=triton.shm_pool_bytes,
+        resolve_interval_s=triton.triton_resolve_interval_s,
+        metrics=metrics,
+        trace_unary=triton.triton_trace == "unary",
+    )
+    flow = settings.flow
+    return pool, MicroBatcher(pool, flow.batch_max_size, flow.batch_delay_ms / 1000)
+
+
+def build_model_holds(
+    settings: Settings, pool: TritonPool, metrics: Metrics
+) -> tuple[ModelGate, ModelHealth]:
+    """The models' holds: reloads waited for (``ModelGate``), failure rates (``ModelHealth``)."""
+    models = ModelGate(
+        seen_ready=pool.has_spec,
+        listed=pool.repository_lists,
+        ready=pool.model_ready,
+        released=lambda name, _version: pool.forget_model(name),
+        interval_s=settings.retry.breaker_probe_interval_ms / 1000,
+    )
+    health = ModelHealth.from_settings(
+        settings.retry, lambda name, _, is_open: metrics.model_breaker_changed(name, is_open)
+    )
+    return models, health
+
+
+def build_limiter(settings: Settings, window: Window) -> AdaptiveLimiter | None:
+    """The adaptive in-flight limit (``WORKER_WINDOW_MODE=adaptive``), or None."""
+    flow = settings.flow
+    if flow.window_mode != "adaptive":
+        return None
+    return AdaptiveLimiter(window, flow.min_in_flight, flow.max_in_flight)
 
 
 #: aiokafka's fetcher leaves a reference cycle (a partition's fetched records and the

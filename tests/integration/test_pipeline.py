@@ -163,7 +163,7 @@ class _SpyWindow(Window):
 
 
 async def test_window_bounds_in_flight_and_pauses_fetching(
-    kafka: Any, triton: Any, unique: str
+    kafka: Any, triton: Any, unique: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """With WORKER_MAX_IN_FLIGHT=8 no more than 8 are in flight; fetching pauses and resumes."""
     topics = Topics.fresh(unique)
@@ -181,13 +181,11 @@ async def test_window_bounds_in_flight_and_pauses_fetching(
     )
     from worker.app import Worker
 
+    # The worker's one window, which the intake, the dispatcher and both paths share.
+    monkeypatch.setattr("worker.app.Window", _SpyWindow)
     worker = Worker(settings)
-    spy = _SpyWindow(8, 8)
-    worker.window = spy
-    worker.intake._window = spy
-    # faulty is not batched: its records take the per-record path, whose slots the
-    # dispatcher gives back.
-    worker.dispatcher.window = spy
+    spy = worker.window
+    assert isinstance(spy, _SpyWindow)
     paused_seen = asyncio.Event()
     # The paused-partitions gauge is set from the partitions the intake pauses, whichever
     # client runs; a value above 0 is a pause.

@@ -1,31 +1,27 @@
-"""A stop requested during start-up abandons it: the worker closes what it had and returns.
+"""The worker: built in order, connected when it runs, stopped once; a stop during start-up.
 
 ``Worker.start`` is replaced at the seam by a start-up that never completes: one that
 honours cancellation (aiokafka waiting on a broker), and one that does not (a client
-call stuck in a thread), which a real broker cannot be made to do on cue.
+call stuck in a thread), which a real broker cannot be made to do on cue. Where a test
+runs the worker, its intake is a fake that records what it is given and fetches nothing.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import gc
+from typing import Any
 
 import pytest
 import structlog
+from aiokafka.structs import ConsumerRecord
 
-from worker.app import Worker
+from tests.unit.conftest import MakeWorker
+from worker.app import GC_YOUNG_THRESHOLD, Worker, run_async
 from worker.flow import bounded
 from worker.flow.bounded import FORCED_CLOSE_TIMEOUT_S
-from worker.settings import load_settings
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(20)]
-
-_ENV = {
-    "WORKER_INPUT_TOPICS": "in",
-    "WORKER_OUTPUT_TOPIC": "out",
-    "WORKER_DLQ_TOPIC": "dlq",
-    "WORKER_METRICS_PORT": "0",
-}
 
 
 class _HangingStart:
@@ -49,14 +45,6 @@ class _HangingStart:
                     raise
 
 
-@pytest.fixture
-async def worker() -> AsyncIterator[Worker]:
-    """A worker on unused addresses; nothing of it is started but what a test starts."""
-    built = Worker(load_settings(_ENV))
-    yield built
-    await built.stop()
-
-
 async def _running(worker: Worker, start: _HangingStart) -> asyncio.Task[None]:
     worker.start = start  # type: ignore[method-assign]
     task = asyncio.create_task(worker.run())
@@ -64,8 +52,9 @@ async def _running(worker: Worker, start: _HangingStart) -> asyncio.Task[None]:
     return task
 
 
-async def test_a_stop_during_start_up_abandons_it(worker: Worker) -> None:
+async def test_a_stop_during_start_up_abandons_it(make_worker: MakeWorker) -> None:
     """request_stop while start() waits: start is cancelled, run returns, nothing abandoned."""
+    worker = make_worker()
     start = _HangingStart(stubborn=False)
     with structlog.testing.capture_logs() as logs:
         task = await _running(worker, start)
@@ -79,9 +68,10 @@ async def test_a_stop_during_start_up_abandons_it(worker: Worker) -> None:
 
 
 async def test_a_start_up_that_ignores_cancellation_is_left_after_the_bound(
-    worker: Worker, monkeypatch: pytest.MonkeyPatch
+    make_worker: MakeWorker, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A start-up deaf to cancellation holds the first stop for CLOSE_TIMEOUT_S at most."""
+    worker = make_worker()
     monkeypatch.setattr(bounded, "CLOSE_TIMEOUT_S", 0.2)
     monkeypatch.setattr("worker.app.CLOSE_TIMEOUT_S", 0.2)
     start = _HangingStart(stubborn=True)
@@ -92,9 +82,10 @@ async def test_a_start_up_that_ignores_cancellation_is_left_after_the_bound(
 
 
 async def test_a_second_stop_ends_a_stuck_start_up_within_the_forced_budget(
-    worker: Worker,
+    make_worker: MakeWorker,
 ) -> None:
     """A start-up deaf to cancellation: after force_stop, run returns within the budget."""
+    worker = make_worker()
     start = _HangingStart(stubborn=True)
     task = await _running(worker, start)
     worker.request_stop()
@@ -106,9 +97,12 @@ async def test_a_second_stop_ends_a_stuck_start_up_within_the_forced_budget(
     start.released.set()
 
 
-async def test_a_record_that_outlives_its_cancellation_is_cancelled_again(worker: Worker) -> None:
+async def test_a_record_that_outlives_its_cancellation_is_cancelled_again(
+    make_worker: MakeWorker,
+) -> None:
     """A record whose cancellation was lost goes on waiting (say, for an ack from a broker
     that does not answer): the shutdown cancels it again instead of waiting for it."""
+    worker = make_worker()
     waiting, swallowed = asyncio.Event(), asyncio.Event()
 
     async def deaf_once() -> None:
@@ -127,3 +121,105 @@ async def test_a_record_that_outlives_its_cancellation_is_cancelled_again(worker
     await asyncio.wait_for(worker._cancelled_records_end(), 2)
     assert swallowed.is_set()
     assert task.cancelled()
+
+
+class _Intake:
+    """The intake's seam: records what ``run`` is given; runs until ``request_stop``."""
+
+    running = False
+
+    def __init__(self) -> None:
+        self.given: tuple[Any, Any] | None = None
+        self.fetching = asyncio.Event()
+        self._stop = asyncio.Event()
+        self.stopped = 0
+
+    async def run(self, dispatch: Any, admits: Any) -> None:
+        self.given = (dispatch, admits)
+        self.fetching.set()
+        await self._stop.wait()
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    async def stop(self) -> None:
+        self.stopped += 1
+
+
+async def _nothing() -> None:
+    """A start-up with nothing to connect to."""
+
+
+async def test_running_connects_the_intake_to_the_dispatcher_and_the_delivery_mode(
+    make_worker: MakeWorker,
+) -> None:
+    """run: the intake dispatches through the dispatcher (into the run's task group) and
+    asks the delivery mode what it admits; nothing of it was set before."""
+    worker = make_worker()
+    real, intake = worker.intake, _Intake()
+    worker.intake = intake  # type: ignore[assignment]
+    worker.start = _nothing  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="before the worker runs"):
+        worker.dispatcher.dispatch_many([_record()])
+    task = asyncio.create_task(worker.run())
+    await intake.fetching.wait()
+    assert intake.given is not None
+    dispatch, admits = intake.given
+    assert dispatch == worker.dispatcher.dispatch_many
+    assert admits == worker.delivery.admits
+    dispatch([])  # dispatching works now: the task group is the run's
+    worker.request_stop()
+    await asyncio.wait_for(task, 5)
+    assert intake.stopped == 1 and not worker.abandoned
+    await real.stop()  # the consumer the fake stood in for
+
+
+@pytest.mark.parametrize(
+    ("settings", "batch_path"),
+    [
+        pytest.param({}, True, id="at_least_once"),
+        pytest.param({"delivery": "exactly_once"}, False, id="exactly_once"),
+        pytest.param({"ordering": "key"}, False, id="ordered"),
+        pytest.param({"audit": "log"}, False, id="audited"),
+        pytest.param({"fast_path": "false"}, False, id="off"),
+    ],
+)
+async def test_the_batch_path_is_built_only_where_it_may_run(
+    make_worker: MakeWorker, settings: dict[str, str], batch_path: bool
+) -> None:
+    """The dispatcher gets a batch path only when the delivery mode takes batches and
+    nothing asks for the per-record path (ordering, audit, WORKER_FAST_PATH)."""
+    worker = make_worker(**settings)
+    assert (worker.dispatcher.batch is not None) is batch_path
+    assert worker.delivery.takes_batches is ("delivery" not in settings)
+
+
+async def test_stop_closes_once(make_worker: MakeWorker) -> None:
+    """stop twice: the second does nothing (one worker_stopped line)."""
+    worker = make_worker()
+    with structlog.testing.capture_logs() as logs:
+        await worker.stop()
+        await worker.stop()
+    assert [e["event"] for e in logs].count("worker_stopped") == 1
+
+
+def _record() -> ConsumerRecord[bytes, bytes]:
+    return ConsumerRecord("in", 0, 0, 0, 0, None, b"{}", None, 0, 2, [])
+
+
+async def _answer() -> int:
+    return 7
+
+
+def test_run_async_returns_the_exit_code_and_collects_the_young_generation_often() -> None:
+    """A threshold above 700 (Python 3.13's 2,000) is lowered; the older ones are kept."""
+    saved = gc.get_threshold()
+    try:
+        gc.set_threshold(2000, 11, 12)
+        assert run_async(_answer()) == 7
+        assert gc.get_threshold() == (GC_YOUNG_THRESHOLD, 11, 12)
+        gc.set_threshold(500, 10, 10)
+        run_async(_answer())
+        assert gc.get_threshold() == (500, 10, 10)  # already more often: left alone
+    finally:
+        gc.set_threshold(*saved)

@@ -17,7 +17,7 @@ from devtools.devstack.certs import LocalPki, make_pki
 from worker import errors, wire
 from worker.checks.startup import StartupCheckFailed, _raise_if_fatal, _scrub
 from worker.kafka.options import OAuthTokenProvider, kafka_client_kwargs
-from worker.record import RecordRules
+from worker.records import RecordRules
 from worker.settings import ConfigError, KafkaAuthSettings, Settings, load_settings
 from worker.triton.auth import TritonAuth, triton_client_kwargs
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import cast
 
 from worker.delivery.at_least_once import AtLeastOnce
-from worker.delivery.base import CommitEdge, Delivery, Sink
+from worker.delivery.base import CommitEdge, Delivery, Publishing, Sink
 from worker.delivery.exactly_once import ExactlyOnce
 from worker.delivery.offsets import OffsetTracker
 from worker.kafka import rdkafka_config
@@ -24,6 +24,7 @@ __all__ = [
     "CommitEdge",
     "Delivery",
     "ExactlyOnce",
+    "Publishing",
     "Sink",
     "build_delivery",
 ]
@@ -31,7 +32,7 @@ __all__ = [
 
 def build_delivery(
     settings: Settings,
-    publisher: Sink,
+    publisher: Publishing,
     edge: CommitEdge,
     metrics: Metrics,
     *,

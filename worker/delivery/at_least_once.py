@@ -13,16 +13,17 @@ interval, one at a time.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 
 import structlog
 from aiokafka.errors import CommitFailedError, KafkaError
 from aiokafka.structs import ConsumerRecord, OffsetAndMetadata, TopicPartition
 
 from worker.delivery import metadata
-from worker.delivery.base import CommitEdge, OnSafe, Sink, TrackingDelivery
+from worker.delivery.base import CommitEdge, OnSafe, Publishing, Sink, TrackingDelivery
 from worker.delivery.offsets import OffsetTracker
 from worker.observability import Metrics
+from worker.wire import Headers
 
 __all__ = ["MAX_METADATA_BYTES", "AtLeastOnce"]
 
@@ -35,9 +36,12 @@ MAX_METADATA_BYTES = 2048
 class AtLeastOnce(TrackingDelivery):
     """Outcomes straight to the broker; offsets (and done runs) committed by the consumer."""
 
+    #: Results straight to the broker need no order among them: several go at once.
+    takes_batches = True
+
     def __init__(
         self,
-        sink: Sink,
+        sink: Publishing,
         offsets: OffsetTracker,
         edge: CommitEdge,
         metrics: Metrics,
@@ -84,6 +88,22 @@ class AtLeastOnce(TrackingDelivery):
         on_safe()
         # Done only after the broker acknowledged the result or dead letter.
         self.offsets.done(TopicPartition(record.topic, record.partition), record.offset, ticket)
+
+    async def complete_many(
+        self,
+        results: Sequence[tuple[ConsumerRecord[bytes, bytes], bytes, Headers]],
+        tickets: Sequence[int],
+    ) -> list[BaseException | None]:
+        acks = await self._sink.publish_many(results)
+        done: dict[tuple[TopicPartition, int], list[int]] = {}
+        for (record, _, _), ticket, ack in zip(results, tickets, acks, strict=True):
+            if ack is None:
+                tp = TopicPartition(record.topic, record.partition)
+                done.setdefault((tp, ticket), []).append(record.offset)
+        for (tp, ticket), offsets in done.items():
+            # False: the partition was revoked meanwhile; its next owner redoes the records.
+            self.offsets.done_many(tp, offsets, ticket)
+        return acks
 
     async def commit(self, only: Iterable[TopicPartition] | None = None) -> None:
         """Commit each partition whose commit point or done runs moved since the last commit."""

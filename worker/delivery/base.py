@@ -19,7 +19,15 @@ from worker.delivery.offsets import OffsetTracker
 from worker.observability import Metrics
 from worker.wire import Headers
 
-__all__ = ["CommitEdge", "Delivery", "OnSafe", "Sink", "TrackingDelivery"]
+__all__ = [
+    "BatchSink",
+    "CommitEdge",
+    "Delivery",
+    "OnSafe",
+    "Publishing",
+    "Sink",
+    "TrackingDelivery",
+]
 
 #: Called once a record's outcome can no longer be reordered (acked, or staged in order).
 OnSafe = Callable[[], None]
@@ -46,6 +54,21 @@ class Sink(Protocol):
     async def publish_dead_letter(
         self, record: ConsumerRecord[bytes, bytes], headers: Headers
     ) -> None: ...
+
+
+class BatchSink(Protocol):
+    """Results of several records at once, straight to the broker."""
+
+    async def publish_many(
+        self, results: Sequence[tuple[ConsumerRecord[bytes, bytes], bytes, Headers]]
+    ) -> list[BaseException | None]:
+        """Every send enqueued, then every ack awaited; per result None once acknowledged,
+        else the error that kept it out (not retried)."""
+        ...
+
+
+class Publishing(Sink, BatchSink, Protocol):
+    """The publisher: outcomes one record at a time, or results of several at once."""
 
 
 class CommitEdge(Protocol):
@@ -95,6 +118,11 @@ class Delivery(Protocol):
         """False while ``tp`` has run ``max_uncommitted`` records past its commit point."""
         ...
 
+    @property
+    def takes_batches(self) -> bool:
+        """True when the mode completes several records' results at once (``complete_many``)."""
+        ...
+
     async def complete(
         self,
         record: ConsumerRecord[bytes, bytes],
@@ -104,6 +132,18 @@ class Delivery(Protocol):
     ) -> None:
         """Publish the record's outcome with ``deliver`` and mark it done, in the mode's
         order; ``on_safe`` is called as soon as later records may be published."""
+        ...
+
+    async def complete_many(
+        self,
+        results: Sequence[tuple[ConsumerRecord[bytes, bytes], bytes, Headers]],
+        tickets: Sequence[int],
+    ) -> list[BaseException | None]:
+        """Publish several records' results together (no order among them) and mark done
+        those acknowledged, per partition at once; ``tickets[i]`` is ``track``'s for
+        ``results[i]``. Per result: None once done, else the error that kept it out (its
+        record stays not done: the caller completes it alone). Only when ``takes_batches``.
+        """
         ...
 
     async def commit(self, only: Iterable[TopicPartition] | None = None) -> None:
@@ -151,6 +191,16 @@ class TrackingDelivery:
         self._max_uncommitted = max_uncommitted
         self._fatal: errors.Fatal | None = None
         self._fatal_set = asyncio.Event()
+
+    #: Whether the mode completes several records at once; see ``Delivery``.
+    takes_batches = False
+
+    async def complete_many(
+        self,
+        results: Sequence[tuple[ConsumerRecord[bytes, bytes], bytes, Headers]],
+        tickets: Sequence[int],
+    ) -> list[BaseException | None]:
+        raise NotImplementedError(f"{type(self).__name__} completes one record at a time")
 
     def track(self, record: ConsumerRecord[bytes, bytes]) -> int:
         tp = TopicPartition(record.topic, record.partition)

@@ -1,7 +1,7 @@
 """The stop rule for bugs: too many records in a row that met one make the worker stop.
 
-Shared by the per-record path (``worker.record``) and the fast path
-(``worker.fastpath``): a record answered either way ends a run of bugs.
+Kept by ``worker.records.steps`` for both paths (per record and batch): a record
+answered either way ends a run of bugs.
 """
 
 from __future__ import annotations

@@ -89,12 +89,18 @@ class Retrier:
         models: ModelGate | None,
         on_retry: Callable[[str], None],
         health: ModelHealth | None = None,
+        *,
+        on_success: Callable[[tuple[str, str] | None, bool], None],
     ) -> None:
-        """``on_retry(code)`` is told of each retry, by the code of the failure."""
+        """``on_retry(code)`` is told of each retry, by the code of the failure;
+        ``on_success(model, probe)`` of each call that succeeded, with its model when the
+        call's outcome is one of the model's (an inference, with ``health``) and whether
+        it was that model's probe (``worker.records.steps`` keeps the books)."""
         self.policy = policy
         self._breaker = breaker
         self._models = models
         self._on_retry = on_retry
+        self._on_success = on_success
         self._health = health
 
     async def run(
@@ -153,9 +159,7 @@ class Retrier:
                     health.abandoned(model, probe)
                 raise
             else:
-                if health is not None:
-                    health.succeeded(model, probe)
-                self._breaker.record_success()
+                self._on_success(model if health is not None else None, probe)
                 return result
 
     async def _unreachable(self, error: errors.TritonUnavailable, budget: Budget) -> None:

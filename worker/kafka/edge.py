@@ -7,17 +7,14 @@ outside ``worker.kafka`` (and the transactions of ``worker.delivery``) knows whi
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import NamedTuple, Protocol
-
-from aiokafka.structs import TopicPartition
 
 from worker.delivery.base import CommitEdge
 from worker.flow.breaker import CircuitBreaker
 from worker.flow.window import Window
 from worker.kafka import options as security
 from worker.kafka import rdkafka_config
-from worker.kafka.intake import Dispatch, Intake, Rebalance
+from worker.kafka.intake import Admits, Dispatch, Intake, Rebalance
 from worker.kafka.publisher import PRODUCER_HEADROOM_BYTES, Publisher
 from worker.observability import Metrics
 from worker.settings import Settings
@@ -30,9 +27,13 @@ class IntakeEdge(CommitEdge, Protocol):
 
     running: bool
 
-    async def start(self) -> None: ...
+    async def start(self, rebalance: Rebalance) -> None:
+        """Subscribe and join the group; ``rebalance`` is told of assignment changes."""
+        ...
 
-    async def run(self) -> None: ...
+    async def run(self, dispatch: Dispatch, admits: Admits) -> None:
+        """Fetch and ``dispatch`` the records that ``admits`` lets through, until stopped."""
+        ...
 
     def request_stop(self) -> None: ...
 
@@ -58,9 +59,6 @@ def build_edge(
     window: Window,
     breaker: CircuitBreaker,
     metrics: Metrics,
-    dispatch: Dispatch,
-    rebalance: Rebalance,
-    admits: Callable[[TopicPartition], bool],
 ) -> Edge:
     """The publisher and intake of ``WORKER_KAFKA_CLIENT`` (ConfigError naming a setting
     the client cannot honour)."""
@@ -85,9 +83,6 @@ def build_edge(
             window=window,
             breaker=breaker,
             metrics=metrics,
-            dispatch=dispatch,
-            rebalance=rebalance,
-            admits=admits,
         )
         return Edge(publisher, intake)
     publisher = Publisher(
@@ -108,8 +103,5 @@ def build_edge(
         window=window,
         breaker=breaker,
         metrics=metrics,
-        dispatch=dispatch,
-        rebalance=rebalance,
-        admits=admits,
     )
     return Edge(publisher, intake)

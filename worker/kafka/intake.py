@@ -28,12 +28,14 @@ from worker.kafka._compat import fetch_committed, rebalancing
 from worker.observability import Metrics
 from worker.settings import KafkaSettings
 
-__all__ = ["REFUSED_CODES", "Dispatch", "Feed", "Intake", "Rebalance", "refused"]
+__all__ = ["REFUSED_CODES", "Admits", "Dispatch", "Feed", "Intake", "Rebalance", "refused"]
 
 log = structlog.get_logger(__name__)
 
 #: Called with the records given a window slot in one pass, in offset order per partition.
 Dispatch = Callable[[list[ConsumerRecord[bytes, bytes]]], None]
+#: False while a partition may not run further past its commit point (delivery's bound).
+Admits = Callable[[TopicPartition], bool]
 
 #: Longest wait in one fetch; also bounds how late a freed slot resumes a paused partition.
 _POLL_TIMEOUT_MS = 100
@@ -68,25 +70,20 @@ class Rebalance(Protocol):
 
 class Feed:
     """What both intakes share: fetched records wait in a backlog per partition and go to
-    ``dispatch`` once delivery admits them and they hold a window slot."""
+    ``dispatch`` once delivery admits them and they hold a window slot.
 
-    def __init__(
-        self,
-        *,
-        window: Window,
-        breaker: CircuitBreaker,
-        metrics: Metrics,
-        dispatch: Dispatch,
-        rebalance: Rebalance,
-        admits: Callable[[TopicPartition], bool],
-    ) -> None:
+    The listener is given to ``start`` (it is told of assignments from the subscription
+    on, and of the revocation ``stop`` makes), ``dispatch`` and ``admits`` to ``run``.
+    """
+
+    _rebalance: Rebalance
+    _dispatch: Dispatch
+    _admits: Admits
+
+    def __init__(self, *, window: Window, breaker: CircuitBreaker, metrics: Metrics) -> None:
         self._window = window
         self._metrics = metrics
         self._breaker = breaker
-        self._dispatch = dispatch
-        self._rebalance = rebalance
-        # False while the partition may not run further past its commit point.
-        self._admits = admits
         self._backlog: dict[TopicPartition, deque[ConsumerRecord[bytes, bytes]]] = {}
         self._turn = 0  # which partition with a backlog goes first next time
         self._stopping = asyncio.Event()
@@ -153,18 +150,8 @@ class Intake(Feed, ConsumerRebalanceListener):  # type: ignore[misc]
         window: Window,
         breaker: CircuitBreaker,
         metrics: Metrics,
-        dispatch: Dispatch,
-        rebalance: Rebalance,
-        admits: Callable[[TopicPartition], bool] = lambda _: True,
     ) -> None:
-        super().__init__(
-            window=window,
-            breaker=breaker,
-            metrics=metrics,
-            dispatch=dispatch,
-            rebalance=rebalance,
-            admits=admits,
-        )
+        super().__init__(window=window, breaker=breaker, metrics=metrics)
         self._topics = list(topics)
         self._group_id = kafka.group_id
         self.consumer = AIOKafkaConsumer(
@@ -181,13 +168,16 @@ class Intake(Feed, ConsumerRebalanceListener):  # type: ignore[misc]
             **client_kwargs,
         )
 
-    async def start(self) -> None:
+    async def start(self, rebalance: Rebalance) -> None:
+        """Subscribe (``rebalance`` told of assignment changes) and join the group."""
+        self._rebalance = rebalance
         self.consumer.subscribe(self._topics, listener=self)
         await self.consumer.start()
         self.running = True
 
-    async def run(self) -> None:
+    async def run(self, dispatch: Dispatch, admits: Admits) -> None:
         """Fetch, dispatch into the window, pause what is full; until ``request_stop``."""
+        self._dispatch, self._admits = dispatch, admits
         consumer = self.consumer
         while not self._stopping.is_set():
             self._dispatch_backlog()

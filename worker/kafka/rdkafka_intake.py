@@ -30,7 +30,7 @@ from confluent_kafka.aio import AIOConsumer
 
 from worker.flow.breaker import CircuitBreaker
 from worker.flow.window import Window
-from worker.kafka.intake import REFUSED_CODES, Dispatch, Feed, Rebalance, refused
+from worker.kafka.intake import REFUSED_CODES, Admits, Dispatch, Feed, Rebalance, refused
 from worker.kafka.rdkafka_threads import DaemonExecutor, unless_stopped
 from worker.kafka.rdkafka_types import (
     committed_of,
@@ -76,18 +76,8 @@ class RdIntake(Feed):
         window: Window,
         breaker: CircuitBreaker,
         metrics: Metrics,
-        dispatch: Dispatch,
-        rebalance: Rebalance,
-        admits: Callable[[TopicPartition], bool] = lambda _: True,
     ) -> None:
-        super().__init__(
-            window=window,
-            breaker=breaker,
-            metrics=metrics,
-            dispatch=dispatch,
-            rebalance=rebalance,
-            admits=admits,
-        )
+        super().__init__(window=window, breaker=breaker, metrics=metrics)
         self._config = dict(config)
         self._topics = list(topics)
         self._group_id = str(config.get("group.id", ""))
@@ -105,7 +95,10 @@ class RdIntake(Feed):
         self._group_snapshot: Any = None
         self.consumer: AIOConsumer | None = None
 
-    async def start(self) -> None:
+    async def start(self, rebalance: Rebalance) -> None:
+        """Subscribe (``rebalance`` told of assignment changes); the group is joined by the
+        first consume."""
+        self._rebalance = rebalance
         # A copy: confluent_kafka.aio rewrites the callbacks of the configuration it is given.
         config = dict(self._config)
         self.consumer = AIOConsumer(config, executor=DaemonExecutor(4, "rdkafka-consumer"))
@@ -122,9 +115,10 @@ class RdIntake(Feed):
         assert self.consumer is not None
         return self.consumer._consumer
 
-    async def run(self) -> None:
+    async def run(self, dispatch: Dispatch, admits: Admits) -> None:
         """Fetch, dispatch into the window, pause what is full; until ``request_stop``."""
         assert self.consumer is not None
+        self._dispatch, self._admits = dispatch, admits
         self._looping = True
         quiet_s = _POLL_TIMEOUT_S  # doubles with each consume that finds nothing
         try:

@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Iterable, Sequence
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.errors import KafkaError
-from rich.progress import Progress
+from rich.progress import Progress, TaskID
 
 from worker.checks import probes
 from worker.kafka import PRODUCER_HEADROOM_BYTES, kafka_client_kwargs
@@ -196,10 +196,7 @@ async def _send(
 ) -> None:
     """Re-produce every SEND entry; each ends SENT or FAILED."""
     todo = {(e.letter.partition, e.letter.offset): e for e in plan.having(Outcome.SEND)}
-    task = None
-    if progress is not None:
-        destinations = ", ".join(sorted({e.destination for e in todo.values()}))
-        task = progress.add_task(f"replaying to {destinations}", total=len(todo))
+    task = _progress_task(progress, todo.values())
 
     def settle(entry: Entry, error: BaseException | None) -> None:
         entry.outcome = Outcome.SENT if error is None else Outcome.FAILED
@@ -207,11 +204,7 @@ async def _send(
         if progress is not None and task is not None and error is None:
             progress.advance(task)
 
-    ranges: dict[TopicPartition, range] = {}
-    for partition, offset in todo:
-        tp = TopicPartition(plan.dlq_topic, partition)
-        span = ranges.get(tp, range(offset, offset + 1))
-        ranges[tp] = range(min(span.start, offset), max(span.stop, offset + 1))
+    ranges = _ranges(plan.dlq_topic, todo)
     retry: list[tuple[Entry, Any]] = []
     inflight: dict[asyncio.Future[Any], tuple[Entry, Any]] = {}
 
@@ -253,6 +246,24 @@ async def _send(
     for entry in todo.values():
         settle(entry, ReplayError(lost))
     await _send_again(retry, producer_kwargs, settle)
+
+
+def _progress_task(progress: Progress | None, entries: Collection[Entry]) -> TaskID | None:
+    """The progress bar's task of the replay (None without a progress bar)."""
+    if progress is None:
+        return None
+    destinations = ", ".join(sorted({e.destination for e in entries}))
+    return progress.add_task(f"replaying to {destinations}", total=len(entries))
+
+
+def _ranges(topic: str, todo: Iterable[tuple[int, int]]) -> dict[TopicPartition, range]:
+    """The offsets to read again, as one range per partition of ``topic``."""
+    ranges: dict[TopicPartition, range] = {}
+    for partition, offset in todo:
+        tp = TopicPartition(topic, partition)
+        span = ranges.get(tp, range(offset, offset + 1))
+        ranges[tp] = range(min(span.start, offset), max(span.stop, offset + 1))
+    return ranges
 
 
 async def _send_again(

@@ -2,7 +2,7 @@
 
 Raw tensors are row-major with the batch dimension first, so joining is byte
 concatenation, for BYTES too (each element carries its own length prefix). Used
-by the micro-batcher and by the batch-native fast path (``worker.fastpath``).
+by the micro-batcher and by the batch path (``worker.records.batch``).
 """
 
 from __future__ import annotations

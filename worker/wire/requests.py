@@ -298,23 +298,13 @@ def decode_request(
             f"record value is {len(value)} bytes, over the {max_request_bytes}-byte limit"
         )
     encoding = _encoding_of(headers)
-    body_id = body_name = body_version = ""
     if encoding == "protobuf":
         request, tensor_bytes = _from_protobuf(value, tensor_limits)
         body_id, body_name, body_version = request.id, request.model_name, request.model_version
     else:
-        header_end: int | None = None
-        json_part: bytes | memoryview = value
-        if encoding == "json" and value.startswith(_UTF8_BOM):
-            # RFC 8259 lets a parser ignore a byte order mark; some Windows tools write one.
-            json_part = memoryview(value)[len(_UTF8_BOM) :]
-        if encoding == "binary":
-            header_end = _binary_header_length(headers, value)
-            json_part = memoryview(value)[:header_end]
-        body = _decode_json(json_part, "JSON header" if header_end is not None else "request body")
-        request, tensor_bytes = _from_json(body, value, header_end, tensor_limits)
-        body_id = body.id or ""
-        body_name, body_version = body.model_name or "", body.model_version or ""
+        request, tensor_bytes, (body_id, body_name, body_version) = _from_json_value(
+            value, headers, encoding, tensor_limits
+        )
     if tensor_bytes > max_request_bytes:
         raise TooLarge(
             f"decoded tensors are {tensor_bytes} bytes, over the {max_request_bytes}-byte limit"
@@ -337,6 +327,25 @@ def decode_request(
         binary_outputs=encoding == "binary",
         payload_bytes=len(value),
     )
+
+
+def _from_json_value(
+    value: bytes, headers: Headers, encoding: str, tensor_limits: tensors.TensorLimits
+) -> tuple[Any, int, tuple[str, str, str]]:
+    """A JSON or binary-extension value: the request, its tensors' bytes, and the body's
+    (id, model name, model version)."""
+    header_end: int | None = None
+    json_part: bytes | memoryview = value
+    if encoding == "json" and value.startswith(_UTF8_BOM):
+        # RFC 8259 lets a parser ignore a byte order mark; some Windows tools write one.
+        json_part = memoryview(value)[len(_UTF8_BOM) :]
+    if encoding == "binary":
+        header_end = _binary_header_length(headers, value)
+        json_part = memoryview(value)[:header_end]
+    body = _decode_json(json_part, "JSON header" if header_end is not None else "request body")
+    request, tensor_bytes = _from_json(body, value, header_end, tensor_limits)
+    names = (body.id or "", body.model_name or "", body.model_version or "")
+    return request, tensor_bytes, names
 
 
 class _Names(msgspec.Struct):

@@ -6,12 +6,12 @@ test can make a commit fail on demand, which a real broker will not do when aske
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import pytest
 import structlog
-from aiokafka.errors import CommitFailedError
+from aiokafka.errors import CommitFailedError, MessageSizeTooLargeError
 from aiokafka.structs import ConsumerRecord, OffsetAndMetadata, TopicPartition
 
 from worker.delivery import AtLeastOnce
@@ -61,11 +61,26 @@ def record(offset: int) -> ConsumerRecord[bytes, bytes]:
     return ConsumerRecord("in", 0, offset, 0, 0, b"k", b"v", None, 1, 1, [])
 
 
+class Publisher:
+    """publish_many of the publisher: records each call; the offsets in ``refuse`` fail."""
+
+    def __init__(self) -> None:
+        self.calls: list[list[int]] = []
+        self.refuse: set[int] = set()
+
+    async def publish_many(self, results: Sequence[tuple[Any, bytes, Any]]) -> list[Any]:
+        self.calls.append([r.offset for r, _, _ in results])
+        return [
+            MessageSizeTooLargeError() if r.offset in self.refuse else None for r, _, _ in results
+        ]
+
+
 def delivery(
-    edge: Edge | None = None, max_uncommitted: int = 1000
+    edge: Edge | None = None, max_uncommitted: int = 1000, sink: Any = None
 ) -> tuple[AtLeastOnce, Edge, Metrics]:
+    """at_least_once over ``edge``; outcomes are delivered by the callables the tests pass,
+    results of several records at once by ``sink``'s publish_many."""
     edge, metrics = edge or Edge(), Metrics(version="test")
-    sink: Any = None  # outcomes are delivered by the callables the tests pass
     built = AtLeastOnce(
         sink, OffsetTracker(), edge, metrics, interval_s=1.0, max_uncommitted=max_uncommitted
     )
@@ -221,3 +236,37 @@ async def test_a_partition_may_not_run_past_its_uncommitted_bound() -> None:
     assert not d.admits(TP)
     await d.complete(record(0), tickets[0], delivered, nothing)
     assert d.admits(TP)
+
+
+async def test_results_of_several_records_go_together_and_the_acked_are_done() -> None:
+    """complete_many: one publish_many; the acknowledged records done at once, a refused
+    one not (its error returned: the caller completes it alone)."""
+    publisher = Publisher()
+    publisher.refuse = {11}
+    d, edge, _ = delivery(sink=publisher)
+    assert d.takes_batches
+    records = [record(o) for o in range(10, 14)]
+    tickets = [d.track(r) for r in records]
+    acks = await d.complete_many([(r, b"v", []) for r in records], tickets)
+    assert publisher.calls == [[10, 11, 12, 13]]
+    assert [type(a).__name__ if a else None for a in acks] == [
+        None, "MessageSizeTooLargeError", None, None
+    ]  # fmt: skip
+    assert d.offsets.commit_point(TP) == 11
+    assert d.offsets.done_beyond_commit(TP) == [12, 13]
+    await d.commit()
+    assert edge.commits == [{TP: 11}]
+
+
+async def test_results_of_an_assignment_gone_are_not_marked_done() -> None:
+    """Revoked and re-assigned while the acks were awaited: the old tickets change nothing."""
+    publisher = Publisher()
+    d, _, _ = delivery(sink=publisher)
+    records = [record(o) for o in range(3)]
+    tickets = [d.track(r) for r in records]
+    await d.revoked({TP})
+    again = d.track(record(0))
+    assert again not in tickets
+    await d.complete_many([(r, b"v", []) for r in records], tickets)
+    assert d.offsets.commit_point(TP) == 0
+    assert d.offsets.pending(TP) == 1

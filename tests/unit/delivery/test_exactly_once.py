@@ -193,3 +193,12 @@ async def test_no_partition_commits_before_the_offsets_of_every_assigned_one_are
     assert _values(first) == [b"r0"]
     assert first.offsets == [{TP: OffsetAndMetadata(1, "")}]
     await delivery.close()
+
+
+async def test_exactly_once_completes_one_record_at_a_time() -> None:
+    """No batches: each outcome is staged in its partition's transaction, in offset order."""
+    delivery = await _started(Factory("kafka-triton-worker-group-in-0"))
+    assert not delivery.takes_batches
+    with pytest.raises(NotImplementedError, match="one record at a time"):
+        await delivery.complete_many([(record(0), b"r0", [])], [delivery.track(record(0))])
+    await delivery.close()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
+from collections.abc import Callable
 
 import pytest
 
@@ -199,7 +200,19 @@ def retrier(gate: ModelHealth) -> Retrier:
     policy = RetryPolicy(
         max_attempts=3, backoff=Backoff(0.001, 0.01), record_deadline_s=5, try_timeout_s=1
     )
-    return Retrier(policy, CircuitBreaker(5), None, lambda _code: None, gate)
+    return Retrier(
+        policy, CircuitBreaker(5), None, lambda _code: None, gate, on_success=_succeeded(gate)
+    )
+
+
+def _succeeded(gate: ModelHealth) -> Callable[[tuple[str, str] | None, bool], None]:
+    """What the steps do with a success, for the model's health."""
+
+    def succeeded(model: tuple[str, str] | None, probe: bool) -> None:
+        if model is not None:
+            gate.succeeded(model, probe)
+
+    return succeeded
 
 
 class Model:

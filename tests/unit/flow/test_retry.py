@@ -5,12 +5,14 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from collections.abc import Callable
 
 import pytest
 
 from worker import errors
 from worker.flow.breaker import CircuitBreaker
 from worker.flow.holds import ModelGate
+from worker.flow.model_health import ModelHealth
 from worker.flow.retry import Backoff, Budget, Retrier, RetryPolicy
 from worker.observability.inflight import InFlight
 
@@ -50,7 +52,13 @@ def _retrier(breaker: CircuitBreaker | None = None, models: ModelGate | None = N
         record_deadline_s=10.0,
         try_timeout_s=1.0,
     )
-    return Retrier(policy, breaker or CircuitBreaker(5), models, lambda code: None)
+    breaker = breaker or CircuitBreaker(5)
+    return Retrier(policy, breaker, models, lambda code: None, on_success=_reset(breaker))
+
+
+def _reset(breaker: CircuitBreaker) -> Callable[[tuple[str, str] | None, bool], None]:
+    """What the steps do with a success, for the circuit breaker."""
+    return lambda _model, _probe: breaker.record_success()
 
 
 async def test_a_retrying_record_tells_its_attempt_and_next_try() -> None:
@@ -140,7 +148,7 @@ async def test_a_failover_is_sent_again_at_once_and_never_opens_the_breaker() ->
         record_deadline_s=10.0,
         try_timeout_s=1.0,
     )
-    retrier = Retrier(policy, breaker, None, retried.append)
+    retrier = Retrier(policy, breaker, None, retried.append, on_success=_reset(breaker))
 
     async def record() -> str:
         tries = 0
@@ -168,3 +176,27 @@ async def test_a_failover_past_the_deadline_is_retries_exhausted() -> None:
 
     with pytest.raises(errors.RetriesExhausted, match="TRITON_UNAVAILABLE"):
         await _retrier().run(("tokens", ""), budget, call)
+
+
+async def test_each_success_is_reported_with_its_model_when_it_is_an_inference() -> None:
+    """on_success(model, probe): the model (its health counts it) only for an inference
+    under a failure-rate breaker; None for a lookup, or without one."""
+    reports: list[tuple[tuple[str, str] | None, bool]] = []
+    policy = RetryPolicy(3, Backoff(0.001, 0.002), 10.0, 1.0)
+    health = ModelHealth(failure_rate=0.5, window=10, min_samples=5, probe_interval_s=1.0)
+
+    async def call(timeout_s: float) -> str:
+        return "answer"
+
+    for with_health in (health, None):
+        retrier = Retrier(
+            policy,
+            CircuitBreaker(5),
+            None,
+            lambda _code: None,
+            with_health,
+            on_success=lambda model, probe: reports.append((model, probe)),
+        )
+        await retrier.run(("m", "1"), Budget.lasting(5.0), call)
+        await retrier.run(("m", "1"), Budget.lasting(5.0), call, inference=False)
+    assert reports == [(("m", "1"), False), (None, False), (None, False), (None, False)]

@@ -1,7 +1,7 @@
 """Fuzzing the codec: any value and headers become a decoded request or a WorkerError.
 
 In CI each property runs a few hundred cases; ``FUZZ_CASES=10000`` runs
-10,000 per property: ``FUZZ_CASES=10000 .venv/bin/pytest tests/unit/test_fuzz.py``.
+10,000 per property: ``FUZZ_CASES=10000 .venv/bin/pytest tests/unit/wire/test_requests_fuzz.py``.
 """
 
 from __future__ import annotations

@@ -28,8 +28,8 @@ from aiokafka.structs import ConsumerRecord
 
 from worker import errors, wire
 from worker.delivery.base import Sink
-from worker.flow.retry import Budget, Retrier
-from worker.observability import Metrics
+from worker.flow.retry import Budget
+from worker.records.steps import Steps
 from worker.settings import Settings, StreamOutput
 from worker.triton.decoupled import is_final
 from worker.triton.failover import FailoverStream
@@ -152,28 +152,12 @@ class Streamed:
 class StreamCalls:
     """Decoupled requests of one worker: sent on the pool, retried by the retrier."""
 
-    def __init__(
-        self, rules: StreamRules, pool: TritonPool, retrier: Retrier, metrics: Metrics
-    ) -> None:
+    def __init__(self, rules: StreamRules, pool: TritonPool, steps: Steps) -> None:
+        """``steps``: the retries, the results' encoding, the metrics."""
         self.rules = rules
         self._pool = pool
-        self._retrier = retrier
-        self._metrics = metrics
-        self._children: dict[str, tuple[Any, ...]] = {}
-
-    def _model_metrics(self, model_name: str) -> tuple[Any, ...]:
-        """(first response, gaps, responses, results published) of ``model_name``."""
-        model, m = self._metrics.model_label(model_name), self._metrics
-        children = self._children.get(model)  # keyed by label value: bounded
-        if children is None:
-            children = (
-                m.stream_first_response_seconds.labels(model=model),
-                m.stream_response_gap_seconds.labels(model=model),
-                m.stream_responses.labels(model=model),
-                m.results_published_total.labels(model=model),
-            )
-            self._children[model] = children
-        return children
+        self._retrier = steps.retrier
+        self._steps = steps
 
     async def evaluate(
         self, request: wire.DecodedRequest, budget: Budget, source: Source, headers: Headers
@@ -211,7 +195,9 @@ class StreamCalls:
 
     def _reader(self, request: wire.DecodedRequest, deadline: float) -> _Reader:
         responses = self._pool.infer_stream(request.infer_request)
-        return _Reader(responses, deadline, self.rules, self._model_metrics(request.model_name))
+        return _Reader(
+            responses, deadline, self.rules, self._steps.stream_metrics(request.model_name)
+        )
 
     async def _collect(self, request: wire.DecodedRequest, deadline: float) -> list[Any]:
         """One try: every response until the final one, their outputs' total bounded."""
@@ -251,19 +237,9 @@ class StreamCalls:
         return _Live(reader, first)
 
     def _result(self, origin: _Origin, response: Any, extra: Sequence[tuple[str, bytes]]) -> Result:
-        request = origin.request
-        value, encoding = wire.encode_result(
-            request, response, max_result_bytes=self.rules.max_output_bytes
+        return self._steps.encode(
+            origin.request, response, origin.record_headers, origin.source, extra
         )
-        headers = wire.result_headers(
-            origin.record_headers,
-            request,
-            encoding,
-            origin.source,
-            served_model_version=response.model_version,
-            extra=extra,
-        )
-        return value, headers
 
     # -- publication ------------------------------------------------------------------
 
@@ -353,4 +329,4 @@ class StreamCalls:
 
     def _published(self, streamed: Streamed, count: int) -> None:
         streamed.published += count
-        self._model_metrics(streamed.origin.request.model_name)[3].inc(count)
+        self._steps.published(streamed.origin.request.model_name, count)

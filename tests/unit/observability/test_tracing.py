@@ -1,6 +1,6 @@
 """Trace context through one record, and the optional spans (an in-memory exporter).
 
-The Triton and Kafka sides are the small fakes of test_record (inference that
+The Triton and Kafka sides are the small fakes of the records tests (inference that
 doubles, a sink that keeps what it is given); the spans go to the SDK's
 InMemorySpanExporter.
 """
@@ -18,14 +18,20 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
 
-from tests.unit.test_record import FakeSink, FakeTriton, good_record, record, settings
-from worker.audit import Audit
-from worker.flow.breaker import CircuitBreaker
-from worker.observability import Metrics
+from tests.unit.records.fakes import (
+    AckedDelivery,
+    FakeSink,
+    FakeTriton,
+    good_record,
+    record,
+    settings,
+    single_path,
+    steps_for,
+)
 from worker.observability._otel import OtelTracing
 from worker.observability.trace_context import Tracing, record_context, sampled
 from worker.observability.tracing import build_tracing
-from worker.record import RecordHandler, RecordRules
+from worker.records.single import SinglePath
 from worker.settings import ConfigError
 
 pytestmark = pytest.mark.timeout(20)
@@ -62,18 +68,8 @@ def traced_record(traceparent: str = TRACEPARENT) -> Any:
     )
 
 
-def handler(triton: FakeTriton, sink: FakeSink, tracing: Tracing) -> RecordHandler:
-    s = settings()
-    return RecordHandler(
-        RecordRules.from_settings(s),
-        pool=triton,  # type: ignore[arg-type]
-        batcher=triton,  # type: ignore[arg-type]
-        sink=sink,  # type: ignore[arg-type]
-        metrics=Metrics(version="test"),
-        audit=Audit(s, send=None),  # type: ignore[arg-type]
-        breaker=CircuitBreaker(5),
-        tracing=tracing,
-    )
+def handler(triton: FakeTriton, sink: FakeSink, tracing: Tracing) -> SinglePath:
+    return single_path(triton, steps_for(), delivery=AckedDelivery(sink), tracing=tracing)
 
 
 def in_memory() -> tuple[OtelTracing, InMemorySpanExporter]:
@@ -84,7 +80,7 @@ def in_memory() -> tuple[OtelTracing, InMemorySpanExporter]:
     return tracing, exporter
 
 
-async def run_record(h: RecordHandler, tracing: Tracing, rec: Any) -> Any:
+async def run_record(h: SinglePath, tracing: Tracing, rec: Any) -> Any:
     """The record's path as the worker runs it: under its consume span, evaluate, deliver."""
     with tracing.consume(rec):
         outcome = await h.evaluate(rec)

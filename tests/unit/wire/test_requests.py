@@ -1,184 +1,32 @@
-"""Decoding records in the three encodings, encoding results, and header builders."""
+"""Requests in the three encodings decoded, their model and request id found, bad ones named."""
 
 from __future__ import annotations
 
 import re
-import struct
 import tracemalloc
-from datetime import UTC, datetime, timedelta, timezone
-from typing import Any
 
-import numpy as np
-import orjson
 import pytest
 from tritonclient.grpc import service_pb2
 
-from worker import wire
+from tests.unit.wire.samples import (
+    PROTOBUF_HEADERS,
+    SAMPLES,
+    VALID,
+    binary_request,
+    decode,
+    error_of,
+    json_request,
+    raw_of,
+)
 from worker.errors import (
     DecodeError,
-    InferenceError,
     InvalidRequest,
     ModelNotFound,
-    OutputTooLarge,
-    RetriesExhausted,
     TooLarge,
-    TritonUnavailable,
     WorkerError,
 )
-from worker.wire import DecodedRequest, Headers, decode_request, encode_result, tensors
+from worker.wire import Headers, tensors
 from worker.wire.messages import DATATYPE_NAMES
-
-SAMPLES: dict[str, list[Any]] = {
-    "BOOL": [True, False, True, True],
-    "UINT8": [0, 255, 7, 1],
-    "UINT16": [0, 65535, 7, 1],
-    "UINT32": [0, 2**32 - 1, 7, 1],
-    "UINT64": [0, 2**64 - 1, 7, 1],
-    "INT8": [-128, 127, 0, 1],
-    "INT16": [-(2**15), 2**15 - 1, 0, 1],
-    "INT32": [-(2**31), 2**31 - 1, 0, 1],
-    "INT64": [-(2**63), 2**63 - 1, 0, 1],
-    "FP16": [0.5, -2.0, 65504.0, 0.0],
-    "FP32": [0.5, -1.25, 1024.0, 0.0],
-    "FP64": [0.1, -1e300, 2.5, 0.0],
-    "BYTES": ["a", "héllo", "", "xyz"],
-}
-JSON_HEADERS: Headers = [("content-type", b"application/json")]
-PROTOBUF_HEADERS: Headers = [("content-type", b"application/x-protobuf")]
-VALID = b'{"inputs": [{"name": "X", "shape": [1], "datatype": "FP32", "data": [1.0]}]}'
-
-
-def raw_of(datatype: str, values: list[Any]) -> bytes:
-    """Reference raw encoding built independently of the code under test."""
-    if datatype == "BYTES":
-        return b"".join(struct.pack("<I", len(v.encode())) + v.encode() for v in values)
-    return np.array(values, dtype=tensors.DATATYPES[datatype].dtype).tobytes()
-
-
-def decode(value: bytes | None, headers: Headers = (), **overrides: Any) -> DecodedRequest:
-    """decode_request with test defaults for the record coordinates and limits."""
-    limits = wire.DecodeLimits(overrides.pop("max_request_bytes", 1 << 20))
-    options: dict[str, Any] = {"default_model": "default-model", **overrides}
-    return decode_request(value, headers, wire.Source("requests", 3, 42), limits, **options)
-
-
-def json_request(**fields: Any) -> bytes:
-    """A JSON request with one FP32 input of shape [2] unless `inputs` is given."""
-    body = {"inputs": [{"name": "X", "shape": [2], "datatype": "FP32", "data": [1.0, 2.0]}]}
-    body.update(fields)
-    return orjson.dumps(body)
-
-
-def binary_request(header: dict[str, Any], blobs: list[bytes]) -> tuple[bytes, Headers]:
-    """A binary-extension record: JSON header, then the blobs, and its headers."""
-    head = orjson.dumps(header)
-    headers = [
-        ("content-type", b"application/octet-stream"),
-        ("inference-header-content-length", str(len(head)).encode()),
-    ]
-    return head + b"".join(blobs), headers
-
-
-def response_with(outputs: list[tuple[str, str, list[int], bytes]]) -> Any:
-    """A ModelInferResponse as Triton sends it on a stream."""
-    response = service_pb2.ModelInferResponse(model_name="m", model_version="3", id="corr-1")
-    for name, datatype, shape, raw in outputs:
-        tensor = response.outputs.add(name=name, datatype=datatype)
-        tensor.shape.extend(shape)
-        response.raw_output_contents.append(raw)
-    response.parameters["triton_final_response"].bool_param = True
-    return response
-
-
-def error_of(value: bytes | None, headers: Headers = (), **overrides: Any) -> WorkerError:
-    """The WorkerError decoding raises."""
-    with pytest.raises(WorkerError) as caught:
-        decode(value, headers, **overrides)
-    return caught.value
-
-
-# --- Round trips of every datatype in every encoding.
-
-
-@pytest.mark.parametrize("datatype", DATATYPE_NAMES)
-def test_json_round_trip_every_datatype(datatype: str) -> None:
-    """JSON request → raw bytes; raw response → JSON result with the same values."""
-    values = SAMPLES[datatype]
-    value = json_request(
-        inputs=[{"name": "IN", "shape": [2, 2], "datatype": datatype, "data": values}]
-    )
-    request = decode(value, JSON_HEADERS)
-    assert request.encoding == "json"
-    assert list(request.infer_request.raw_input_contents) == [raw_of(datatype, values)]
-    assert list(request.infer_request.inputs[0].shape) == [2, 2]
-
-    result, headers = encode_result(
-        request, response_with([("OUT", datatype, [2, 2], raw_of(datatype, values))])
-    )
-    assert headers == [("content-type", b"application/json")]
-    document = orjson.loads(result)
-    assert document["id"] == "requests-3-42"
-    assert (document["model_name"], document["model_version"]) == ("m", "3")
-    assert "parameters" not in document
-    assert document["outputs"] == [
-        {"name": "OUT", "shape": [2, 2], "datatype": datatype, "data": values}
-    ]
-
-
-@pytest.mark.parametrize("datatype", DATATYPE_NAMES)
-def test_binary_round_trip_every_datatype(datatype: str) -> None:
-    """Binary-extension request and result carry the raw bytes unchanged."""
-    raw = raw_of(datatype, SAMPLES[datatype])
-    header = {
-        "inputs": [
-            {"name": "IN", "shape": [4], "datatype": datatype},
-            {"name": "J", "shape": [1], "datatype": "INT32", "data": [5]},
-        ]
-    }
-    header["inputs"][0]["parameters"] = {"binary_data_size": len(raw)}
-    value, headers = binary_request(header, [raw])
-    request = decode(value, headers)
-    assert (request.encoding, request.binary_outputs) == ("binary", True)
-    assert list(request.infer_request.raw_input_contents) == [raw, b"\x05\x00\x00\x00"]
-    assert dict(request.infer_request.inputs[0].parameters) == {}
-
-    result, result_headers = encode_result(request, response_with([("OUT", datatype, [4], raw)]))
-    length = int(dict(result_headers)["inference-header-content-length"])
-    assert dict(result_headers)["content-type"] == b"application/octet-stream"
-    document = orjson.loads(result[:length])
-    assert document["outputs"] == [
-        {
-            "name": "OUT",
-            "shape": [4],
-            "datatype": datatype,
-            "parameters": {"binary_data_size": len(raw)},
-        }
-    ]
-    assert result[length:] == raw
-
-
-@pytest.mark.parametrize("datatype", DATATYPE_NAMES)
-def test_protobuf_round_trip_every_datatype(datatype: str) -> None:
-    """Serialized ModelInferRequest in, serialized ModelInferResponse out."""
-    raw = raw_of(datatype, SAMPLES[datatype])
-    message = service_pb2.ModelInferRequest(model_name="body-model", id="req-7")
-    message.inputs.add(name="IN", datatype=datatype, shape=[4])
-    message.raw_input_contents.append(raw)
-    request = decode(message.SerializeToString(), PROTOBUF_HEADERS)
-    assert (request.encoding, request.request_id, request.model_name) == (
-        "protobuf",
-        "req-7",
-        "body-model",
-    )
-    assert request.infer_request.id == ""
-    assert list(request.infer_request.raw_input_contents) == [raw]
-
-    result, headers = encode_result(request, response_with([("OUT", datatype, [4], raw)]))
-    assert headers == [("content-type", b"application/x-protobuf")]
-    parsed = service_pb2.ModelInferResponse.FromString(result)
-    assert parsed.id == "req-7"
-    assert "triton_final_response" not in parsed.parameters
-    assert list(parsed.raw_output_contents) == [raw]
 
 
 @pytest.mark.parametrize("datatype", [d for d in DATATYPE_NAMES if d != "FP16"])
@@ -228,39 +76,6 @@ def test_json_request_fields_reach_triton() -> None:
     assert output.name == "OUT"
     assert dict(output.parameters)["classification"].int64_param == 3
     assert "binary_data" not in output.parameters
-
-
-def test_fp32_result_prints_shortest_float32_text() -> None:
-    """FP32 outputs print as 0.1, not as the float64 widening 0.10000000149011612."""
-    request = decode(json_request())
-    raw = np.array([0.1], dtype="<f4").tobytes()
-    result, _ = encode_result(request, response_with([("OUT", "FP32", [1], raw)]))
-    assert b'"data":[0.1]' in result
-
-
-def test_non_utf8_bytes_output_is_base64_with_parameter() -> None:
-    """A BYTES output that is not UTF-8 is base64 with parameters.bytes_encoding."""
-    request = decode(json_request())
-    raw = tensors.serialize_bytes_tensor([b"\xff\xfe", b"ok"])
-    result, _ = encode_result(request, response_with([("OUT", "BYTES", [2], raw)]))
-    (output,) = orjson.loads(result)["outputs"]
-    assert output["data"] == ["//4=", "b2s="]
-    assert output["parameters"] == {"bytes_encoding": "base64"}
-
-
-def test_malformed_response_is_an_inference_error() -> None:
-    """Output bytes that do not fit the output's shape are Triton's fault."""
-    request = decode(json_request())
-    with pytest.raises(InferenceError, match=r"outputs\[0\]: 3 bytes of data"):
-        encode_result(request, response_with([("OUT", "FP32", [1], b"abc")]))
-
-
-def test_result_over_limit_is_output_too_large() -> None:
-    """A result bigger than max_result_bytes is refused with OUTPUT_TOO_LARGE."""
-    request = decode(json_request())
-    raw = np.zeros(1000, dtype="<f4").tobytes()
-    with pytest.raises(OutputTooLarge, match="over the 100-byte limit"):
-        encode_result(request, response_with([("OUT", "FP32", [1000], raw)]), max_result_bytes=100)
 
 
 # --- Model name and request id.
@@ -572,113 +387,3 @@ def test_protobuf_unknown_datatype_is_a_decode_error() -> None:
     error = error_of(message.SerializeToString(), PROTOBUF_HEADERS)
     assert error.code == "DECODE_ERROR"
     assert error.message.startswith("inputs[0].datatype: unknown datatype 'FP8'")
-
-
-# --- Result and dead-letter headers.
-
-
-def test_result_headers_pass_through_and_replace() -> None:
-    """Request headers pass through; content-type and x- headers are replaced, not duplicated."""
-    value, headers = binary_request(
-        {
-            "inputs": [
-                {
-                    "name": "X",
-                    "shape": [1],
-                    "datatype": "FP32",
-                    "parameters": {"binary_data_size": 4},
-                }
-            ]
-        },
-        [b"\x00" * 4],
-    )
-    original = [
-        *headers,
-        ("traceparent", b"00-abc"),
-        ("X-Request-Id", b"old"),
-        ("x-model-name", b"old"),
-    ]
-    request = decode(value, original)
-    built = wire.result_headers(
-        original,
-        request,
-        [("content-type", b"application/json")],
-        source=wire.Source("requests", 3, 42),
-        served_model_version="7",
-    )
-    assert built == [
-        ("traceparent", b"00-abc"),
-        ("x-request-id", b"old"),
-        ("x-model-name", b"old"),
-        ("x-model-version", b"7"),
-        ("x-source-topic", b"requests"),
-        ("x-source-partition", b"3"),
-        ("x-source-offset", b"42"),
-        ("content-type", b"application/json"),
-    ]
-    names = [name.lower() for name, _ in built]
-    assert len(names) == len(set(names))
-
-
-def test_dead_letter_headers_complete_and_after_originals() -> None:
-    """Original headers come first; every dead-letter header follows with its value."""
-    original = [("trace", b"1"), ("x-error-code", b"STALE"), ("content-type", b"application/json")]
-    failed_at = datetime(2024, 5, 1, 12, 0, 0, 123456, tzinfo=timezone(timedelta(hours=2)))
-    built = wire.dead_letter_headers(
-        original,
-        RetriesExhausted.after(TritonUnavailable("stream broke"), 4),
-        attempts=4,
-        source=wire.Source("requests", 3, 42, 1714557600000),
-        group_id="workers",
-        failed_at=failed_at,
-    )
-    assert built[:2] == [("trace", b"1"), ("content-type", b"application/json")]
-    assert dict(built[2:]) == {
-        "x-error-code": b"RETRIES_EXHAUSTED",
-        "x-error-message": b"gave up after 4 attempts; last error TRITON_UNAVAILABLE: stream broke",
-        "x-error-retryable": b"true",
-        "x-attempts": b"4",
-        "x-source-topic": b"requests",
-        "x-source-partition": b"3",
-        "x-source-offset": b"42",
-        "x-source-timestamp": b"1714557600000",
-        "x-consumer-group": b"workers",
-        "x-failed-at": b"2024-05-01T10:00:00.123Z",
-    }
-
-
-def test_dead_letter_message_truncated_on_utf8_boundary() -> None:
-    """A long multi-byte message is cut to at most 1 KiB of valid UTF-8 ending in '...'."""
-    built = wire.dead_letter_headers(
-        [],
-        InvalidRequest("é" * 1000),
-        attempts=0,
-        source=wire.Source("t", 0, 0, 0),
-        group_id="g",
-        failed_at=datetime(2024, 1, 1, tzinfo=UTC),
-    )
-    assert dict(built)["x-error-retryable"] == b"false"
-    message = dict(built)["x-error-message"]
-    assert len(message) <= 1024
-    text = message.decode("utf-8")
-    assert text.endswith("...")
-    assert set(text[:-3]) == {"é"}
-    assert len(text) - 3 == 510
-
-
-def test_retryable_error_in_a_dead_letter_becomes_retries_exhausted() -> None:
-    """x-error-code is always a dead-letter code, even if a retryable error arrives."""
-    built = wire.dead_letter_headers(
-        [],
-        TritonUnavailable("connection refused"),
-        attempts=2,
-        source=wire.Source("t", 0, 0, 0),
-        group_id="g",
-        failed_at=datetime(2024, 1, 1, tzinfo=UTC),
-    )
-    headers = dict(built)
-    assert headers["x-error-code"] == b"RETRIES_EXHAUSTED"
-    assert headers["x-error-retryable"] == b"true"
-    assert headers["x-error-message"] == (
-        b"gave up after 2 attempts; last error TRITON_UNAVAILABLE: connection refused"
-    )

@@ -18,12 +18,13 @@ from aiokafka.structs import ConsumerRecord
 from tritonclient.grpc import service_pb2
 
 from devtools.samples import token_request
+from tests.unit.records.fakes import steps_for
 from worker import errors, wire
 from worker.flow.breaker import CircuitBreaker
-from worker.flow.retry import Backoff, Budget, Retrier, RetryPolicy
+from worker.flow.retry import Budget
 from worker.observability import Metrics
+from worker.records.stream import StreamCalls, StreamRules
 from worker.settings import load_settings
-from worker.streaming import StreamCalls, StreamRules
 from worker.triton.decoupled import ResponseStream
 from worker.wire.bytes_tensor import serialize_bytes_tensor
 
@@ -101,7 +102,7 @@ class FakeSink:
         self.calls.append(list(results))
 
     async def publish_dead_letter(self, record: Any, headers: Any) -> None:
-        raise AssertionError("dead letters are the record handler's")
+        raise AssertionError("dead letters are the per-record path's")
 
 
 def _calls(pool: FakePool, **env: str) -> tuple[StreamCalls, Metrics]:
@@ -110,13 +111,15 @@ def _calls(pool: FakePool, **env: str) -> tuple[StreamCalls, Metrics]:
             "WORKER_INPUT_TOPICS": "in",
             "WORKER_OUTPUT_TOPIC": "out",
             "WORKER_DLQ_TOPIC": "dlq",
+            "WORKER_MAX_ATTEMPTS": "3",
+            "WORKER_RETRY_BACKOFF_MS": "1",
+            "WORKER_RETRY_BACKOFF_MAX_MS": "2",
             **{f"WORKER_{k.upper()}": v for k, v in env.items()},
         }
     )
     metrics = Metrics(version="test")
-    policy = RetryPolicy(3, Backoff(0.001, 0.002), 10.0, 5.0)
-    retrier = Retrier(policy, CircuitBreaker(100), None, lambda _: None)
-    calls = StreamCalls(StreamRules.from_settings(settings), pool, retrier, metrics)  # type: ignore[arg-type]
+    steps = steps_for(settings, metrics=metrics, breaker=CircuitBreaker(100))
+    calls = StreamCalls(StreamRules.from_settings(settings), pool, steps)  # type: ignore[arg-type]
     return calls, metrics
 
 
@@ -180,7 +183,7 @@ async def test_each_mode_relays_what_arrived_while_an_ack_was_awaited() -> None:
     release, cue = asyncio.Event(), asyncio.Event()
     pool = FakePool(["a", " b", " c", None], cue=cue)
     sink = FakeSink(release)
-    calls, _ = _calls(pool, stream_output="each")
+    calls, metrics = _calls(pool, stream_output="each")
     streamed = await _evaluate(calls)
     publishing = asyncio.create_task(calls.publish(streamed, _record(), sink))  # type: ignore[arg-type]
     await sink.holding.wait()
@@ -196,6 +199,10 @@ async def test_each_mode_relays_what_arrived_while_an_ack_was_awaited() -> None:
     assert [h["x-response-final"] for h in headers] == [b"false"] * 3 + [b"true"]
     assert headers[-1]["x-response-count"] == b"4"
     assert streamed.published == 4
+    published = metrics.registry.get_sample_value(
+        "worker_results_published_total", {"model": "tokens"}
+    )
+    assert published == 4  # counted by the steps as they went out
 
 
 async def test_each_mode_stops_after_a_failure_saying_what_was_published() -> None:

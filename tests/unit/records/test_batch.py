@@ -1,39 +1,42 @@
-"""The fast path: which records take it, micro-batches sent once, results published together.
+"""The batch path: which records take it, micro-batches sent once, results completed together.
 
 The fakes stand in for Triton (a cached spec, inference that doubles INPUT0 or
 fails as told) and for the producer (``publish_many``, whose acks a test holds
 back or fails): what a real server cannot be made to do at a chosen moment. The
-window, the offset tracker, the in-flight registry, the breakers and the metrics
-are the real ones.
+at_least_once delivery, the window, the offset tracker, the in-flight registry, the
+steps, the breakers and the metrics are the real ones.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
+from unittest import mock
 
 import numpy as np
 import pytest
+import structlog
 from aiokafka.structs import ConsumerRecord, TopicPartition
 from tritonclient.grpc import service_pb2
 
 from devtools.samples import Tensor, encode_request
 from worker import errors
+from worker.audit import Audit
+from worker.delivery import AtLeastOnce
 from worker.delivery.offsets import OffsetTracker
-from worker.dispatch import Dispatcher, fast_path_allowed
-from worker.fastpath import Candidate, Fallback, FastPath
 from worker.flow.breaker import CircuitBreaker
-from worker.flow.guard import InternalErrorGuard
 from worker.flow.holds import ModelGate
+from worker.flow.limiter import AdaptiveLimiter
 from worker.flow.model_health import ModelHealth
 from worker.flow.window import Window
 from worker.observability import InFlightRegistry, Metrics
 from worker.observability.trace_context import Tracing
-from worker.record import Outcome, RecordRules
+from worker.records.batch import BatchPath, Candidate
+from worker.records.single import Outcome
+from worker.records.steps import RecordRules, Steps
 from worker.settings import Settings, load_settings
-from worker.wire import Source
 from worker.wire.validation import ModelSpec, TensorSpec
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(10)]
@@ -101,9 +104,11 @@ class FakePool:
 
 
 class FakeSink:
-    """publish_many: records each call; acks wait for ``release``; offsets in ``fail`` fail."""
+    """publish_many: records each call; acks wait for ``release``; offsets in ``fail`` fail.
+    A record's own outcome (the per-record path's) is recorded in ``alone``."""
 
     def __init__(self) -> None:
+        self.alone: list[int] = []
         self.calls: list[list[int]] = []
         self.values: dict[int, bytes] = {}
         self.called = asyncio.Event()
@@ -121,22 +126,59 @@ class FakeSink:
             for r, _, _ in results
         ]
 
+    async def publish_result(self, rec: ConsumerRecord[bytes, bytes], *_: Any) -> None:
+        self.alone.append(rec.offset)
+
+    async def publish_dead_letter(self, rec: ConsumerRecord[bytes, bytes], *_: Any) -> None:
+        self.alone.append(rec.offset)
+
+
+class NoCommits:
+    """The consumer as delivery sees it; these tests never commit."""
+
+    def assignment(self) -> set[TopicPartition]:
+        return {TP}
+
+    def highwater(self, tp: TopicPartition) -> int | None:
+        return None
+
+    async def commit(self, offsets: Any) -> None:
+        raise AssertionError("no commit here")
+
+    async def fetch_committed(self, partitions: Any) -> dict[Any, Any]:
+        return {}
+
+    def seek(self, tp: TopicPartition, offset: int) -> None:
+        raise AssertionError("at_least_once never seeks")
+
+    def owns(self, tp: TopicPartition) -> bool:
+        return True
+
 
 class Harness:
-    """A FastPath over real bookkeeping; fallbacks are recorded, not run."""
+    """A BatchPath over real bookkeeping and a real at_least_once delivery over a fake
+    publisher; hand-overs are recorded, not run."""
 
     def __init__(
         self,
         pool: FakePool | None = None,
         *,
         clock: Callable[[], float] = time.monotonic,
-        fallback: Fallback | None = None,
+        limiter: AdaptiveLimiter | None = None,
     ) -> None:
         self.settings = settings()
         self.pool = pool or FakePool()
         self.sink = FakeSink()
         self.metrics = Metrics()
-        self.offsets = OffsetTracker()
+        self.delivery = AtLeastOnce(
+            self.sink,  # type: ignore[arg-type]
+            OffsetTracker(),
+            NoCommits(),
+            self.metrics,
+            interval_s=1.0,
+            max_uncommitted=1000,
+        )
+        self.offsets = self.delivery.offsets
         self.generation = self.offsets.assign(TP, 0)
         self.window = Window(64, 64)
         self.inflight = InFlightRegistry(30, clock=clock)
@@ -144,33 +186,32 @@ class Harness:
         self.models = ModelGate(seen_ready=lambda *_: True, listed=_true, ready=_true)
         self.health = ModelHealth.from_settings(self.settings.retry, lambda *_: None)
         self.fallbacks: list[tuple[int, Outcome | None]] = []
-        m = self.metrics
-        self.fast = FastPath(
+        self.steps = Steps(
             RecordRules.from_settings(self.settings),
-            pool=self.pool,  # type: ignore[arg-type]
-            sink=self.sink,
-            offsets=self.offsets,
-            window=self.window,
-            inflight=self.inflight,
-            metrics=m,
+            metrics=self.metrics,
             breaker=self.breaker,
+            limiter=limiter,
             models=self.models,
             health=self.health,
-            limiter=None,
-            guard=InternalErrorGuard(3),
-            model_metrics=lambda name: (
-                m.results_published_total.labels(model=name),
-                m.inference_latency_seconds.labels(model=name),
-            ),
+            audit=Audit(self.settings, send=None),  # type: ignore[arg-type]
+        )
+        self.fast = BatchPath(
+            self.steps,
+            pool=self.pool,  # type: ignore[arg-type]
+            delivery=self.delivery,
+            window=self.window,
+            inflight=self.inflight,
             tracing=Tracing(),
             batch_max_size=4,
-            fallback=fallback or self._record_fallback,
         )
 
-    def _record_fallback(
+    def hand_over(
         self, r: ConsumerRecord[bytes, bytes], _: int, outcome: Outcome | None, entry: Any
     ) -> None:
         self.fallbacks.append((r.offset, outcome))
+
+    async def run(self, candidates: list[Candidate]) -> None:
+        await self.fast.run(candidates, self.hand_over)
 
     def take(self, records: list[ConsumerRecord[bytes, bytes]]) -> list[Candidate]:
         """Track and select the records as dispatch does; all must qualify."""
@@ -211,24 +252,10 @@ def test_plain_records_qualify_and_others_are_left_to_the_per_record_path() -> N
     assert failing.fast.select(record(7), 1) is None
 
 
-def test_the_settings_that_need_the_per_record_path_turn_the_fast_path_off() -> None:
-    """exactly_once, ordering, audit, spans or WORKER_FAST_PATH=false: no fast path at all."""
-    plain = Tracing()
-    assert fast_path_allowed(settings(), False, plain)
-    assert not fast_path_allowed(settings(delivery="exactly_once"), False, plain)
-    assert not fast_path_allowed(settings(ordering="key"), False, plain)
-    assert not fast_path_allowed(settings(ordering="partition"), False, plain)
-    assert not fast_path_allowed(settings(fast_path="false"), False, plain)
-    assert not fast_path_allowed(settings(), True, plain)
-    spans = Tracing()
-    spans.enabled = True
-    assert not fast_path_allowed(settings(), False, spans)
-
-
 async def test_records_are_sent_in_micro_batches_and_published_together() -> None:
     """Six one-row records, capacity 4: two Triton requests, one publish call, all done."""
     h = Harness()
-    await h.fast.run(h.take([record(i) for i in range(6)]))
+    await h.run(h.take([record(i) for i in range(6)]))
     assert h.pool.rows_sent == [4, 2]
     assert h.sink.calls == [[0, 1, 2, 3, 4, 5]]
     assert b"10.0" in h.sink.values[5]  # 5 doubled, in record 5's own result
@@ -245,7 +272,7 @@ async def test_offsets_are_done_only_after_the_acks() -> None:
     """While the acks are outstanding nothing is done and the slots are held."""
     h = Harness()
     h.sink.release.clear()
-    running = asyncio.create_task(h.fast.run(h.take([record(i) for i in range(3)])))
+    running = asyncio.create_task(h.run(h.take([record(i) for i in range(3)])))
     await h.sink.called.wait()
     assert h.offsets.commit_point(TP) == 0
     assert h.window.in_flight == 3
@@ -261,7 +288,7 @@ async def test_a_failed_micro_batch_falls_back_record_by_record() -> None:
     """An inference error of a batch hands each of its records, with its slot, to the slow path."""
     h = Harness()
     h.pool.failure = errors.InferenceError("one row is poison")
-    await h.fast.run(h.take([record(i) for i in range(5)]))
+    await h.run(h.take([record(i) for i in range(5)]))
     assert h.fallbacks == [(i, None) for i in range(5)]
     assert h.sink.calls == []
     assert h.offsets.commit_point(TP) == 0  # the per-record path marks them done
@@ -275,7 +302,7 @@ async def test_a_refused_send_goes_to_the_per_record_delivery_with_its_result() 
     """Record 1's send fails: it falls back with its encoded result; 0 and 2 are done."""
     h = Harness()
     h.sink.fail = {1}
-    await h.fast.run(h.take([record(i) for i in range(3)]))
+    await h.run(h.take([record(i) for i in range(3)]))
     assert [offset for offset, _ in h.fallbacks] == [1]
     outcome = h.fallbacks[0][1]
     assert outcome is not None and outcome.value == h.sink.values[1] and outcome.error is None
@@ -289,7 +316,7 @@ async def test_a_partition_revoked_during_the_group_is_not_marked_done() -> None
     """Revoked and re-assigned while the acks wait: the old generation's offsets are dropped."""
     h = Harness()
     h.sink.release.clear()
-    running = asyncio.create_task(h.fast.run(h.take([record(i) for i in range(3)])))
+    running = asyncio.create_task(h.run(h.take([record(i) for i in range(3)])))
     await h.sink.called.wait()
     h.offsets.revoke(TP)
     h.offsets.assign(TP, 0)
@@ -304,7 +331,7 @@ async def test_a_cancelled_group_leaves_its_records_not_done_and_frees_their_slo
     """A forced stop during the acks: no offset done, every slot and entry given back."""
     h = Harness()
     h.sink.release.clear()
-    running = asyncio.create_task(h.fast.run(h.take([record(i) for i in range(3)])))
+    running = asyncio.create_task(h.run(h.take([record(i) for i in range(3)])))
     await h.sink.called.wait()
     running.cancel()
     with pytest.raises(asyncio.CancelledError):
@@ -313,70 +340,46 @@ async def test_a_cancelled_group_leaves_its_records_not_done_and_frees_their_slo
     assert h.window.in_flight == 0 and len(h.inflight) == 0
 
 
-class Clock:
-    """A monotonic clock the test moves by hand."""
+async def test_a_bug_in_the_groups_bookkeeping_hands_the_records_over_and_is_counted() -> None:
+    """complete_many raises: every record not done yet goes to the per-record path, the
+    bug is logged and counted once, and the run of bugs grows."""
+    h = Harness()
 
-    def __init__(self) -> None:
-        self.now = 1000.0
+    async def broken(*_: Any) -> list[Any]:
+        raise KeyError("partition")
 
-    def __call__(self) -> float:
-        return self.now
-
-
-class HeldHandler:
-    """The per-record path's handler: holds each record in ``evaluate`` until released."""
-
-    def __init__(self) -> None:
-        self.evaluating = asyncio.Event()
-        self.release = asyncio.Event()
-
-    async def evaluate(self, record: ConsumerRecord[bytes, bytes], *_: Any) -> Outcome:
-        self.evaluating.set()
-        await self.release.wait()
-        return Outcome(record, Source.of(record), 0.0)
-
-    async def deliver(self, outcome: Outcome) -> None:
-        """Published at once."""
-
-    def internal_failure(self, exc: BaseException) -> None:
-        raise AssertionError(exc)
+    h.delivery.complete_many = broken  # type: ignore[method-assign]
+    with structlog.testing.capture_logs() as logs:
+        await h.run(h.take([record(i) for i in range(3)]))
+    assert h.fallbacks == [(i, None) for i in range(3)]
+    assert h.sample("worker_fast_path_fallbacks_total", reason="internal") == 3
+    assert h.sample("worker_internal_errors_total") == 1
+    assert [e["event"] for e in logs if e["log_level"] == "error"] == ["internal_error"]
+    assert h.window.in_flight == 3  # the slots went with the records
 
 
-class AckedDelivery:
-    """Delivery of the per-record path: the outcome is safe once delivered."""
-
-    async def complete(
-        self,
-        record: ConsumerRecord[bytes, bytes],
-        ticket: int,
-        deliver: Callable[[], Awaitable[None]],
-        on_safe: Callable[[], None],
-    ) -> None:
-        await deliver()
-        on_safe()
+async def test_an_overloaded_micro_batch_lowers_the_adaptive_limit_once() -> None:
+    """Triton overloaded: the batch's records fall back and the limiter hears of it once."""
+    limiter = mock.create_autospec(AdaptiveLimiter, instance=True, spec_set=True)
+    h = Harness(limiter=limiter)
+    h.pool.failure = errors.TritonOverloaded("queue full")
+    await h.run(h.take([record(i) for i in range(3)]))
+    assert limiter.on_overload.call_count == 1
+    assert limiter.on_success.call_count == 0
+    assert h.sample("worker_fast_path_fallbacks_total", reason="inference") == 3
 
 
-async def test_a_record_handed_to_the_per_record_path_keeps_its_age() -> None:
-    """A failed micro-batch's record, 5 s in flight, is still 5 s old on the per-record path."""
-    clock, handler = Clock(), HeldHandler()
-    h = Harness(clock=clock, fallback=lambda *args: dispatcher.fall_back(*args))
-    dispatcher = Dispatcher(
-        h.settings,
-        delivery=AckedDelivery(),  # type: ignore[arg-type]
-        window=h.window,
-        inflight=h.inflight,
-        handler=handler,  # type: ignore[arg-type]
-        tracing=Tracing(),
-    )
-    async with asyncio.TaskGroup() as group:
-        dispatcher.group = group
-        candidates = h.take([record(0)])
-        clock.now += 5
-        h.pool.failure = errors.InferenceError("one row is poison")
-        await h.fast.run(candidates)
-        await handler.evaluating.wait()
-        (listed,) = h.inflight.snapshot()["oldest"]  # type: ignore[misc]
-        assert listed["offset"] == 0 and listed["age_s"] == 5.0
-        assert listed["state"] == "decoding"  # it starts over
-        handler.release.set()
-    assert len(h.inflight) == 0 and h.window.in_flight == 0
+def test_the_batch_path_needs_a_delivery_mode_that_takes_batches() -> None:
+    """Built over a mode that completes one record at a time, the batch path refuses."""
+    h = Harness()
+    h.delivery.takes_batches = False  # type: ignore[misc]
+    with pytest.raises(AssertionError, match="takes batches"):
+        BatchPath(
+            h.steps,
+            pool=h.pool,  # type: ignore[arg-type]
+            delivery=h.delivery,
+            window=h.window,
+            inflight=h.inflight,
+            tracing=Tracing(),
+            batch_max_size=4,
+        )

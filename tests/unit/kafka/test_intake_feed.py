@@ -20,10 +20,10 @@ def _feed(window: Window, dispatched: list[ConsumerRecord[bytes, bytes]]) -> Fee
         window=window,
         breaker=SimpleNamespace(is_open=False),  # type: ignore[arg-type]
         metrics=None,  # type: ignore[arg-type]
-        dispatch=dispatched.extend,
-        rebalance=None,  # type: ignore[arg-type]
-        admits=lambda _tp: True,
     )
+    # What run() is given: dispatch and admits (the listener is not used here).
+    feed._dispatch = dispatched.extend
+    feed._admits = lambda _tp: True
     backlog: dict[Any, Any] = feed._backlog
     for tp in PARTITIONS:
         backlog[tp] = deque(

@@ -1,138 +1,40 @@
-"""One record's path through the handler: bugs become INTERNAL_ERROR, model reloads are held.
+"""The per-record path: bugs become INTERNAL_ERROR, model reloads are held, the task's books.
 
-The fakes stand in for the Triton side (model spec and inference) and the Kafka
-side (the sink), to inject what real servers cannot be made to do on demand: a
-library raising an unexpected exception, a model that is not ready for exactly
-two tries.
+The fakes (``fakes``) stand in for the Triton side (model spec and inference) and the
+Kafka side (the sink, a delivery mode), to inject what real servers cannot be made to
+do on demand: a library raising an unexpected exception, a model that is not ready for
+exactly two tries, a delivery that fails after publishing.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
-from typing import Any
 
-import numpy as np
 import pytest
-from aiokafka.structs import ConsumerRecord
-from tritonclient.grpc import service_pb2
 
-from devtools.samples import Tensor, encode_request
+from tests.unit.records.fakes import (
+    TP,
+    AckedDelivery,
+    FakeSink,
+    FakeTriton,
+    good_record,
+    record,
+    sample,
+    settings,
+    single_path,
+    steps_for,
+)
 from worker import errors
-from worker.audit import Audit
 from worker.flow.breaker import CircuitBreaker
 from worker.flow.holds import ModelGate
-from worker.observability import InFlight, Metrics
-from worker.record import RecordHandler, RecordRules
-from worker.settings import Settings, load_settings
-from worker.wire.validation import ModelSpec, TensorSpec
+from worker.flow.ordering import Turns
+from worker.flow.window import Window
+from worker.observability import InFlight, InFlightRegistry, Metrics
+from worker.records.single import SinglePath
+from worker.settings import Settings
+from worker.wire.validation import ModelSpec
 
 pytestmark = pytest.mark.timeout(10)
-
-SPEC = ModelSpec(
-    name="double",
-    version="",
-    inputs=(TensorSpec("INPUT0", "FP32", (-1,)),),
-    outputs=(TensorSpec("OUTPUT0", "FP32", (-1,)),),
-    max_batch_size=0,
-)
-
-
-def settings(**extra: str) -> Settings:
-    env = {
-        "WORKER_INPUT_TOPICS": "in",
-        "WORKER_OUTPUT_TOPIC": "out",
-        "WORKER_DLQ_TOPIC": "dlq",
-        "WORKER_RETRY_BACKOFF_MS": "1",
-        "WORKER_RETRY_BACKOFF_MAX_MS": "2",
-    }
-    env.update({f"WORKER_{k.upper()}": v for k, v in extra.items()})
-    return load_settings(env)
-
-
-def record(
-    value: bytes | None, key: bytes | None = b"k", headers: Sequence[tuple[str, Any]] = ()
-) -> ConsumerRecord[bytes, bytes]:
-    return ConsumerRecord(
-        topic="in",
-        partition=0,
-        offset=7,
-        timestamp=1_700_000_000_000,
-        timestamp_type=0,
-        key=key,
-        value=value,
-        checksum=None,
-        serialized_key_size=len(key or b""),
-        serialized_value_size=len(value or b""),
-        headers=list(headers),
-    )
-
-
-def good_record() -> ConsumerRecord[bytes, bytes]:
-    values = np.arange(4, dtype=np.float32)
-    value, headers = encode_request(
-        "double", [Tensor("INPUT0", "FP32", (4,), values)], "json", "r1"
-    )
-    return record(value, headers=headers)
-
-
-class FakeTriton:
-    """Model spec and inference: doubles INPUT0; fails as told."""
-
-    def __init__(
-        self,
-        *,
-        not_ready_tries: int = 0,
-        raise_on_infer: BaseException | None = None,
-        failures: list[errors.WorkerError] | None = None,
-    ):
-        self.not_ready_tries = not_ready_tries
-        self.raise_on_infer = raise_on_infer
-        self.failures = list(failures or [])  # raised by the first tries, in order
-        self.tries = 0
-
-    async def model_spec(self, name: str, version: str) -> ModelSpec:
-        return SPEC
-
-    async def infer(
-        self, request: Any, spec: ModelSpec, timeout_s: float, trace: Any = (), inflight: Any = None
-    ) -> Any:
-        self.tries += 1
-        if self.raise_on_infer is not None:
-            raise self.raise_on_infer
-        if self.failures:
-            raise self.failures.pop(0)
-        if self.tries <= self.not_ready_tries:
-            raise errors.ModelNotReady(
-                "Request for unknown model: 'double' has no available versions"
-            )
-        infer = request.infer_request
-        values = np.frombuffer(infer.raw_input_contents[0], dtype="<f4") * 2
-        response = service_pb2.ModelInferResponse(model_name="double", model_version="1")
-        response.outputs.add(name="OUTPUT0", datatype="FP32", shape=list(infer.inputs[0].shape))
-        response.raw_output_contents.append(values.astype("<f4").tobytes())
-        return response
-
-
-class FakeSink:
-    """Records what was published; raises as told on results or dead letters."""
-
-    def __init__(self, *, result_error: Exception | None = None, dlq_errors: int = 0) -> None:
-        self.result_error = result_error
-        self.dlq_errors = dlq_errors
-        self.results: list[bytes] = []
-        self.dead_letters: list[dict[str, Any]] = []
-
-    async def publish_result(self, rec: Any, value: bytes, headers: Any) -> None:
-        if self.result_error is not None:
-            raise self.result_error
-        self.results.append(value)
-
-    async def publish_dead_letter(self, rec: Any, headers: Any) -> None:
-        if self.dlq_errors > 0:
-            self.dlq_errors -= 1
-            raise TypeError("boom while writing the dead letter")
-        self.dead_letters.append(dict(headers))
 
 
 def handler(
@@ -141,25 +43,15 @@ def handler(
     s: Settings | None = None,
     gate: ModelGate | None = None,
     breaker: CircuitBreaker | None = None,
-) -> tuple[RecordHandler, Metrics]:
+) -> tuple[SinglePath, Metrics]:
     s = s or settings()
     metrics = Metrics(version="test")
-    built = RecordHandler(
-        RecordRules.from_settings(s),
-        pool=triton,  # type: ignore[arg-type]
-        batcher=triton,  # type: ignore[arg-type]
-        sink=sink,
-        metrics=metrics,
-        audit=Audit(s, send=None),  # type: ignore[arg-type]
-        breaker=breaker or CircuitBreaker(5),
-        models=gate,
-    )
-    return built, metrics
+    steps = steps_for(s, metrics=metrics, breaker=breaker, gate=gate)
+    return single_path(triton, steps, s=s, delivery=AckedDelivery(sink)), metrics
 
 
 def counter(metrics: Metrics, name: str) -> float:
-    value = metrics.registry.get_sample_value(name)
-    return 0.0 if value is None else value
+    return sample(metrics, name)
 
 
 async def test_record_with_neither_key_nor_value_is_a_decode_error() -> None:
@@ -369,3 +261,119 @@ async def test_the_in_flight_entry_learns_the_request_id_and_model() -> None:
     outcome = await h.evaluate(good_record(), None, entry)
     assert outcome.error is None
     assert (entry.request_id, entry.model, entry.state) == ("r1", "double", "sent")
+
+
+# -- the record's task ------------------------------------------------------------------
+
+
+class HeldTriton(FakeTriton):
+    """Inference that waits for ``release`` (the record stays in flight meanwhile)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inferring = asyncio.Event()
+        self.release = asyncio.Event()
+
+    async def infer(self, request: object, *args: object, **kwargs: object) -> object:
+        self.inferring.set()
+        await self.release.wait()
+        return await super().infer(request, *args, **kwargs)  # type: ignore[arg-type]
+
+
+def task_path(
+    triton: FakeTriton, s: Settings | None = None
+) -> tuple[SinglePath, AckedDelivery, Window, InFlightRegistry, Metrics]:
+    s = s or settings()
+    metrics, delivery = Metrics(version="test"), AckedDelivery()
+    window, inflight = Window(8, 8), InFlightRegistry(30)
+    path = single_path(
+        triton,
+        steps_for(s, metrics=metrics),
+        s=s,
+        delivery=delivery,
+        window=window,
+        inflight=inflight,
+    )
+    return path, delivery, window, inflight, metrics
+
+
+async def test_a_records_task_completes_it_then_gives_back_its_slot_and_entry() -> None:
+    """run: evaluated, published, marked done by the delivery mode; slot and entry freed."""
+    path, delivery, window, inflight, metrics = task_path(FakeTriton())
+    rec = good_record()
+    assert window.try_acquire(TP)
+    await path.run(rec, delivery.track(rec), None, None)
+    assert delivery.completed == [7] and len(delivery.sink.results) == 1
+    assert delivery.offsets.commit_point(TP) == 8
+    assert window.in_flight == 0 and len(inflight) == 0
+    assert counter(metrics, "worker_internal_errors_total") == 0
+
+
+async def test_a_bug_around_the_record_is_counted_and_leaves_it_not_done() -> None:
+    """The delivery mode raises after publishing: INTERNAL_ERROR logged and counted, the
+    record not done (its offset is not committed), its slot freed all the same."""
+    path, delivery, window, _, metrics = task_path(FakeTriton())
+    delivery.fail = RuntimeError("bookkeeping broke")
+    rec = good_record()
+    assert window.try_acquire(TP)
+    await path.run(rec, delivery.track(rec), None, None)
+    assert counter(metrics, "worker_internal_errors_total") == 1
+    assert delivery.offsets.commit_point(TP) == 7
+    assert window.in_flight == 0
+
+
+async def test_a_revoked_partition_ends_the_task_without_an_error() -> None:
+    """PartitionRevoked from the delivery mode: the next owner redoes it; nothing counted."""
+    path, delivery, window, _, metrics = task_path(FakeTriton())
+    delivery.fail = errors.PartitionRevoked("in-0")
+    rec = good_record()
+    assert window.try_acquire(TP)
+    await path.run(rec, delivery.track(rec), None, None)
+    assert counter(metrics, "worker_internal_errors_total") == 0
+    assert window.in_flight == 0
+
+
+async def test_records_of_a_key_are_answered_in_their_turn() -> None:
+    """ordering=key: the later record's task, started first, waits for the earlier one."""
+    s = settings(ordering="key")
+    path, delivery, window, _, _ = task_path(FakeTriton(), s)
+    turns = Turns()
+    first, second = good_record(7), good_record(8)
+    tickets = [delivery.track(first), delivery.track(second)]
+    key_turns = [turns.ticket((TP, b"k")), turns.ticket((TP, b"k"))]
+    for _ in range(2):
+        assert window.try_acquire(TP)
+    later = asyncio.create_task(path.run(second, tickets[1], key_turns[1], None))
+    earlier = asyncio.create_task(path.run(first, tickets[0], key_turns[0], None))
+    await asyncio.gather(later, earlier)
+    assert delivery.completed == [7, 8]
+
+
+async def test_a_cancelled_record_is_left_not_done_and_frees_its_slot() -> None:
+    """A forced stop while the record is at Triton: not done, slot and entry given back."""
+    triton = HeldTriton()
+    path, delivery, window, inflight, _ = task_path(triton)
+    rec = good_record()
+    assert window.try_acquire(TP)
+    task = asyncio.create_task(path.run(rec, delivery.track(rec), None, None))
+    await triton.inferring.wait()
+    assert len(inflight) == 1
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert delivery.completed == [] and delivery.offsets.commit_point(TP) == 7
+    assert window.in_flight == 0 and len(inflight) == 0
+
+
+async def test_an_outcome_given_is_only_published() -> None:
+    """A record handed over with its outcome (the batch path's refused send): no inference."""
+    triton = FakeTriton()
+    path, delivery, window, inflight, _ = task_path(triton)
+    rec = good_record()
+    outcome = await path.evaluate(rec)
+    triton.tries = 0
+    assert window.try_acquire(TP)
+    entry = inflight.add(rec)
+    await path.run(rec, delivery.track(rec), None, None, outcome, entry)
+    assert triton.tries == 0 and delivery.completed == [7]
+    assert len(inflight) == 0

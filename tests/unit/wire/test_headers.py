@@ -1,0 +1,76 @@
+"""Dead-letter headers: complete, after the originals, bounded, always a dead-letter code."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta, timezone
+
+from worker import wire
+from worker.errors import (
+    InvalidRequest,
+    RetriesExhausted,
+    TritonUnavailable,
+)
+
+
+def test_dead_letter_headers_complete_and_after_originals() -> None:
+    """Original headers come first; every dead-letter header follows with its value."""
+    original = [("trace", b"1"), ("x-error-code", b"STALE"), ("content-type", b"application/json")]
+    failed_at = datetime(2024, 5, 1, 12, 0, 0, 123456, tzinfo=timezone(timedelta(hours=2)))
+    built = wire.dead_letter_headers(
+        original,
+        RetriesExhausted.after(TritonUnavailable("stream broke"), 4),
+        attempts=4,
+        source=wire.Source("requests", 3, 42, 1714557600000),
+        group_id="workers",
+        failed_at=failed_at,
+    )
+    assert built[:2] == [("trace", b"1"), ("content-type", b"application/json")]
+    assert dict(built[2:]) == {
+        "x-error-code": b"RETRIES_EXHAUSTED",
+        "x-error-message": b"gave up after 4 attempts; last error TRITON_UNAVAILABLE: stream broke",
+        "x-error-retryable": b"true",
+        "x-attempts": b"4",
+        "x-source-topic": b"requests",
+        "x-source-partition": b"3",
+        "x-source-offset": b"42",
+        "x-source-timestamp": b"1714557600000",
+        "x-consumer-group": b"workers",
+        "x-failed-at": b"2024-05-01T10:00:00.123Z",
+    }
+
+
+def test_dead_letter_message_truncated_on_utf8_boundary() -> None:
+    """A long multi-byte message is cut to at most 1 KiB of valid UTF-8 ending in '...'."""
+    built = wire.dead_letter_headers(
+        [],
+        InvalidRequest("é" * 1000),
+        attempts=0,
+        source=wire.Source("t", 0, 0, 0),
+        group_id="g",
+        failed_at=datetime(2024, 1, 1, tzinfo=UTC),
+    )
+    assert dict(built)["x-error-retryable"] == b"false"
+    message = dict(built)["x-error-message"]
+    assert len(message) <= 1024
+    text = message.decode("utf-8")
+    assert text.endswith("...")
+    assert set(text[:-3]) == {"é"}
+    assert len(text) - 3 == 510
+
+
+def test_retryable_error_in_a_dead_letter_becomes_retries_exhausted() -> None:
+    """x-error-code is always a dead-letter code, even if a retryable error arrives."""
+    built = wire.dead_letter_headers(
+        [],
+        TritonUnavailable("connection refused"),
+        attempts=2,
+        source=wire.Source("t", 0, 0, 0),
+        group_id="g",
+        failed_at=datetime(2024, 1, 1, tzinfo=UTC),
+    )
+    headers = dict(built)
+    assert headers["x-error-code"] == b"RETRIES_EXHAUSTED"
+    assert headers["x-error-retryable"] == b"true"
+    assert headers["x-error-message"] == (
+        b"gave up after 2 attempts; last error TRITON_UNAVAILABLE: connection refused"
+    )

@@ -1,0 +1,192 @@
+"""Records into tasks: a path chosen per record, the batch path's records as one group.
+
+The intake hands over the records of one pass (each holding a window slot, in
+offset order per partition) with the function ``Dispatcher.run`` returns. Each
+record is tracked, skipped if the commit metadata says it was done, then either
+taken by the batch path (``worker.records.batch``: one task for all of them) or
+given a task of its own on the per-record path (``worker.records.single``), with
+ordering turns, retries, holds, decoupled streams and sequences. Every task
+belongs to the worker's TaskGroup and to ``running``, so that a shutdown drains
+them and a forced stop cancels them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Coroutine, Sequence
+from typing import Any
+
+from aiokafka.structs import ConsumerRecord, TopicPartition
+
+from worker.delivery.base import Delivery
+from worker.flow.ordering import Turns
+from worker.flow.window import Window
+from worker.kafka.intake import Dispatch
+from worker.observability import InFlight, InFlightRegistry
+from worker.observability.tracing import Tracing
+from worker.records.batch import BatchPath
+from worker.records.single import Outcome, SinglePath
+from worker.records.steps import Steps
+from worker.records.stream import StreamCalls, StreamRules
+from worker.settings import Settings
+from worker.settings.fields import Ordering
+from worker.triton.batching import MicroBatcher
+from worker.triton.pool import TritonPool
+
+__all__ = ["Dispatcher", "build_dispatcher", "fast_path_allowed"]
+
+
+def fast_path_allowed(
+    settings: Settings, *, takes_batches: bool, audit_enabled: bool, tracing: Tracing
+) -> bool:
+    """True when records may take the batch path at all (see ``worker.records.batch``):
+    ``WORKER_FAST_PATH``, a delivery mode that ``takes_batches``, ``unordered``
+    ordering, and no per-record audit or spans."""
+    return (
+        settings.flow.fast_path
+        and takes_batches
+        and settings.delivery.ordering == "unordered"
+        and not audit_enabled
+        and not tracing.enabled
+    )
+
+
+class Dispatcher:
+    """Runs each dispatched record on the batch path (grouped) or the per-record path."""
+
+    def __init__(
+        self,
+        *,
+        delivery: Delivery,
+        window: Window,
+        single: SinglePath,
+        batch: BatchPath | None,
+        ordering: Ordering,
+        sequence_from_key: bool,
+    ) -> None:
+        """``batch``: None when the settings keep every record on the per-record path."""
+        self._delivery = delivery
+        self._window = window
+        self._single = single
+        #: The batch path; None when the settings keep every record on the per-record path.
+        self.batch = batch
+        self._ordering = ordering
+        self._sequence_from_key = sequence_from_key
+        self._turns = Turns()
+        self._group: asyncio.TaskGroup | None = None
+        self.running: set[asyncio.Task[None]] = set()
+
+    def run(self, group: asyncio.TaskGroup) -> Dispatch:
+        """The worker runs: the records' tasks go to ``group`` (its TaskGroup) from now on.
+
+        Returns what the intake dispatches with (``dispatch_many``).
+        """
+        self._group = group
+        return self.dispatch_many
+
+    def dispatch_many(self, records: Sequence[ConsumerRecord[bytes, bytes]]) -> None:
+        """Start the records of one dispatch pass (each holds its window slot)."""
+        batch = self.batch if self.batch is not None and self.batch.open else None
+        delivery, chosen = self._delivery, []
+        for record in records:
+            generation = delivery.track(record)
+            if delivery.settle_if_done(record, generation):
+                # Done before a crash or hand-over (the commit metadata says so): skipped.
+                self._window.release(TopicPartition(record.topic, record.partition))
+                continue
+            candidate = batch.select(record, generation) if batch is not None else None
+            if candidate is not None:
+                chosen.append(candidate)
+            else:
+                self._dispatch_one(record, generation)
+        if chosen:
+            assert batch is not None
+            self._spawn(batch.run(chosen, self._fall_back))
+
+    def _dispatch_one(self, record: ConsumerRecord[bytes, bytes], generation: int) -> None:
+        tp = TopicPartition(record.topic, record.partition)
+        # Tickets are taken here, synchronously, because dispatch runs in offset order.
+        # With sequences keyed by Kafka key every keyed record takes one: its model, known
+        # only once decoded, says whether it waits its turn (see SinglePath.evaluate).
+        # A batch-path record never takes one: its model keeps no sequences.
+        mode = self._ordering
+        key_turn = (
+            self._turns.ticket((tp, record.key))
+            if (mode == "key" or self._sequence_from_key) and record.key is not None
+            else None
+        )
+        publish_turn = self._turns.ticket(tp) if mode == "partition" else None
+        self._spawn(self._single.run(record, generation, key_turn, publish_turn))
+
+    def _fall_back(
+        self,
+        record: ConsumerRecord[bytes, bytes],
+        generation: int,
+        outcome: Outcome | None,
+        entry: InFlight,
+    ) -> None:
+        """A batch-path record (with its slot and in-flight ``entry``) goes the per-record
+        way: from the start, or, given its ``outcome``, only to be published."""
+        self._spawn(self._single.run(record, generation, None, None, outcome, entry))
+
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        group = self._group
+        if group is None:
+            work.close()
+            raise RuntimeError("records dispatched before the worker runs (Dispatcher.run)")
+        task = group.create_task(work)
+        self.running.add(task)
+        task.add_done_callback(self.running.discard)
+
+    def cancel_all(self) -> None:
+        """Cancel every record's task (forced stop): those records are not done."""
+        for task in list(self.running):
+            task.cancel()
+
+
+def build_dispatcher(
+    settings: Settings,
+    *,
+    steps: Steps,
+    pool: TritonPool,
+    batcher: MicroBatcher,
+    delivery: Delivery,
+    window: Window,
+    inflight: InFlightRegistry,
+    tracing: Tracing,
+) -> Dispatcher:
+    """The per-record path, the batch path when the settings and the delivery mode allow
+    it, and the dispatcher choosing between them."""
+    streams = StreamCalls(StreamRules.from_settings(settings), pool, steps)
+    single = SinglePath(
+        steps,
+        pool=pool,
+        batcher=batcher,
+        streams=streams,
+        delivery=delivery,
+        window=window,
+        inflight=inflight,
+        tracing=tracing,
+        key_mode=settings.delivery.ordering == "key",
+    )
+    batch = None
+    if fast_path_allowed(
+        settings, takes_batches=delivery.takes_batches, audit_enabled=steps.audits, tracing=tracing
+    ):
+        batch = BatchPath(
+            steps,
+            pool=pool,
+            delivery=delivery,
+            window=window,
+            inflight=inflight,
+            tracing=tracing,
+            batch_max_size=settings.flow.batch_max_size,
+        )
+    return Dispatcher(
+        delivery=delivery,
+        window=window,
+        single=single,
+        batch=batch,
+        ordering=settings.delivery.ordering,
+        sequence_from_key=settings.delivery.sequence_from_key,
+    )

@@ -1,0 +1,353 @@
+"""The steps both paths share, written once: admit, encode, and record how a record ended.
+
+``single`` calls them record by record, ``batch`` once per micro-batch or per group (the
+``_many`` forms, which do the per-record part in one loop). What a record's outcome
+updates (latencies, the adaptive limiter, the circuit breaker, the models' health, the
+counters, the audit trail, the internal-error log and stop rule) is updated here and
+nowhere else, so a new signal is written once and both paths have it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any, Protocol
+
+import structlog
+from aiokafka.structs import ConsumerRecord
+
+from worker import errors, wire
+from worker.audit import Audit
+from worker.flow.breaker import CircuitBreaker
+from worker.flow.guard import InternalErrorGuard
+from worker.flow.holds import ModelGate
+from worker.flow.limiter import AdaptiveLimiter
+from worker.flow.model_health import ModelHealth
+from worker.flow.retry import Backoff, Retrier, RetryPolicy
+from worker.observability import Metrics
+from worker.settings import Settings
+from worker.wire import Headers, Source
+from worker.wire.validation import check_request
+
+__all__ = ["FALLBACK_REASONS", "Answered", "RecordRules", "Steps"]
+
+log = structlog.get_logger(__name__)
+
+Allowlist = tuple[tuple[str, tuple[str, ...]], ...]
+#: Headers the steps write (a result's, a dead letter's).
+Written = list[tuple[str, bytes | None]]
+
+#: Why the batch path hands a record to the per-record path.
+FALLBACK_REASONS = ("inference", "encode", "publish", "internal")
+
+
+@dataclass(frozen=True, slots=True)
+class RecordRules:
+    """What the settings say about handling one record."""
+
+    limits: wire.DecodeLimits
+    default_model: str | None
+    max_output_bytes: int
+    allowlist: Allowlist  # (topic, models) rules; "*" allows every model
+    group_id: str
+    retry: RetryPolicy
+    max_consecutive_internal_errors: int
+    sequence_from_key: bool
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> RecordRules:
+        limits, retry = settings.limits, settings.retry
+        return cls(
+            limits=wire.DecodeLimits(
+                limits.max_request_bytes, limits.max_tensor_elements, limits.max_tensor_bytes
+            ),
+            default_model=limits.default_model,
+            max_output_bytes=limits.max_output_bytes,
+            allowlist=limits.model_allowlist,
+            group_id=settings.kafka.group_id,
+            retry=RetryPolicy(
+                max_attempts=retry.max_attempts,
+                backoff=Backoff(retry.retry_backoff_ms / 1000, retry.retry_backoff_max_ms / 1000),
+                record_deadline_s=retry.record_deadline_ms / 1000,
+                try_timeout_s=settings.triton.request_timeout_ms / 1000,
+            ),
+            max_consecutive_internal_errors=retry.max_consecutive_internal_errors,
+            sequence_from_key=settings.delivery.sequence_from_key,
+        )
+
+    def check_model_allowed(self, topic: str, model: str) -> None:
+        """Raise Forbidden when the input topic may not use ``model``."""
+        for rule_topic, models in self.allowlist:
+            if rule_topic == topic and "*" not in models and model not in models:
+                raise errors.Forbidden(f"model {model!r} is not allowed for topic {topic!r}")
+
+
+class Answered(Protocol):
+    """A record answered by the batch path: the record and its decoded request."""
+
+    @property
+    def record(self) -> ConsumerRecord[bytes, bytes]: ...
+
+    @property
+    def request(self) -> wire.DecodedRequest: ...
+
+
+class Steps:
+    """Admission, encoding and the bookkeeping of outcomes, for both paths."""
+
+    def __init__(
+        self,
+        rules: RecordRules,
+        *,
+        metrics: Metrics,
+        breaker: CircuitBreaker,
+        limiter: AdaptiveLimiter | None,
+        models: ModelGate | None,
+        health: ModelHealth | None,
+        audit: Audit,
+    ) -> None:
+        self.rules = rules
+        self._metrics = metrics
+        self._breaker = breaker
+        self._limiter = limiter
+        self._models = models
+        self._health = health
+        self._audit = audit
+        self._guard = InternalErrorGuard(rules.max_consecutive_internal_errors)
+        #: A record's calls to Triton; what they end in is told back here.
+        self.retrier = Retrier(
+            rules.retry, breaker, models, self.retried, health, on_success=self.answered
+        )
+        # The validation is wire's own function: no wrapper on the hot path.
+        self.check = check_request
+        self.allow = rules.check_model_allowed
+        # Per-model metric children: labels() is a locked dict lookup, too dear per record.
+        # Keyed by label value, which Metrics.model_label bounds.
+        self._model_metrics: dict[str, tuple[Any, Any]] = {}
+        self._stream_metrics: dict[str, tuple[Any, Any, Any]] = {}
+
+    # -- admission -------------------------------------------------------------------
+
+    def decode(self, value: bytes | None, headers: Headers, source: Source) -> wire.DecodedRequest:
+        """The record's request, decoded within the limits (WorkerError when it cannot be).
+
+        ``allow(topic, model)`` (Forbidden) and ``check(spec, request)`` (against the
+        model's inputs) complete the admission once the caller knows what they need.
+        """
+        rules = self.rules
+        return wire.decode_request(value, headers, source, rules.limits, rules.default_model)
+
+    def serving(self, name: str, version: str) -> bool:
+        """False while the model is held (being reloaded) or failing (its breaker open)."""
+        if self._models is not None and self._models.is_held(name, version):
+            return False
+        return self._health is None or not self._health.is_open(name, version)
+
+    @property
+    def outage(self) -> bool:
+        """True while the circuit breaker is open: Triton is out of reach."""
+        return self._breaker.is_open
+
+    @property
+    def audits(self) -> bool:
+        """True when every outcome is audited (``WORKER_AUDIT``)."""
+        return self._audit.enabled
+
+    # -- encoding ----------------------------------------------------------------------
+
+    def encode(
+        self,
+        request: wire.DecodedRequest,
+        response: Any,
+        record_headers: Headers,
+        source: Source,
+        extra: Sequence[tuple[str, bytes]] = (),
+    ) -> tuple[bytes, Written]:
+        """A response as a result: its value (OutputTooLarge over the limit) and headers."""
+        value, encoding = wire.encode_result(
+            request, response, max_result_bytes=self.rules.max_output_bytes
+        )
+        headers = wire.result_headers(
+            record_headers,
+            request,
+            encoding,
+            source,
+            served_model_version=response.model_version,
+            extra=extra,
+        )
+        return value, headers
+
+    def dead_letter(
+        self, record_headers: Headers, error: errors.WorkerError, source: Source, attempts: int
+    ) -> Written:
+        """The headers of the record's dead letter; the failure is logged."""
+        headers = wire.dead_letter_headers(
+            record_headers,
+            error,
+            source,
+            attempts=attempts,
+            group_id=self.rules.group_id,
+            failed_at=datetime.now(UTC),
+        )
+        log.warning("dead_letter", code=error.code, error=error.message, attempts=attempts)
+        return headers
+
+    def plain_dead_letter(
+        self, exc: BaseException, source: Source
+    ) -> tuple[errors.InternalError, Written]:
+        """Writing the dead letter met a bug: logged and counted; a plain one instead, with
+        the worker's headers only (the record's own may be what broke it)."""
+        log.error("dead_letter_failed", error=f"{type(exc).__name__}: {exc}", exc_info=exc)
+        self._metrics.internal_errors_total.inc()
+        error = errors.InternalError.wrapping(exc)
+        headers = wire.dead_letter_headers(
+            (), error, source, attempts=1, group_id=self.rules.group_id, failed_at=datetime.now(UTC)
+        )
+        return error, headers
+
+    # -- calls to Triton -----------------------------------------------------------------
+
+    def inferred(self, model_name: str, latency_s: float) -> None:
+        """One inference answered (per-record path): its latency, the adaptive limit."""
+        self._children(model_name)[1].observe(latency_s)
+        if self._limiter is not None:
+            self._limiter.on_success(latency_s)
+
+    def inferred_many(self, model: tuple[str, str], latency_s: float, count: int) -> None:
+        """A micro-batch of ``count`` requests answered at once: as ``count`` inferences of
+        that latency (the limiter's sample windows are counted in requests), then the
+        breakers, once."""
+        latency, limiter = self._children(model[0])[1], self._limiter
+        for _ in range(count):
+            latency.observe(latency_s)
+            if limiter is not None:
+                limiter.on_success(latency_s)
+        self._breaker.record_success()
+        if self._health is not None:
+            self._health.succeeded_many(model, count)
+
+    def answered(self, model: tuple[str, str] | None, probe: bool) -> None:
+        """A call to Triton succeeded (the retrier's report): the circuit breaker's count
+        restarts; ``model``, when the call was one of its inferences, counts it as a
+        success (``probe``: the call was the failing model's probe)."""
+        if model is not None and self._health is not None:
+            self._health.succeeded(model, probe)
+        self._breaker.record_success()
+
+    def overloaded(self, exc: BaseException) -> None:
+        """A call failed; Triton overloaded or late lowers the adaptive limit."""
+        if self._limiter is not None and isinstance(
+            exc, (errors.TritonOverloaded, errors.TritonTimeout)
+        ):
+            self._limiter.on_overload()
+
+    def retried(self, code: str) -> None:
+        """A record's call is tried again after a failure of ``code``."""
+        self._metrics.retries_total.labels(reason=code).inc()
+
+    # -- outcomes --------------------------------------------------------------------
+
+    def internal(self, exc: BaseException) -> None:
+        """A bug met while handling a record (which becomes a dead letter): logged, counted."""
+        log.error("internal_error", error=f"{type(exc).__name__}: {exc}", exc_info=exc)
+        self._metrics.internal_errors_total.inc()
+
+    def internal_failure(self, exc: BaseException) -> None:
+        """A bug met in the bookkeeping around records, which stay not done: logged, counted,
+        and one more in the run of bugs (TooManyInternalErrors at the limit)."""
+        self.internal(exc)
+        self._guard.observe(True)
+
+    def outcome_reached(self, internal: bool) -> None:
+        """A record's outcome is about to go out; ``internal``: it met a bug.
+
+        Raises TooManyInternalErrors when too many records in a row met one.
+        """
+        self._guard.observe(internal)
+
+    def published(self, model_name: str, count: int = 1) -> None:
+        """``count`` results of the model are published (a stream's, as they go out)."""
+        self._children(model_name)[0].inc(count)
+
+    async def ended(
+        self,
+        record: ConsumerRecord[bytes, bytes],
+        request: wire.DecodedRequest | None,
+        *,
+        error: errors.WorkerError | None,
+        served_version: str | None,
+        started: float,
+        counted: bool,
+    ) -> None:
+        """A record's outcome is published (per-record path): counted unless ``counted``
+        already (a stream's results), audited, its end-to-end latency observed.
+
+        Raises AuditWriteFailed when the audit topic never takes its audit record.
+        """
+        if error is not None:
+            self._metrics.dead_letters_total.labels(code=error.code).inc()
+        elif not counted:
+            assert request is not None
+            self.published(request.model_name)
+        await self._audit.record(
+            record,
+            request_id=request.request_id if request else None,
+            model_name=request.model_name if request else None,
+            model_version=served_version or (request.model_version if request else None),
+            outcome="dead_letter" if error else "result",
+            error_code=error.code if error else None,
+            latency_s=time.monotonic() - started,
+        )
+        self._metrics.end_to_end_latency_seconds.observe(
+            max(0.0, time.time() - record.timestamp / 1000)
+        )
+
+    def published_many(self, done: Sequence[Answered]) -> None:
+        """Results of the batch path acknowledged: their end-to-end latencies, the results
+        per model (one increment each), the batch path's count; a run of bugs ends."""
+        if not done:
+            return
+        now = time.time()
+        observe = self._metrics.end_to_end_latency_seconds.observe
+        per_model: dict[str, int] = {}
+        for answered in done:
+            observe(max(0.0, now - answered.record.timestamp / 1000))
+            model = answered.request.model_name
+            per_model[model] = per_model.get(model, 0) + 1
+        for model, count in per_model.items():
+            self._children(model)[0].inc(count)
+        self._metrics.fast_path_records_total.inc(len(done))
+        self._guard.observe(False)
+
+    def fallback_counters(self) -> dict[str, Any]:
+        """The counters of records the batch path hands over, by reason (made when the batch
+        path is, so their series exist from its start)."""
+        counter = self._metrics.fast_path_fallbacks_total
+        return {reason: counter.labels(reason=reason) for reason in FALLBACK_REASONS}
+
+    def _children(self, model_name: str) -> tuple[Any, Any]:
+        """(results published counter, inference latency histogram) of ``model_name``."""
+        model = self._metrics.model_label(model_name)
+        children = self._model_metrics.get(model)
+        if children is None:
+            children = (
+                self._metrics.results_published_total.labels(model=model),
+                self._metrics.inference_latency_seconds.labels(model=model),
+            )
+            self._model_metrics[model] = children
+        return children
+
+    def stream_metrics(self, model_name: str) -> tuple[Any, Any, Any]:
+        """(first response, gaps, responses per request) of ``model_name``'s streams."""
+        model, m = self._metrics.model_label(model_name), self._metrics
+        children = self._stream_metrics.get(model)  # keyed by label value: bounded
+        if children is None:
+            children = (
+                m.stream_first_response_seconds.labels(model=model),
+                m.stream_response_gap_seconds.labels(model=model),
+                m.stream_responses.labels(model=model),
+            )
+            self._stream_metrics[model] = children
+        return children
