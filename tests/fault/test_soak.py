@@ -241,41 +241,49 @@ async def test_seeded_chaos_soak(stack: Stack, tmp_path: Path, delivery: str) ->
     lanes = _lanes(stack, topics, seed, delivery, ledger)
     traffic_stop, reading_stop = asyncio.Event(), asyncio.Event()
     wall_started = time.monotonic()
-    async with asyncio.TaskGroup() as background:
-        background.create_task(collector.run(reading_stop))
-        background.create_task(chaos.watch_servers(reading_stop))
-        every_s = COMMIT_INTERVAL_MS / 1000
-        background.create_task(chaos.watch_progress(reading_stop, reader, ledger.ends, every_s))
-        producing = [background.create_task(lane.run(traffic_stop)) for lane in lanes]
-        try:
-            await chaos.start_worker()
-            chaos.resume()
-            await chaos.recovered("the first worker's start")
-            await _run_schedule(chaos, seed, delivery)
-            chaos_s = time.monotonic() - wall_started
-            traffic_stop.set()
-            await chaos.tripwire.guard(asyncio.gather(*producing), 180, "producers' flush")
-            chaos.say(f"traffic stopped: {len(ledger.acked)} acked, {len(ledger.failed)} refused")
-            await _drain(chaos, ledger, collector, seed)
-            chaos.excuse()  # the final worker leaves
-            final = chaos.current
-            await chaos.stop_worker(signal.SIGTERM)
-            assert final.returncode == 0
-            outputs = [TopicPartition(t, p) for t in (topics.output, topics.dlq) for p in range(2)]
-            outcome_ends = await _end_offsets(stack.kafka.bootstrap_servers, outputs)
-            await chaos.tripwire.guard(
-                collector.wait_for(lambda: collector.read_up_to(outcome_ends)), 60, "read to end"
-            )
-            inputs = [TopicPartition(topics.input, p) for p in range(PARTITIONS)]
-            ends = await _end_offsets(stack.kafka.bootstrap_servers, inputs)
-            input_ends = {tp.partition: end for tp, end in ends.items()}
-            committed = await reader.read_answered()
-        finally:
-            traffic_stop.set()
-            reading_stop.set()
-            for worker in chaos.workers:
-                await worker.reap()
-    await reader.close()
+    try:  # the reader closed whatever ends the run (a failure cancels the background)
+        async with asyncio.TaskGroup() as background:
+            background.create_task(collector.run(reading_stop))
+            background.create_task(chaos.watch_servers(reading_stop))
+            every_s = COMMIT_INTERVAL_MS / 1000
+            background.create_task(chaos.watch_progress(reading_stop, reader, ledger.ends, every_s))
+            producing = [background.create_task(lane.run(traffic_stop)) for lane in lanes]
+            try:
+                await chaos.start_worker()
+                chaos.resume()
+                await chaos.recovered("the first worker's start")
+                await _run_schedule(chaos, seed, delivery)
+                chaos_s = time.monotonic() - wall_started
+                traffic_stop.set()
+                await chaos.tripwire.guard(asyncio.gather(*producing), 180, "producers' flush")
+                chaos.say(
+                    f"traffic stopped: {len(ledger.acked)} acked, {len(ledger.failed)} refused"
+                )
+                await _drain(chaos, ledger, collector, seed)
+                chaos.excuse()  # the final worker leaves
+                final = chaos.current
+                await chaos.stop_worker(signal.SIGTERM)
+                assert final.returncode == 0
+                outputs = [
+                    TopicPartition(t, p) for t in (topics.output, topics.dlq) for p in range(2)
+                ]
+                outcome_ends = await _end_offsets(stack.kafka.bootstrap_servers, outputs)
+                await chaos.tripwire.guard(
+                    collector.wait_for(lambda: collector.read_up_to(outcome_ends)),
+                    60,
+                    "read to end",
+                )
+                inputs = [TopicPartition(topics.input, p) for p in range(PARTITIONS)]
+                ends = await _end_offsets(stack.kafka.bootstrap_servers, inputs)
+                input_ends = {tp.partition: end for tp, end in ends.items()}
+                committed = await reader.read_answered()
+            finally:
+                traffic_stop.set()
+                reading_stop.set()
+                for worker in chaos.workers:
+                    await worker.reap()
+    finally:
+        await reader.close()
     wall_s = time.monotonic() - wall_started
     chaos.say(f"chaos {chaos_s:.0f} s, wall {wall_s:.0f} s")
     if (worst := chaos.progress.worst) is not None:

@@ -18,7 +18,6 @@ from tests.support.worker import running_worker, settings_for
 from worker.flow.breaker import CircuitBreaker
 from worker.flow.window import Window
 from worker.kafka import rdkafka_config
-from worker.kafka.intake import Dispatch
 from worker.kafka.rdkafka_intake import RdIntake
 from worker.observability import Metrics
 from worker.settings import Settings
@@ -59,7 +58,7 @@ async def test_header_keys_that_are_not_utf8_do_not_stop_the_partition(
     assert set(got.results) == {odd.request_id, *(r.request_id for r in rest)}
 
 
-def _intake(settings: Settings, topics: list[str], window: Window, dispatch: Dispatch) -> RdIntake:
+def _intake(settings: Settings, topics: list[str], window: Window) -> RdIntake:
     """The worker's librdkafka intake on ``topics``, alone: no delivery behind it."""
     return RdIntake(
         rdkafka_config.consumer_config(settings.kafka, settings.kafka_auth),
@@ -68,9 +67,12 @@ def _intake(settings: Settings, topics: list[str], window: Window, dispatch: Dis
         window=window,
         breaker=CircuitBreaker(5),
         metrics=Metrics(),
-        dispatch=dispatch,
-        rebalance=_NoListener(),
     )
+
+
+def _admit_all(_tp: TopicPartition) -> bool:
+    """No delivery behind the intake: every partition may take records."""
+    return True
 
 
 class _NoListener:
@@ -110,9 +112,9 @@ async def test_a_backlog_drains_without_waiting_out_the_prefetch_backoff(
         if sum(count for _, count in handed) >= _BACKLOG:
             drained.set()
 
-    intake = _intake(settings, [topics.input], window, dispatch)
-    await intake.start()
-    running = asyncio.create_task(intake.run())
+    intake = _intake(settings, [topics.input], window)
+    await intake.start(_NoListener())
+    running = asyncio.create_task(intake.run(dispatch, _admit_all))
     try:
         await asyncio.wait_for(drained.wait(), 60)
     finally:
@@ -146,9 +148,9 @@ async def test_a_broker_that_cannot_be_reached_is_reported_and_the_intake_goes_o
 
     heard = Heard()
     logging.getLogger("librdkafka").addHandler(heard)
-    intake = _intake(settings, [topics.input], Window(4, 4), lambda _: None)
-    await intake.start()
-    running = asyncio.create_task(intake.run())
+    intake = _intake(settings, [topics.input], Window(4, 4))
+    await intake.start(_NoListener())
+    running = asyncio.create_task(intake.run(lambda _: None, _admit_all))
     try:
         await asyncio.wait_for(reported.wait(), 30)
     finally:

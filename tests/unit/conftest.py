@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import AsyncIterator
 from typing import Protocol
 
@@ -40,3 +41,12 @@ async def make_worker() -> AsyncIterator[MakeWorker]:
     yield make
     for worker in built:
         await worker.stop()
+
+
+@pytest.fixture(autouse=True)
+def no_worker_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Unit tests see no WORKER_* variable but those they set: the run's own (such as
+    WORKER_TEST_KAFKA_CLIENT, which picks the client of the integration tests) is an
+    unknown setting to the commands, which refuse it."""
+    for name in [n for n in os.environ if n.startswith("WORKER_")]:
+        monkeypatch.delenv(name)

@@ -74,6 +74,8 @@ class GroupTransactions:
         self.transactional_id = str(config["transactional.id"])
         self._config = dict(config)
         self._rd: RdProducer | None = None
+        #: Producers closed after a failure, still being destroyed (``stop`` waits for them).
+        self._retired: set[asyncio.Task[None]] = set()
         #: Held by a transaction and by stop(), so the producer never stops mid-transaction.
         self.lock = asyncio.Lock()
 
@@ -156,7 +158,7 @@ class GroupTransactions:
                     "transactional_producer_fenced", by="group coordinator", error=error.str()
                 )
             if error.fatal():
-                await self._close(f"fatal: {error.str()}")
+                self._close(f"fatal: {error.str()}")
             else:
                 await self._abort(error.str())
             return TransactionOutcome(committed=False, fenced=fenced)
@@ -240,11 +242,19 @@ class GroupTransactions:
             rd.handle.purge(in_queue=True, in_flight=True, blocking=False)
         with contextlib.suppress(confluent_kafka.KafkaException):
             await in_thread(rd.handle.abort_transaction, _CALL_TIMEOUT_S)
-        await self._close("after a failed transaction")
+        self._close("after a failed transaction")
 
-    async def _close(self, why: str) -> None:
+    def _close(self, why: str) -> None:
+        """Drop the producer: the next transaction starts a fresh one at once, while this
+        one is destroyed in the background. librdkafka takes seconds to destroy a producer
+        whose transaction failed with the coordinator out of reach (5 s and more after a
+        broker restart), and every partition waited for it."""
         log.warning("transactional_producer_closed", reason=why)
-        await self.stop()
+        rd, self._rd = self._rd, None
+        if rd is not None:
+            retired = asyncio.get_running_loop().create_task(_stop_quietly(rd))
+            self._retired.add(retired)
+            retired.add_done_callback(self._retired.discard)
 
     async def replace(self) -> None:
         """Start a producer if there is none."""
@@ -252,10 +262,13 @@ class GroupTransactions:
             await self.start()
 
     async def stop(self) -> None:
-        """Close the producer (an open transaction is aborted by the broker). Idempotent."""
+        """Close the producer (an open transaction is aborted by the broker), and wait for the
+        destruction of those closed before (each bounded). Idempotent."""
         rd, self._rd = self._rd, None
         if rd is not None:
             await _stop_quietly(rd)
+        if self._retired:
+            await asyncio.wait(set(self._retired))
 
 
 async def _send_offsets(handle: confluent_kafka.Producer, positions: list[Any], group: Any) -> None:

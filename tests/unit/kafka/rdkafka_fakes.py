@@ -54,6 +54,8 @@ class Broker:
     commit_errors: list[tuple[confluent_kafka.KafkaException, bool]] = field(default_factory=list)
     #: Raised once by poll.
     poll_error: confluent_kafka.KafkaException | None = None
+    #: close() blocks until this is set (once): a destruction librdkafka takes long over.
+    close_stuck: threading.Event | None = None
 
     def producer(self, config: dict[str, Any]) -> FakeRdKafka:
         made = FakeRdKafka(self, config)
@@ -138,6 +140,9 @@ class FakeRdKafka:
             self._held = []
 
     def close(self) -> bool:
+        stuck, self.broker.close_stuck = self.broker.close_stuck, None
+        if stuck is not None:
+            stuck.wait()
         self.calls.append("close")
         self.flush()
         return True
