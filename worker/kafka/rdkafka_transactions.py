@@ -42,7 +42,9 @@ __all__ = ["GroupTransactions"]
 
 log = structlog.get_logger(__name__)
 
-_START_ATTEMPTS = 5
+#: Tries of starting the producer: with the backoff, a broker out of reach for about a
+#: minute (a broker restart must not end the worker; see worker/delivery/transactions.py).
+_START_ATTEMPTS = 20
 _START_BACKOFF = Backoff(first_s=0.5, max_s=4.0)
 #: Bound on one transactional call (init, offsets, commit, abort).
 _CALL_TIMEOUT_S = 30.0

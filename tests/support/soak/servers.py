@@ -79,13 +79,32 @@ class Servers:
             await self.tripwire.guard(self.on_tritons(TritonServer.start, victims), 120, "Triton")
 
     async def reload_model(self, model: str, down_s: float) -> None:
-        """Unload ``model`` on every endpoint, then load it again."""
+        """Unload ``model`` on every endpoint, then load it again. A Triton that dies by
+        itself meanwhile (Triton 2.51 crashes now and then amid a load or an unload) is
+        left to the supervisor, which starts it again with every model once this ends."""
         async with self.lock:
-            await self.on_tritons(lambda t: triton_model_call(t.http_address, model, "unload"))
+            serving = await self._model_call(self.stack.tritons, model, "unload")
             await asyncio.sleep(down_s)  # the model's outage itself
-            await self.on_tritons(lambda t: triton_model_call(t.http_address, model, "load"))
-            for triton in self.stack.tritons:
+            serving = await self._model_call(serving, model, "load")
+            for triton in serving:
                 assert await asyncio.to_thread(triton_model_ready, triton.http_address, model)
+
+    async def _model_call(
+        self, tritons: tuple[TritonServer, ...], model: str, action: str
+    ) -> tuple[TritonServer, ...]:
+        """``action`` on ``model`` of each of ``tritons``, at once; those that did it."""
+
+        async def call(triton: TritonServer) -> bool:
+            try:
+                await asyncio.to_thread(triton_model_call, triton.http_address, model, action)
+            except OSError:  # the connection closed without an answer: did the server die?
+                if not await asyncio.to_thread(_died, triton):
+                    raise
+                return False
+            return True
+
+        done = await asyncio.gather(*(call(t) for t in tritons))
+        return tuple(t for t, ok in zip(tritons, done, strict=True) if ok)
 
     def any_triton_up(self) -> bool:
         return any(t.running() for t in self.stack.tritons)
@@ -118,3 +137,13 @@ class Servers:
         if none_up:
             all_down(False)
         self.deaths.append(Death(triton.grpc_address, how, seen_ms, int(time.time() * 1000)))
+
+
+def _died(triton: TritonServer, within_s: float = 10.0) -> bool:
+    """True once the server's process has ended, within ``within_s`` of a call it dropped."""
+    deadline = time.monotonic() + within_s
+    while triton.running():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)  # the process's exit, polled: it has no event to wait on
+    return True
