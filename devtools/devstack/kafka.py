@@ -146,13 +146,22 @@ class KafkaAdmin:
         )
         return [t for t in topics if t.get("error_code", 0) == 0]
 
-    async def leader(self, topic: str, partition: int) -> int:
-        """Node id of the partition's current leader (-1 when none)."""
-        for item in await self.describe_topics([topic]):
-            for p in item["partitions"]:
-                if p["partition"] == partition:
-                    return int(p["leader"])
-        return -1
+    async def leader(self, topic: str, partition: int, timeout_s: float = 30.0) -> int:
+        """Node id of the partition's leader, waited for up to ``timeout_s`` (-1 when none by then).
+
+        Each call may be answered by a different broker, and brokers learn of a
+        leader at slightly different moments: one that has not yet heard of a new
+        topic's leader (or of a moved one) answers "none" for a moment.
+        """
+        deadline = time.monotonic() + timeout_s
+        while True:
+            for item in await self.describe_topics([topic]):
+                for p in item["partitions"]:
+                    if p["partition"] == partition and p["leader"] >= 0:
+                        return int(p["leader"])
+            if time.monotonic() > deadline:
+                return -1
+            await asyncio.sleep(0.1)
 
     async def committed_offsets(self, group_id: str) -> dict[TopicPartition, int]:
         """Committed offset of each partition for a consumer group."""
