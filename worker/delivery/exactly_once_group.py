@@ -31,12 +31,15 @@ from aiokafka.structs import TopicPartition
 from worker.delivery.base import CommitEdge
 from worker.delivery.exactly_once import ExactlyOnce, _Partition
 from worker.delivery.offsets import OffsetTracker
-from worker.delivery.transactions import Message, ProducerStartFailed
+from worker.delivery.transactions import Message, ProducerStartFailed, TransactionOutcome
 from worker.kafka.rdkafka_transactions import GroupTransactions
 from worker.observability import Metrics
 from worker.settings import Settings
 
 __all__ = ["TRANSACTION_TIMEOUT_MS", "GroupEdge", "GroupFencedExactlyOnce"]
+
+#: A partition in a transaction: its staging, its commit point, the offsets committed.
+_Ready = tuple[TopicPartition, _Partition, int, list[int]]
 
 log = structlog.get_logger(__name__)
 
@@ -117,15 +120,7 @@ class GroupFencedExactlyOnce(ExactlyOnce):
         (``only`` is ignored: the one transaction carries them all)."""
         txn = self._txn
         async with txn.lock:
-            batch: list[tuple[TopicPartition, _Partition, int, list[int]]] = []
-            for tp, part in self._partitions.items():
-                point = self.offsets.commit_point(tp)
-                if point is None:
-                    continue
-                point = min([point, *part.replacing])
-                ready = sorted(o for o in part.staged if o < point)
-                if ready:
-                    batch.append((tp, part, point, ready))
+            batch = self._ready()
             if not batch:
                 return
             if not txn.running:
@@ -145,29 +140,8 @@ class GroupFencedExactlyOnce(ExactlyOnce):
             outcome = await txn.run_transaction(
                 messages, {tp: point for tp, _, point, _ in batch}, group, one_by_one=self._suspects
             )
-            if outcome.fenced:
-                for tp, part, _, _ in batch:
-                    self._drop(tp, part, "fenced: the group has moved on")
+            if not self._settle(batch, outcome):
                 return
-            if len(outcome.too_large) > 1:
-                # A refused batch names every message in it, the innocent too: the next
-                # transaction sends them one by one to find the one(s) too large.
-                self._suspects = True
-                return
-            if outcome.too_large:
-                self._suspects = False
-                start = 0
-                for _, part, _, ready in batch:
-                    count = sum(len(part.staged[o].messages) for o in ready)
-                    mine = tuple(i - start for i in outcome.too_large if start <= i < start + count)
-                    if mine:
-                        self._replace_refused(part, ready, mine)
-                    start += count
-                return
-            if not outcome.committed:
-                self._metrics.commit_failures_total.inc()
-                return
-            self._suspects = False
         for tp, part, point, ready in batch:
             for offset in ready:
                 staged = part.staged.pop(offset)
@@ -176,6 +150,46 @@ class GroupFencedExactlyOnce(ExactlyOnce):
             self.offsets.mark_committed({tp: point})
         self._metrics.transactions_total.inc()
         self._metrics.commits_total.inc()
+
+    def _ready(self) -> list[_Ready]:
+        """Each partition with a staged done prefix: its commit point and the offsets in it."""
+        batch: list[_Ready] = []
+        for tp, part in self._partitions.items():
+            point = self.offsets.commit_point(tp)
+            if point is None:
+                continue
+            point = min([point, *part.replacing])
+            ready = sorted(o for o in part.staged if o < point)
+            if ready:
+                batch.append((tp, part, point, ready))
+        return batch
+
+    def _settle(self, batch: list[_Ready], outcome: TransactionOutcome) -> bool:
+        """Act on a transaction's outcome; True when it committed."""
+        if outcome.fenced:
+            for tp, part, _, _ in batch:
+                self._drop(tp, part, "fenced: the group has moved on")
+            return False
+        if len(outcome.too_large) > 1:
+            # A refused batch names every message in it, the innocent too: the next
+            # transaction sends them one by one to find the one(s) too large.
+            self._suspects = True
+            return False
+        if outcome.too_large:
+            self._suspects = False
+            start = 0
+            for _, part, _, ready in batch:
+                count = sum(len(part.staged[o].messages) for o in ready)
+                mine = tuple(i - start for i in outcome.too_large if start <= i < start + count)
+                if mine:
+                    self._replace_refused(part, ready, mine)
+                start += count
+            return False
+        if not outcome.committed:
+            self._metrics.commit_failures_total.inc()
+            return False
+        self._suspects = False
+        return True
 
     async def revoked(self, partitions: set[TopicPartition]) -> None:
         """Commit what is done (the member still owns them), then forget them; the producer
