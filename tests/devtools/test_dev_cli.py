@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,12 +11,13 @@ import pytest
 
 from devtools.devstack.paths import PROJECT_ROOT, cache_dir
 from devtools.devstack.process import pid_alive
+from tests.support.worker import env_without_settings
 
 pytestmark = pytest.mark.timeout(240)
 
 
 def _dev(home: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("WORKER_")}
+    env = env_without_settings()
     env |= {"DEVSTACK_DIR": str(home), "COLUMNS": "160"}
     return subprocess.run(
         [sys.executable, "-m", "devtools", "dev", *args],
@@ -80,7 +80,7 @@ def _exports(stdout: str) -> dict[str, str]:
 
 def _assert_topics_exist(exports: dict[str, str]) -> None:
     """`check` with the exported settings finds every topic (and Triton) ready."""
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("WORKER_")}
+    clean = env_without_settings()
     done = subprocess.run(
         [sys.executable, "-m", "worker", "check"],
         env=clean | exports | {"COLUMNS": "200"},

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
 from typing import Any
 
 import pytest
@@ -11,6 +10,7 @@ import pytest
 from devtools.devstack.kafka import run_sync
 from devtools.devstack.process import free_port
 from tests.support import Topics, create, running_worker, settings_for, worker_env
+from tests.support.worker import clear_settings
 from worker import cli
 from worker.checks.report import CheckResult, run_checks
 
@@ -150,8 +150,7 @@ async def test_unknown_default_model(kafka: Any, triton: Any, unique: str) -> No
 
 
 def _use_env(monkeypatch: pytest.MonkeyPatch, env: dict[str, str]) -> None:
-    for name in [n for n in os.environ if n.startswith("WORKER_")]:
-        monkeypatch.delenv(name)
+    clear_settings(monkeypatch)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -21,6 +20,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
 from devtools.devstack.process import free_port
 from tests.support import silent_broker
+from tests.support.worker import env_without_settings
 from worker.errors import ExitCode
 
 pytestmark = pytest.mark.timeout(120)
@@ -36,7 +36,7 @@ def worker_command(
     env: Mapping[str, str], *args: str, stdin: str | None = None
 ) -> subprocess.CompletedProcess[str]:
     """``python -m worker ARGS`` with exactly these WORKER_* variables set."""
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("WORKER_")}
+    clean = env_without_settings()
     return subprocess.run(
         [sys.executable, "-m", "worker", *args],
         env={**clean, **env},
@@ -171,7 +171,7 @@ async def test_command_failures_end_in_one_line_and_a_documented_code(
 
 def test_ctrl_c_ends_a_command_without_a_traceback(unique: str) -> None:
     """Ctrl-C while produce waits on a broker that never answers: exit 130, no traceback."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("WORKER_")}
+    env = env_without_settings()
     with silent_broker() as broker:
         env["WORKER_BOOTSTRAP_SERVERS"] = broker.address
         proc = subprocess.Popen(

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import subprocess
 import sys
 from typing import Any
@@ -37,6 +36,7 @@ from tests.support import (
     send,
     settings_for,
 )
+from tests.support.worker import env_without_settings
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -97,7 +97,7 @@ async def test_the_runbooks_replay_commands_run_as_written(
         got = await collect(kafka.bootstrap_servers, topics, 1)
     assert list(got.dead_letters) == ["forbidden-1"]
 
-    env = {k: v for k, v in os.environ.items() if not k.startswith("WORKER_")}
+    env = env_without_settings()
     env |= {"WORKER_BOOTSTRAP_SERVERS": kafka.bootstrap_servers, "WORKER_DLQ_TOPIC": topics.dlq}
     dry_run, send_back = _replay_commands()
     assert dry_run[:3] == ["python", "-m", "worker"] and "--dry-run" in dry_run

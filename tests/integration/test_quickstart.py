@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 from tests.contract.test_readme import quickstart_block
+from tests.support.worker import env_without_settings
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -41,7 +42,7 @@ def test_the_readme_quickstart_answers_one_request_and_dead_letters_another(
 ) -> None:
     """topics, check, run, produce, tail: the good request's result and the bad one's dead
     letter are printed, and the worker exits 0."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("WORKER_")}
+    env = env_without_settings()
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     env["COLUMNS"] = "200"
     done = subprocess.run(

@@ -10,7 +10,6 @@ topic whose ``WORKER_MODEL_ALLOWLIST`` does not allow it are FORBIDDEN, requests
 from __future__ import annotations
 
 import asyncio
-import os
 import sys
 import time
 from dataclasses import dataclass
@@ -33,6 +32,7 @@ from tests.support import (
     send,
     settings_for,
 )
+from tests.support.worker import env_without_settings
 from worker.errors import ExitCode
 from worker.replay import Filters, Outcome, Planner, ReplayPlan, render, replay
 from worker.settings import KafkaAuthSettings, KafkaSettings
@@ -113,7 +113,7 @@ class _Run:
 
 async def _cli(kafka: Any, dlq_topic: str, *args: str) -> _Run:
     """``python -m worker replay`` as its own process, with the worker's WORKER_* settings."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("WORKER_")}
+    env = env_without_settings()
     env.update(
         WORKER_BOOTSTRAP_SERVERS=kafka.bootstrap_servers,
         WORKER_DLQ_TOPIC=dlq_topic,

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -22,6 +21,7 @@ from devtools import samples
 from devtools.devstack.paths import PROJECT_ROOT
 from devtools.devstack.process import free_port
 from tests.support import Topics, create, request_id_of, rss_bytes, spawn_worker, worker_env
+from tests.support.worker import env_without_settings
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -263,8 +263,7 @@ def test_demo_answers_every_request_and_exits_zero() -> None:
         text=True,
         timeout=200,
         check=False,
-        env={k: v for k, v in os.environ.items() if not k.startswith("WORKER_")}
-        | {"COLUMNS": "120"},
+        env=env_without_settings() | {"COLUMNS": "120"},
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "unanswered" in done.stdout
@@ -292,7 +291,7 @@ async def test_worker_produce_sends_ndjson_from_stdin(kafka: Any, unique: str) -
         check=False,
         # As a user runs it: no WORKER_* of the test run's own (WORKER_TEST_KAFKA_CLIENT
         # is no setting, and the command refuses an unknown one).
-        env={k: v for k, v in os.environ.items() if not k.startswith("WORKER_")},
+        env=env_without_settings(),
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     consumer = AIOKafkaConsumer(

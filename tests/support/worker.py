@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from tests.support.kafka import Collected, Topics
 from worker.app import Worker
 from worker.settings import Settings, load_settings
@@ -23,6 +25,19 @@ from worker.settings import Settings, load_settings
 #: event loop's lag on a loaded machine) count as "since the last commit" too. Bounds on
 #: what a SIGKILL makes the next owner redo add this to the interval.
 COMMIT_SLACK_MS = 100
+
+
+def env_without_settings() -> dict[str, str]:
+    """This process's environment without its WORKER_* variables: a process a test runs
+    gets the settings the test gives it, none of the run's (the run's own, such as
+    WORKER_TEST_KAFKA_CLIENT, would be an unknown setting to the commands)."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("WORKER_")}
+
+
+def clear_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Remove every WORKER_* variable from this process's environment, for the test."""
+    for name in [n for n in os.environ if n.startswith("WORKER_")]:
+        monkeypatch.delenv(name)
 
 
 def worker_env(kafka: Any, triton: Any, topics: Topics, **extra: str) -> dict[str, str]:
@@ -72,7 +87,7 @@ async def running_worker(settings: Settings, worker: Worker | None = None) -> As
 
 def spawn_worker(env: Mapping[str, str], log_path: Path) -> subprocess.Popen[bytes]:
     """``python -m worker run`` as a separate process, its log in ``log_path``."""
-    full_env = {k: v for k, v in os.environ.items() if not k.startswith("WORKER_")}
+    full_env = env_without_settings()
     full_env.update(env)
     with log_path.open("wb") as log:
         return subprocess.Popen(

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import AsyncIterator
 from typing import Protocol
 
 import pytest
 
+from tests.support.worker import clear_settings
 from worker.app import Worker
 from worker.settings import load_settings
 
@@ -48,5 +48,4 @@ def no_worker_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     """Unit tests see no WORKER_* variable but those they set: the run's own (such as
     WORKER_TEST_KAFKA_CLIENT, which picks the client of the integration tests) is an
     unknown setting to the commands, which refuse it."""
-    for name in [n for n in os.environ if n.startswith("WORKER_")]:
-        monkeypatch.delenv(name)
+    clear_settings(monkeypatch)

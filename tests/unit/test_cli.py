@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.support.worker import env_without_settings
 
 _REQUIRED = {
     "WORKER_INPUT_TOPICS": "requests",
@@ -17,7 +18,7 @@ _REQUIRED = {
 
 
 def _run(env: dict[str, str], *args: str, command: str = "run") -> subprocess.CompletedProcess[str]:
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("WORKER_")}
+    clean = env_without_settings()
     return subprocess.run(
         [sys.executable, "-m", "worker", command, *args],
         env={**clean, **env},

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import signal
 import sys
 import urllib.request
@@ -16,6 +15,7 @@ from typing import Any
 from devtools.devstack.process import tail
 from tests.support import rss_bytes
 from tests.support.soak.outcomes import Tripwire
+from tests.support.worker import env_without_settings
 
 
 class WorkerProcess:
@@ -33,7 +33,7 @@ class WorkerProcess:
         self.rss_peak = 0
 
     async def start(self, tripwire: Tripwire) -> None:
-        full_env = {k: v for k, v in os.environ.items() if not k.startswith("WORKER_")}
+        full_env = env_without_settings()
         full_env.update(self._env)
         with self.log_path.open("wb") as log:
             self._proc = await asyncio.create_subprocess_exec(

@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
 import pytest
 from rich.table import Table
 
+from tests.support.worker import env_without_settings
 from worker.replay import DeadLetter, Entry, Outcome, ReplayPlan, render
 
 
 def _run(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("WORKER_")}
+    clean = env_without_settings()
     return subprocess.run(
         [sys.executable, "-m", "worker", "replay", *args],
         env={**clean, **env},
