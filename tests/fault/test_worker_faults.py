@@ -244,6 +244,41 @@ async def test_result_refused_by_the_broker_becomes_output_too_large(
     assert headers_dict(got.dead_letters["large"].headers)["x-error-code"] == b"OUTPUT_TOO_LARGE"
 
 
+@pytest.mark.parametrize("delivery", ["at_least_once", "exactly_once"])
+async def test_results_as_large_as_one_refused_are_dead_lettered_without_a_try(
+    kafka: Any, triton: Any, unique: str, delivery: str
+) -> None:
+    """The output topic refused a result for its size: results as large or larger, soon after, are
+    OUTPUT_TOO_LARGE without being sent (each refusal replaces a producer or aborts a
+    transaction); a smaller result is still published."""
+    topics = Topics.fresh(unique)
+    await kafka.create_topics([topics.input, topics.dlq], partitions=1)
+    await kafka.create_topics([topics.output], partitions=1, configs={"max.message.bytes": "2000"})
+    rng = np.random.default_rng(12)
+
+    def request(rid: str, rows: int) -> samples.SampleRequest:
+        value, headers = samples.encode_request(
+            "double", samples.double_inputs(rng, 1, rows), "json", rid
+        )
+        return samples.SampleRequest(value, headers, "double", "json", rid)
+
+    later = [request(f"large-{i}", 1100) for i in range(1, 4)]  # larger than large-0
+    async with running_worker(settings_for(kafka, triton, topics, delivery=delivery)):
+        await send(kafka.bootstrap_servers, topics.input, [request("large-0", 1000)])
+        got = await collect(kafka.bootstrap_servers, topics, 1)
+        await send(kafka.bootstrap_servers, topics.input, [*later, request("small", 2)])
+        got = await collect(kafka.bootstrap_servers, topics, 5, into=got)
+    assert "small" in got.results
+    messages = {
+        rid: headers_dict(got.dead_letters[rid].headers)
+        for rid in ("large-0", *(r.request_id for r in later))
+    }
+    assert {h["x-error-code"] for h in messages.values()} == {b"OUTPUT_TOO_LARGE"}
+    assert b"refused one of" not in messages["large-0"]["x-error-message"]
+    for r in later:
+        assert b"refused one of" in messages[r.request_id]["x-error-message"], r.request_id
+
+
 @pytest.mark.parametrize("ordering", ["key", "partition"])
 async def test_ordering_holds_under_concurrency(
     kafka: Any, triton: Any, unique: str, ordering: str

@@ -250,6 +250,8 @@ class SinglePath:
                 elif outcome.value is not None:
                     await self._sink.publish_result(outcome.record, outcome.value, outcome.headers)
             except errors.WorkerError as error:  # OUTPUT_TOO_LARGE, or a stream failing midway
+                if isinstance(error, errors.OutputTooLarge) and streamed is None and outcome.value:
+                    self._steps.refusals.refused(len(outcome.value))
                 self._fail(outcome, error, streamed.attempts if streamed is not None else 1)
             except _CONTROL_FLOW:
                 raise

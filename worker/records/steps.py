@@ -27,6 +27,7 @@ from worker.flow.limiter import AdaptiveLimiter
 from worker.flow.model_health import ModelHealth
 from worker.flow.retry import Backoff, Retrier, RetryPolicy
 from worker.observability import Metrics
+from worker.records.refusals import OutputRefusals
 from worker.settings import Settings
 from worker.wire import Headers, Source
 from worker.wire.validation import check_request
@@ -116,6 +117,8 @@ class Steps:
         self._health = health
         self._audit = audit
         self._guard = InternalErrorGuard(rules.max_consecutive_internal_errors)
+        #: Results the output topic refused for their size lately (see refusals.py).
+        self.refusals = OutputRefusals()
         #: A record's calls to Triton; what they end in is told back here.
         self.retrier = Retrier(
             rules.retry, breaker, models, self.retried, health, on_success=self.answered
@@ -169,6 +172,13 @@ class Steps:
         value, encoding = wire.encode_result(
             request, response, max_result_bytes=self.rules.max_output_bytes
         )
+        ceiling = self.refusals.ceiling()
+        if ceiling is not None and len(value) >= ceiling:
+            raise errors.OutputTooLarge(
+                f"result of model {request.model_name!r} is {len(value)} bytes; the output "
+                f"topic refused one of {ceiling} bytes for its size less than "
+                f"{self.refusals.remember_s:.0f} s ago: raise the topic's max.message.bytes"
+            )
         headers = wire.result_headers(
             record_headers,
             request,

@@ -87,6 +87,19 @@ async def test_a_result_the_sink_chokes_on_becomes_an_internal_error_dead_letter
     assert sink.dead_letters[0]["x-error-code"] == b"INTERNAL_ERROR"
 
 
+async def test_a_result_refused_for_its_size_sets_the_ceiling_of_later_results() -> None:
+    """The sink refuses a result for its size: OUTPUT_TOO_LARGE, and the next result as
+    large is dead-lettered without reaching the sink."""
+    sink = FakeSink(result_error=errors.OutputTooLarge("larger than 'out' accepts"))
+    h, _ = handler(FakeTriton(), sink)
+    await h.deliver(await h.evaluate(good_record(offset=1)))
+    sink.result_error = None
+    await h.deliver(await h.evaluate(good_record(offset=2)))
+    assert sink.results == []
+    assert [d["x-error-code"] for d in sink.dead_letters] == [b"OUTPUT_TOO_LARGE"] * 2
+    assert b"refused one of" in sink.dead_letters[1]["x-error-message"]
+
+
 async def test_a_dead_letter_that_fails_is_written_without_the_records_headers() -> None:
     """The dead letter itself meets a bug: a plain one with only the worker's headers."""
     sink = FakeSink(dlq_errors=1)

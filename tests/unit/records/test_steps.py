@@ -189,6 +189,26 @@ def test_a_response_is_encoded_with_the_result_headers_and_bounded() -> None:
         small.encode(request, response, rec.headers, Source.of(rec))
 
 
+def test_a_result_as_large_as_one_the_topic_refused_lately_is_not_sent() -> None:
+    """encode: once the output topic refused a result for its size, a result at least as
+    large is OUTPUT_TOO_LARGE at once, naming the refused size and what to raise; a smaller
+    one is encoded."""
+    response = service_pb2.ModelInferResponse(model_name="double", model_version="3")
+    response.outputs.add(name="OUTPUT0", datatype="FP32", shape=[1])
+    response.raw_output_contents.append(b"\x00\x00\x80\x3f")
+    rec = good_record()
+    steps = steps_for()
+    request = steps.decode(rec.value, rec.headers, Source.of(rec))
+    value, _ = steps.encode(request, response, rec.headers, Source.of(rec))
+    steps.refusals.refused(len(value) + 1)
+    assert steps.encode(request, response, rec.headers, Source.of(rec))[0] == value
+    steps.refusals.refused(len(value))
+    with pytest.raises(errors.OutputTooLarge) as raised:
+        steps.encode(request, response, rec.headers, Source.of(rec))
+    assert f"refused one of {len(value)} bytes" in raised.value.message
+    assert "max.message.bytes" in raised.value.message
+
+
 def test_a_dead_letter_names_the_group_and_is_logged() -> None:
     """dead_letter: the dead-letter headers with the group; one dead_letter log line."""
     steps = steps_for(settings(group_id="g1"))
