@@ -64,10 +64,6 @@ UNIT_TESTS = PROJECT_ROOT / "tests" / "unit"
 MIRRORED = ("records", "delivery")
 #: Unit test files named after no module of their package, each with why; only shrinks.
 UNMIRRORED_TESTS = {
-    "kafka/test_rdkafka_producer.py": (
-        "tests RdProducer, of kafka/rdkafka_publisher.py; the redesign of the Kafka side "
-        "moves the librdkafka modules, and their tests with them"
-    ),
     "test_soak_oracle.py": (
         "the chaos soak's own judgement (tests/support/soak/: its oracle, schedule and "
         "traffic), which is test code, not a module of worker/"
@@ -80,7 +76,7 @@ UNMIRRORED_TESTS = {
 
 
 def module_name(path: Path) -> str:
-    """``worker/kafka/intake.py`` -> ``worker.kafka.intake``."""
+    """``worker/kafka/feed.py`` -> ``worker.kafka.feed``."""
     parts = list(path.relative_to(PROJECT_ROOT).with_suffix("").parts)
     if parts[-1] == "__init__":
         parts.pop()
@@ -113,7 +109,7 @@ def imports_of(path: Path) -> set[str]:
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             found.add(node.module)
-            # ``from worker.kafka import intake``: the submodule is imported too.
+            # ``from worker.kafka import feed``: the submodule is imported too.
             found.update(f"{node.module}.{alias.name}" for alias in node.names)
     return {name for name in found if name.split(".")[0] in ("worker", "devtools")}
 
@@ -130,7 +126,7 @@ def import_graph(paths: Iterable[Path] | None = None) -> dict[str, set[str]]:
 
 def package_of(module: str) -> str:
     """The unit a module belongs to: its package under ``worker/`` or ``devtools/``
-    (``worker.kafka.intake`` -> ``worker.kafka``); a top-level module is its own."""
+    (``worker.kafka.feed`` -> ``worker.kafka``); a top-level module is its own."""
     return ".".join(module.split(".")[:2])
 
 
@@ -178,14 +174,25 @@ def _markdown(docstring_text: str) -> str:
     return docstring_text.replace("``", "`")
 
 
+def _module_rows(package: Path, prefix: str = "") -> list[str]:
+    """A row per module of ``package`` (its ``__init__`` aside), ``prefix`` before its name."""
+    return [
+        f"| `{prefix}{path.stem}.py` | {_markdown(first_line(path))} |"
+        for path in sorted(package.glob("*.py"))
+        if path.name != "__init__.py"
+    ]
+
+
 def module_table_markdown() -> str:
-    """The module table: each package in flow order, then the top-level modules."""
+    """The module table: each package in flow order (its modules, then each subpackage's),
+    then the top-level modules."""
     lines = ["| module | owns |", "| --- | --- |"]
     for package, summary in FLOW:
         lines.append(f"| **`worker/{package}/`** | {summary} |")
-        for path in sorted((WORKER / package).glob("*.py")):
-            if path.name != "__init__.py":
-                lines.append(f"| `{path.stem}.py` | {_markdown(first_line(path))} |")
+        lines.extend(_module_rows(WORKER / package))
+        for sub in sorted(p.parent for p in (WORKER / package).glob("*/__init__.py")):
+            lines.append(f"| **`{sub.name}/`** | {_markdown(first_line(sub / '__init__.py'))} |")
+            lines.extend(_module_rows(sub, prefix=f"{sub.name}/"))
     for name in TOP_LEVEL:
         lines.append(f"| `worker/{name}.py` | {_markdown(first_line(WORKER / f'{name}.py'))} |")
     return "\n".join(lines) + "\n"

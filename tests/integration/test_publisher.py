@@ -14,8 +14,8 @@ from tests.support import Topics
 from tests.support.worker import kafka_client_under_test
 from worker import errors
 from worker.kafka.publisher import Publisher
-from worker.kafka.rdkafka_config import producer_config
-from worker.kafka.rdkafka_publisher import RdPublisher
+from worker.kafka.rdkafka.config import producer_config
+from worker.kafka.rdkafka.publisher import RdPublisher
 from worker.settings import load_settings
 from worker.wire import header_value
 

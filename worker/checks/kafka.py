@@ -246,7 +246,7 @@ async def _on_coordinator(
 async def _ask_rdkafka(settings: Settings, progress: _Progress, deadline: float) -> Findings:
     from confluent_kafka import KafkaException
 
-    from worker.kafka.rdkafka_admin import RdAdmin, refusal_message
+    from worker.kafka.rdkafka.admin import RdAdmin, refusal_message
 
     where = f"Kafka {settings.kafka.bootstrap_servers}"
     remaining_s = max(deadline - asyncio.get_running_loop().time(), 1.0)

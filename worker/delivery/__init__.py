@@ -14,8 +14,8 @@ from worker.delivery.at_least_once import AtLeastOnce
 from worker.delivery.base import CommitEdge, Delivery, Publishing, Sink
 from worker.delivery.exactly_once import ExactlyOnce
 from worker.delivery.offsets import OffsetTracker
-from worker.kafka import rdkafka_config
 from worker.kafka.options import kafka_client_kwargs
+from worker.kafka.rdkafka import config as rdkafka_config
 from worker.observability import Metrics
 from worker.settings import Settings
 

@@ -32,7 +32,7 @@ from worker.delivery.base import CommitEdge
 from worker.delivery.exactly_once import ExactlyOnce, _Partition
 from worker.delivery.offsets import OffsetTracker
 from worker.delivery.transactions import Message, ProducerStartFailed
-from worker.kafka.rdkafka_transactions import GroupTransactions
+from worker.kafka.rdkafka.transactions import GroupTransactions
 from worker.observability import Metrics
 from worker.settings import Settings
 

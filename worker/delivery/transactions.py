@@ -26,7 +26,7 @@ from aiokafka.structs import OffsetAndMetadata, TopicPartition
 
 from worker.errors import Fatal
 from worker.flow.retry import Backoff
-from worker.kafka._compat import in_transaction
+from worker.kafka.aiokafka._compat import in_transaction
 from worker.wire import Headers
 
 __all__ = ["Message", "PartitionProducer", "ProducerStartFailed", "TransactionOutcome"]

@@ -13,9 +13,10 @@ from worker.delivery.base import CommitEdge
 from worker.flow.breaker import CircuitBreaker
 from worker.flow.window import Window
 from worker.kafka import options as security
-from worker.kafka import rdkafka_config
-from worker.kafka.intake import Admits, Dispatch, Intake, Rebalance
+from worker.kafka.aiokafka.intake import Intake
+from worker.kafka.feed import Admits, Dispatch, Rebalance
 from worker.kafka.publisher import PRODUCER_HEADROOM_BYTES, Publisher
+from worker.kafka.rdkafka import config as rdkafka_config
 from worker.observability import Metrics
 from worker.settings import Settings
 
@@ -67,8 +68,8 @@ def build_edge(
     omitted = metrics.dead_letter_values_omitted_total.inc
     if kafka.kafka_client == "confluent":
         # Imported here: confluent-kafka is an extra, absent from the base install.
-        from worker.kafka.rdkafka_intake import RdIntake
-        from worker.kafka.rdkafka_publisher import RdPublisher
+        from worker.kafka.rdkafka.intake import RdIntake
+        from worker.kafka.rdkafka.publisher import RdPublisher
 
         publisher: Publisher = RdPublisher(
             rdkafka_config.producer_config(kafka, auth, max_request_bytes=largest),

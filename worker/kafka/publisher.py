@@ -20,7 +20,7 @@ from aiokafka.partitioner import DefaultPartitioner
 from aiokafka.structs import ConsumerRecord
 
 from worker import errors
-from worker.kafka._compat import fail_unsent
+from worker.kafka.aiokafka._compat import fail_unsent
 from worker.kafka.writes import Retirements, settle_acks, write_with_retries
 
 __all__ = [

@@ -21,7 +21,7 @@ from aiokafka.structs import ConsumerRecord, TopicPartition
 from worker.delivery.base import Delivery
 from worker.flow.ordering import Turns
 from worker.flow.window import Window
-from worker.kafka.intake import Dispatch
+from worker.kafka.feed import Dispatch
 from worker.observability import InFlight, InFlightRegistry
 from worker.observability.tracing import Tracing
 from worker.records.batch import BatchPath

@@ -20,11 +20,11 @@ from typing import Any
 import pytest
 from aiokafka.structs import ConsumerRecord, OffsetAndMetadata, TopicPartition
 
-from tests.unit.kafka.rdkafka_fakes import Broker, KafkaError, rd_error
+from tests.unit.kafka.rdkafka.fakes import Broker, KafkaError, rd_error
 from worker.delivery.exactly_once_group import GroupFencedExactlyOnce
 from worker.delivery.offsets import OffsetTracker
 from worker.errors import OutputTooLarge
-from worker.kafka import rdkafka_transactions
+from worker.kafka.rdkafka import transactions as rdkafka_transactions
 from worker.observability import Metrics
 from worker.settings import load_settings
 

@@ -35,8 +35,8 @@ from aiokafka.structs import TopicPartition
 
 from worker.delivery.transactions import Message, ProducerStartFailed, TransactionOutcome
 from worker.flow.retry import Backoff
-from worker.kafka.rdkafka_publisher import RdProducer
-from worker.kafka.rdkafka_threads import in_thread
+from worker.kafka.rdkafka.publisher import RdProducer
+from worker.kafka.rdkafka.threads import in_thread
 
 __all__ = ["GroupTransactions"]
 

@@ -30,8 +30,9 @@ from confluent_kafka.admin import AdminClient
 
 from worker.flow.bounded import CLOSE_TIMEOUT_S
 from worker.flow.retry import Backoff
-from worker.kafka import rdkafka_config, rdkafka_log
-from worker.kafka.rdkafka_threads import in_thread, teardown
+from worker.kafka.rdkafka import config as rdkafka_config
+from worker.kafka.rdkafka import log as rdkafka_log
+from worker.kafka.rdkafka.threads import in_thread, teardown
 from worker.settings import Settings
 
 __all__ = ["NOT_REPORTED", "Interrupted", "RdAdmin", "refusal_message"]

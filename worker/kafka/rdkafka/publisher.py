@@ -28,8 +28,8 @@ from aiokafka.structs import ConsumerRecord
 
 from worker import errors
 from worker.kafka.publisher import Headers, Publisher, settle_acks, write_with_retries
-from worker.kafka.rdkafka_threads import in_thread, teardown
-from worker.kafka.rdkafka_types import from_rd_error
+from worker.kafka.rdkafka.threads import in_thread, teardown
+from worker.kafka.rdkafka.types import from_rd_error
 
 __all__ = ["RdProducer", "RdPublisher"]
 
