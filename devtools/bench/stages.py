@@ -48,6 +48,8 @@ _RULES: tuple[tuple[str, str], ...] = (
     ("worker/kafka/aiokafka/intake", "Kafka in"),
     ("worker/kafka/feed", "Kafka in"),
     ("worker/kafka/rdkafka/intake", "Kafka in"),
+    # The worker's own aiokafka modules (transactions, _compat) are not the library's I/O.
+    ("worker/kafka/aiokafka/", "bookkeeping (window, offsets, dispatch, metrics, logs)"),
     ("aiokafka/consumer", "Kafka in"),
     ("aiokafka/conn", "Kafka connection I/O"),
     ("aiokafka/client", "Kafka connection I/O"),

@@ -8,14 +8,17 @@ partition, fenced by the group generation (librdkafka).
 
 from __future__ import annotations
 
+import functools
 from typing import cast
 
 from worker.delivery.at_least_once import AtLeastOnce
-from worker.delivery.base import CommitEdge, Delivery, Publishing, Sink
+from worker.delivery.base import Delivery, Publishing, Sink
 from worker.delivery.exactly_once import ExactlyOnce
 from worker.delivery.offsets import OffsetTracker
+from worker.kafka.aiokafka.transactions import transactional_producer
 from worker.kafka.options import kafka_client_kwargs
 from worker.kafka.rdkafka import config as rdkafka_config
+from worker.kafka.types import CommitEdge
 from worker.observability import Metrics
 from worker.settings import Settings
 
@@ -60,8 +63,12 @@ def build_delivery(
             offsets,
             edge,
             metrics,
-            client_kwargs=kafka_client_kwargs(settings.kafka_auth),
-            max_request_bytes=max_request_bytes,
+            new_producer=functools.partial(
+                transactional_producer,
+                settings.kafka,
+                client_kwargs=kafka_client_kwargs(settings.kafka_auth),
+                max_request_bytes=max_request_bytes,
+            ),
             owns=edge.owns,
         )
     return AtLeastOnce(

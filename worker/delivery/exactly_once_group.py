@@ -28,11 +28,11 @@ from typing import Any, Protocol
 import structlog
 from aiokafka.structs import TopicPartition
 
-from worker.delivery.base import CommitEdge
 from worker.delivery.exactly_once import ExactlyOnce, _Partition
 from worker.delivery.offsets import OffsetTracker
-from worker.delivery.transactions import Message, ProducerStartFailed
 from worker.kafka.rdkafka.transactions import GroupTransactions
+from worker.kafka.transactions import Message, ProducerStartFailed
+from worker.kafka.types import CommitEdge
 from worker.observability import Metrics
 from worker.settings import Settings
 
@@ -49,6 +49,11 @@ TRANSACTION_TIMEOUT_MS = 10_000
 #: refused batch fails the transaction, so larger batches of small results would be refused
 #: together on a topic with a small limit, every transaction (and then sent one by one).
 TRANSACTION_BATCH_BYTES = 16 * 1024
+
+
+def _no_partition_producer(transactional_id: str) -> Any:
+    """Never called: this mode has one producer for every partition, not one per partition."""
+    raise AssertionError(f"no partition producer in the group-fenced mode ({transactional_id})")
 
 
 class GroupEdge(CommitEdge, Protocol):
@@ -69,7 +74,7 @@ class GroupFencedExactlyOnce(ExactlyOnce):
         *,
         producer_config: dict[str, Any],
     ) -> None:
-        super().__init__(settings, offsets, edge, metrics, client_kwargs={}, max_request_bytes=0)
+        super().__init__(settings, offsets, edge, metrics, new_producer=_no_partition_producer)
         self._group = edge
         kafka = settings.kafka
         transactional_id = (

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from typing import NamedTuple, Protocol
 
-from worker.delivery.base import CommitEdge
 from worker.flow.breaker import CircuitBreaker
 from worker.flow.window import Window
 from worker.kafka import options as security
@@ -17,6 +16,7 @@ from worker.kafka.aiokafka.intake import Intake
 from worker.kafka.feed import Admits, Dispatch, Rebalance
 from worker.kafka.publisher import PRODUCER_HEADROOM_BYTES, Publisher
 from worker.kafka.rdkafka import config as rdkafka_config
+from worker.kafka.types import CommitEdge
 from worker.observability import Metrics
 from worker.settings import Settings
 

@@ -19,7 +19,7 @@ from aiokafka.structs import ConsumerRecord, OffsetAndMetadata, TopicPartition
 from worker import errors
 from worker.delivery.exactly_once_group import GroupFencedExactlyOnce
 from worker.delivery.offsets import OffsetTracker
-from worker.delivery.transactions import Message, TransactionOutcome
+from worker.kafka.transactions import Message, TransactionOutcome
 from worker.observability import Metrics
 from worker.settings import load_settings
 
