@@ -16,7 +16,6 @@ OPTIONAL = ("confluent_kafka", "opentelemetry")
 #: The modules that may import an optional package at import time: the code path that
 #: needs it imports them when (and only when) it runs.
 NEEDS_AN_EXTRA = {
-    "worker.delivery.exactly_once_group",
     "worker.kafka.rdkafka.admin",
     "worker.kafka.rdkafka.intake",
     "worker.kafka.rdkafka.publisher",

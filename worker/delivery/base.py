@@ -12,11 +12,9 @@ import asyncio
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Protocol
 
-from aiokafka.structs import ConsumerRecord, TopicPartition
-
 from worker import errors
 from worker.delivery.offsets import OffsetTracker
-from worker.kafka.types import CommitEdge
+from worker.kafka.types import CommitEdge, ConsumerRecord, TopicPartition
 from worker.observability import Metrics
 from worker.wire import Headers
 

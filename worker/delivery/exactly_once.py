@@ -31,7 +31,6 @@ from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import structlog
-from aiokafka.structs import ConsumerRecord, TopicPartition
 
 from worker import wire
 from worker.delivery.base import CommitEdge, OnSafe, Sink, TrackingDelivery
@@ -40,6 +39,7 @@ from worker.errors import OutputTooLarge, PartitionRevoked, WriteFailed
 from worker.kafka.aiokafka.transactions import PartitionProducer, ProducerFactory
 from worker.kafka.publisher import dead_letter_value
 from worker.kafka.transactions import Message, ProducerStartFailed
+from worker.kafka.types import ConsumerRecord, TopicPartition
 from worker.observability import Metrics
 from worker.settings import Settings
 from worker.wire import Headers

@@ -23,16 +23,17 @@ stable offset fetch holds that partition's new owner back.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import structlog
-from aiokafka.structs import TopicPartition
 
 from worker.delivery.exactly_once import ExactlyOnce, _Partition
 from worker.delivery.offsets import OffsetTracker
-from worker.kafka.rdkafka.transactions import GroupTransactions
 from worker.kafka.transactions import Message, ProducerStartFailed
-from worker.kafka.types import CommitEdge
+from worker.kafka.types import CommitEdge, TopicPartition
+
+if TYPE_CHECKING:
+    from worker.kafka.edge import GroupFenced
 from worker.observability import Metrics
 from worker.settings import Settings
 
@@ -72,7 +73,7 @@ class GroupFencedExactlyOnce(ExactlyOnce):
         edge: GroupEdge,
         metrics: Metrics,
         *,
-        producer_config: dict[str, Any],
+        transactions: GroupFenced,
     ) -> None:
         super().__init__(settings, offsets, edge, metrics, new_producer=_no_partition_producer)
         self._group = edge
@@ -80,7 +81,8 @@ class GroupFencedExactlyOnce(ExactlyOnce):
         transactional_id = (
             f"{settings.delivery.transactional_id_prefix}-{kafka.group_id}-{kafka.client_id}"
         )
-        self._txn = GroupTransactions(
+        producer_config = transactions.producer_config
+        self._txn = transactions.new_transactions(
             {
                 **producer_config,
                 "transactional.id": transactional_id,

@@ -35,7 +35,9 @@ from worker.kafka.rdkafka import log as rdkafka_log
 from worker.kafka.rdkafka.threads import in_thread, teardown
 from worker.settings import Settings
 
-__all__ = ["NOT_REPORTED", "Interrupted", "RdAdmin", "refusal_message"]
+#: ``KafkaException``: what the admin's calls raise (imported from here by the checks, so
+#: that confluent_kafka is imported in worker.kafka alone).
+__all__ = ["NOT_REPORTED", "Interrupted", "KafkaException", "RdAdmin", "refusal_message"]
 
 #: The operations field's value when the broker did not report them (as on the wire).
 NOT_REPORTED = -(2**31)
