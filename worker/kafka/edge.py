@@ -16,9 +16,10 @@ from worker.flow.breaker import CircuitBreaker
 from worker.flow.window import Window
 from worker.kafka import options as security
 from worker.kafka.aiokafka.intake import Intake
+from worker.kafka.aiokafka.producer import AioProducer
 from worker.kafka.aiokafka.transactions import ProducerFactory, transactional_producer
 from worker.kafka.feed import Admits, Dispatch, Rebalance
-from worker.kafka.publisher import PRODUCER_HEADROOM_BYTES, Publisher
+from worker.kafka.publisher import PRODUCER_HEADROOM_BYTES, Producer, Publisher
 from worker.kafka.rdkafka import config as rdkafka_config
 from worker.kafka.types import CommitEdge
 from worker.observability import Metrics
@@ -113,40 +114,54 @@ def build_edge(
 ) -> Edge:
     """The publisher, intake and transactions of ``WORKER_KAFKA_CLIENT`` (ConfigError naming
     a setting the client cannot honour)."""
-    kafka, auth, topics = settings.kafka, settings.kafka_auth, settings.topics
-    largest = largest_record_bytes(settings)
-    omitted = metrics.dead_letter_values_omitted_total.inc
-    if uses_librdkafka(settings):
-        # Imported here: confluent-kafka is an extra, absent from the base install.
-        from worker.kafka.rdkafka.intake import RdIntake
-        from worker.kafka.rdkafka.publisher import RdPublisher
-
-        producer_config = rdkafka_config.producer_config(kafka, auth, max_request_bytes=largest)
-        publisher: Publisher = RdPublisher(
-            producer_config,
-            output_topic=topics.output_topic,
-            dlq_topic=topics.dlq_topic,
-            on_value_omitted=omitted,
-        )
-        intake: IntakeEdge = RdIntake(
-            rdkafka_config.consumer_config(kafka, auth),
-            topics.input_topics,
-            max_poll_records=kafka.max_poll_records,
-            window=window,
-            breaker=breaker,
-            metrics=metrics,
-        )
-        return Edge(publisher, intake, GroupFenced(producer_config, _group_transactions))
+    parts = _librdkafka_parts if uses_librdkafka(settings) else _aiokafka_parts
+    producer, intake, transactions = parts(settings, window, breaker, metrics)
     publisher = Publisher(
+        producer,
+        output_topic=settings.topics.output_topic,
+        dlq_topic=settings.topics.dlq_topic,
+        on_value_omitted=metrics.dead_letter_values_omitted_total.inc,
+    )
+    return Edge(publisher, intake, transactions)
+
+
+def _librdkafka_parts(
+    settings: Settings, window: Window, breaker: CircuitBreaker, metrics: Metrics
+) -> tuple[Producer, IntakeEdge, Transactions]:
+    # Imported here: confluent-kafka is an extra, absent from the base install.
+    from worker.kafka.rdkafka.intake import RdIntake
+    from worker.kafka.rdkafka.publisher import RdProducers
+
+    kafka, auth = settings.kafka, settings.kafka_auth
+    largest = largest_record_bytes(settings)
+    producer_config = rdkafka_config.producer_config(kafka, auth, max_request_bytes=largest)
+    intake = RdIntake(
+        rdkafka_config.consumer_config(kafka, auth),
+        settings.topics.input_topics,
+        max_poll_records=kafka.max_poll_records,
+        window=window,
+        breaker=breaker,
+        metrics=metrics,
+    )
+    transactions = GroupFenced(producer_config, _group_transactions)
+    return RdProducers(producer_config), intake, transactions
+
+
+def _aiokafka_parts(
+    settings: Settings, window: Window, breaker: CircuitBreaker, metrics: Metrics
+) -> tuple[Producer, IntakeEdge, Transactions]:
+    kafka, topics = settings.kafka, settings.topics
+    largest = largest_record_bytes(settings)
+    auth = settings.kafka_auth
+    # Options of its own for the producer, the consumer and the transactional producers.
+    producer = AioProducer(
         kafka.bootstrap_servers,
-        output_topic=topics.output_topic,
-        dlq_topic=topics.dlq_topic,
+        topics=(topics.output_topic, topics.dlq_topic),
         client_id=kafka.client_id,
         linger_ms=kafka.linger_ms,
         max_request_bytes=largest,
         client_kwargs=security.kafka_client_kwargs(auth),
         compression_type=kafka.compression_type,
-        on_value_omitted=omitted,
     )
     intake = Intake(
         kafka,
@@ -162,4 +177,4 @@ def build_edge(
         client_kwargs=security.kafka_client_kwargs(auth),
         max_request_bytes=largest,
     )
-    return Edge(publisher, intake, PerPartition(new_producer))
+    return producer, intake, PerPartition(new_producer)
