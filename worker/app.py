@@ -16,7 +16,6 @@ from collections.abc import Coroutine, Mapping
 from typing import Any
 
 import structlog
-from aiokafka.structs import TopicPartition
 
 from worker.audit import Audit
 from worker.checks.startup import run_startup_checks
@@ -28,7 +27,8 @@ from worker.flow.holds import ModelGate
 from worker.flow.limiter import AdaptiveLimiter
 from worker.flow.model_health import ModelHealth
 from worker.flow.window import Window
-from worker.kafka.edge import build_edge, largest_record_bytes
+from worker.kafka.edge import build_edge
+from worker.kafka.types import TopicPartition
 from worker.observability import HealthServer, InFlightRegistry, Metrics
 from worker.observability.readiness import readiness_of
 from worker.observability.tracing import Tracing, build_tracing
@@ -63,15 +63,11 @@ class Worker:
             settings.retry.breaker_failure_threshold,
             on_change=lambda is_open: metrics.breaker_open.set(1 if is_open else 0),
         )
-        self.publisher, self.intake = build_edge(
+        self.publisher, self.intake, transactions = build_edge(
             settings, window=self.window, breaker=self.breaker, metrics=metrics
         )
         self.delivery = build_delivery(
-            settings,
-            self.publisher,
-            self.intake,
-            metrics,
-            max_request_bytes=largest_record_bytes(settings),
+            settings, self.publisher, self.intake, metrics, transactions=transactions
         )
         self.models, self.model_health = build_model_holds(settings, self.pool, metrics)
         self.audit = Audit(settings, self.publisher.send_audit)

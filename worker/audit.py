@@ -15,10 +15,10 @@ from typing import Any
 
 import orjson
 import structlog
-from aiokafka.structs import ConsumerRecord
 
 from worker.errors import WriteFailed
 from worker.kafka.publisher import write_with_retries
+from worker.kafka.types import ConsumerRecord
 from worker.settings import Settings
 
 #: Sends (topic, value, key) and waits for the broker's ack.

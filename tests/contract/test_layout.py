@@ -115,8 +115,11 @@ def test_the_mirror_check_names_what_a_test_file_tests() -> None:
     assert module_under_test(UNIT_TESTS / "wire" / "test_requests_fuzz.py") == (
         WORKER / "wire" / "requests.py"
     )
-    compat = module_under_test(UNIT_TESTS / "kafka" / "test_compat.py")
-    assert compat == WORKER / "kafka" / "_compat.py"
+    compat = module_under_test(UNIT_TESTS / "kafka" / "aiokafka" / "test_compat.py")
+    assert compat == WORKER / "kafka" / "aiokafka" / "_compat.py"
+    assert module_under_test(UNIT_TESTS / "kafka" / "rdkafka" / "test_publisher_producer.py") == (
+        WORKER / "kafka" / "rdkafka" / "publisher.py"
+    )
     assert module_under_test(UNIT_TESTS / "settings" / "test_settings.py") == (
         WORKER / "settings" / "__init__.py"
     )

@@ -16,12 +16,11 @@ OPTIONAL = ("confluent_kafka", "opentelemetry")
 #: The modules that may import an optional package at import time: the code path that
 #: needs it imports them when (and only when) it runs.
 NEEDS_AN_EXTRA = {
-    "worker.delivery.exactly_once_group",
-    "worker.kafka.rdkafka_admin",
-    "worker.kafka.rdkafka_intake",
-    "worker.kafka.rdkafka_publisher",
-    "worker.kafka.rdkafka_transactions",
-    "worker.kafka.rdkafka_types",
+    "worker.kafka.rdkafka.admin",
+    "worker.kafka.rdkafka.intake",
+    "worker.kafka.rdkafka.publisher",
+    "worker.kafka.rdkafka.transactions",
+    "worker.kafka.rdkafka.types",
     "worker.observability._otel",
 }
 

@@ -90,7 +90,7 @@ async def test_sigkill_with_the_defaults_redoes_at_most_the_window_and_one_inter
     # In flight (the window) plus what finished since the last commit: one interval, plus
     # the commit's own round trip to the broker (slower on a loaded machine).
     # The same bound on either client: librdkafka's went twice as high while its prefetch
-    # stalled for up to 1 s between bursts at twice the average rate (rdkafka_config).
+    # stalled for up to 1 s between bursts at twice the average rate (kafka/rdkafka/config.py).
     bound = WINDOW + math.ceil(rate * (INTERVAL_MS + COMMIT_SLACK_MS) / 1000)
     report(
         f"worker SIGKILL mid-stream, defaults (window {WINDOW}, commits every "

@@ -13,9 +13,10 @@ from aiokafka.structs import ConsumerRecord, TopicPartition
 from tests.support import Topics
 from tests.support.worker import kafka_client_under_test
 from worker import errors
+from worker.kafka.aiokafka.producer import AioProducer
 from worker.kafka.publisher import Publisher
-from worker.kafka.rdkafka_config import producer_config
-from worker.kafka.rdkafka_publisher import RdPublisher
+from worker.kafka.rdkafka.config import producer_config
+from worker.kafka.rdkafka.publisher import RdProducers
 from worker.settings import load_settings
 from worker.wire import header_value
 
@@ -67,16 +68,16 @@ def _publisher(kafka: Any, topics: Topics, unique: str) -> Publisher:
             }
         )
         config = producer_config(settings.kafka, settings.kafka_auth, max_request_bytes=MAX_BYTES)
-        return RdPublisher(config, output_topic=topics.output, dlq_topic=topics.dlq)
-    return Publisher(
+        return Publisher(RdProducers(config), output_topic=topics.output, dlq_topic=topics.dlq)
+    producer = AioProducer(
         kafka.bootstrap_servers,
-        output_topic=topics.output,
-        dlq_topic=topics.dlq,
+        topics=(topics.output, topics.dlq),
         client_id=f"publisher-{unique}",
         linger_ms=5,
         max_request_bytes=MAX_BYTES,
         client_kwargs={},
     )
+    return Publisher(producer, output_topic=topics.output, dlq_topic=topics.dlq)
 
 
 async def test_writes_to_a_partition_go_on_after_the_broker_refuses_one_for_its_size(

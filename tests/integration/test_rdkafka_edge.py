@@ -17,8 +17,8 @@ from tests.support.kafka import Topics, collect, create
 from tests.support.worker import running_worker, settings_for
 from worker.flow.breaker import CircuitBreaker
 from worker.flow.window import Window
-from worker.kafka import rdkafka_config
-from worker.kafka.rdkafka_intake import RdIntake
+from worker.kafka.rdkafka import config as rdkafka_config
+from worker.kafka.rdkafka.intake import RdIntake
 from worker.observability import Metrics
 from worker.settings import Settings
 

@@ -30,6 +30,7 @@ from worker.checks import probes
 from worker.checks.listener import Listener, identify, mismatch
 from worker.errors import CannotRun, KafkaUnavailable
 from worker.flow.retry import Backoff
+from worker.kafka.edge import uses_librdkafka
 from worker.kafka.options import kafka_client_kwargs, sasl_password
 from worker.settings import Settings
 
@@ -143,7 +144,7 @@ async def _diagnose(
 
 
 async def _ask(settings: Settings, progress: _Progress, deadline: float) -> Findings:
-    if settings.kafka.kafka_client == "confluent":
+    if uses_librdkafka(settings):
         return await _ask_rdkafka(settings, progress, deadline)
     return await _ask_aiokafka(settings, progress)
 
@@ -244,9 +245,7 @@ async def _on_coordinator(
 
 
 async def _ask_rdkafka(settings: Settings, progress: _Progress, deadline: float) -> Findings:
-    from confluent_kafka import KafkaException
-
-    from worker.kafka.rdkafka_admin import RdAdmin, refusal_message
+    from worker.kafka.rdkafka.admin import KafkaException, RdAdmin, refusal_message
 
     where = f"Kafka {settings.kafka.bootstrap_servers}"
     remaining_s = max(deadline - asyncio.get_running_loop().time(), 1.0)

@@ -11,11 +11,12 @@ from __future__ import annotations
 from typing import cast
 
 from worker.delivery.at_least_once import AtLeastOnce
-from worker.delivery.base import CommitEdge, Delivery, Publishing, Sink
+from worker.delivery.base import Delivery, Publishing, Sink
 from worker.delivery.exactly_once import ExactlyOnce
+from worker.delivery.exactly_once_group import GroupEdge, GroupFencedExactlyOnce
 from worker.delivery.offsets import OffsetTracker
-from worker.kafka import rdkafka_config
-from worker.kafka.options import kafka_client_kwargs
+from worker.kafka.edge import GroupFenced, Transactions
+from worker.kafka.types import CommitEdge
 from worker.observability import Metrics
 from worker.settings import Settings
 
@@ -36,32 +37,23 @@ def build_delivery(
     edge: CommitEdge,
     metrics: Metrics,
     *,
-    max_request_bytes: int,
+    transactions: Transactions,
 ) -> Delivery:
-    """The delivery mode ``WORKER_DELIVERY`` names, over its own offset tracker."""
+    """The delivery mode ``WORKER_DELIVERY`` names, over its own offset tracker;
+    ``transactions`` (the Kafka edge's) say how exactly_once is fenced."""
     offsets = OffsetTracker()
-    if settings.delivery.delivery == "exactly_once" and settings.kafka.kafka_client == "confluent":
-        # librdkafka's consumer gives its group metadata: one producer, fenced by the group.
-        # Imported here: confluent-kafka is an extra, absent from the base install.
-        from worker.delivery.exactly_once_group import GroupEdge, GroupFencedExactlyOnce
-
-        return GroupFencedExactlyOnce(
-            settings,
-            offsets,
-            cast(GroupEdge, edge),
-            metrics,
-            producer_config=rdkafka_config.producer_config(
-                settings.kafka, settings.kafka_auth, max_request_bytes=max_request_bytes
-            ),
-        )
     if settings.delivery.delivery == "exactly_once":
+        if isinstance(transactions, GroupFenced):
+            # librdkafka's consumer gives its group metadata: one producer, fenced by the group.
+            return GroupFencedExactlyOnce(
+                settings, offsets, cast(GroupEdge, edge), metrics, transactions=transactions
+            )
         return ExactlyOnce(
             settings,
             offsets,
             edge,
             metrics,
-            client_kwargs=kafka_client_kwargs(settings.kafka_auth),
-            max_request_bytes=max_request_bytes,
+            new_producer=transactions.new_producer,
             owns=edge.owns,
         )
     return AtLeastOnce(

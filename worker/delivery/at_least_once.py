@@ -16,12 +16,17 @@ import asyncio
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 
 import structlog
-from aiokafka.errors import CommitFailedError, KafkaError
-from aiokafka.structs import ConsumerRecord, OffsetAndMetadata, TopicPartition
 
 from worker.delivery import metadata
 from worker.delivery.base import CommitEdge, OnSafe, Publishing, Sink, TrackingDelivery
 from worker.delivery.offsets import OffsetTracker
+from worker.kafka.types import (
+    CommitFailedError,
+    ConsumerRecord,
+    KafkaError,
+    OffsetAndMetadata,
+    TopicPartition,
+)
 from worker.observability import Metrics
 from worker.wire import Headers
 

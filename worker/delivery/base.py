@@ -9,13 +9,12 @@ partition may run at most ``max_uncommitted`` records past its commit point.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Protocol
-
-from aiokafka.structs import ConsumerRecord, OffsetAndMetadata, TopicPartition
 
 from worker import errors
 from worker.delivery.offsets import OffsetTracker
+from worker.kafka.types import CommitEdge, ConsumerRecord, TopicPartition
 from worker.observability import Metrics
 from worker.wire import Headers
 
@@ -69,30 +68,6 @@ class BatchSink(Protocol):
 
 class Publishing(Sink, BatchSink, Protocol):
     """The publisher: outcomes one record at a time, or results of several at once."""
-
-
-class CommitEdge(Protocol):
-    """What delivery needs of the consumer: assignment, end offsets, commits and seeks."""
-
-    def assignment(self) -> set[TopicPartition]: ...
-
-    def highwater(self, tp: TopicPartition) -> int | None: ...
-
-    async def commit(self, offsets: Mapping[TopicPartition, OffsetAndMetadata]) -> None: ...
-
-    async def fetch_committed(
-        self, partitions: Iterable[TopicPartition]
-    ) -> dict[TopicPartition, OffsetAndMetadata]:
-        """The group's committed offsets (with their metadata), read from the broker now."""
-        ...
-
-    def seek(self, tp: TopicPartition, offset: int) -> None:
-        """Fetch ``tp`` from ``offset`` on."""
-        ...
-
-    def owns(self, tp: TopicPartition) -> bool:
-        """True while ``tp`` is assigned and no rebalance is known to be under way."""
-        ...
 
 
 class Delivery(Protocol):

@@ -27,20 +27,19 @@ records here; its next owner redoes them.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import structlog
-from aiokafka import AIOKafkaProducer
-from aiokafka.structs import ConsumerRecord, TopicPartition
 
 from worker import wire
 from worker.delivery.base import CommitEdge, OnSafe, Sink, TrackingDelivery
 from worker.delivery.offsets import OffsetTracker
-from worker.delivery.transactions import Message, PartitionProducer, ProducerStartFailed
 from worker.errors import OutputTooLarge, PartitionRevoked, WriteFailed
-from worker.kafka.publisher import dead_letter_value, kafka_compression
+from worker.kafka.aiokafka.transactions import PartitionProducer, ProducerFactory
+from worker.kafka.publisher import dead_letter_value
+from worker.kafka.transactions import Message, ProducerStartFailed
+from worker.kafka.types import ConsumerRecord, TopicPartition
 from worker.observability import Metrics
 from worker.settings import Settings
 from worker.wire import Headers
@@ -78,8 +77,7 @@ class ExactlyOnce(TrackingDelivery):
         edge: CommitEdge,
         metrics: Metrics,
         *,
-        client_kwargs: Mapping[str, Any],
-        max_request_bytes: int,
+        new_producer: ProducerFactory,
         owns: Callable[[TopicPartition], bool] = lambda _: True,
     ) -> None:
         super().__init__(
@@ -90,8 +88,8 @@ class ExactlyOnce(TrackingDelivery):
             settings.delivery.max_uncommitted_per_partition,
         )
         self._settings = settings
-        self._client_kwargs = dict(client_kwargs)
-        self._max_request_bytes = max_request_bytes
+        #: Makes a partition's producer for its transactional id (a seam of the unit tests).
+        self._producer = new_producer
         self._owns = owns
         self._partitions: dict[TopicPartition, _Partition] = {}
         self._on_staged: dict[tuple[TopicPartition, int], OnSafe] = {}
@@ -272,20 +270,6 @@ class ExactlyOnce(TrackingDelivery):
         """Stable per group and input partition, so a new owner fences the old one."""
         s = self._settings
         return f"{s.delivery.transactional_id_prefix}-{s.kafka.group_id}-{tp.topic}-{tp.partition}"
-
-    def _producer(self, transactional_id: str) -> AIOKafkaProducer:
-        kafka = self._settings.kafka
-        return AIOKafkaProducer(
-            bootstrap_servers=kafka.bootstrap_servers,
-            client_id=f"{kafka.client_id}-{transactional_id.rsplit('-', 2)[-2]}",
-            transactional_id=transactional_id,
-            acks="all",
-            enable_idempotence=True,
-            linger_ms=kafka.linger_ms,
-            max_request_size=self._max_request_bytes,
-            compression_type=kafka_compression(kafka.compression_type),
-            **self._client_kwargs,
-        )
 
     async def assigned(self, partitions: set[TopicPartition]) -> None:
         """Start each partition's producer, then read the committed offsets and seek to

@@ -23,16 +23,17 @@ stable offset fetch holds that partition's new owner back.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import structlog
-from aiokafka.structs import TopicPartition
 
-from worker.delivery.base import CommitEdge
 from worker.delivery.exactly_once import ExactlyOnce, _Partition
 from worker.delivery.offsets import OffsetTracker
-from worker.delivery.transactions import Message, ProducerStartFailed, TransactionOutcome
-from worker.kafka.rdkafka_transactions import GroupTransactions
+from worker.kafka.transactions import Message, ProducerStartFailed, TransactionOutcome
+from worker.kafka.types import CommitEdge, TopicPartition
+
+if TYPE_CHECKING:
+    from worker.kafka.edge import GroupFenced
 from worker.observability import Metrics
 from worker.settings import Settings
 
@@ -54,6 +55,11 @@ TRANSACTION_TIMEOUT_MS = 10_000
 TRANSACTION_BATCH_BYTES = 16 * 1024
 
 
+def _no_partition_producer(transactional_id: str) -> Any:
+    """Never called: this mode has one producer for every partition, not one per partition."""
+    raise AssertionError(f"no partition producer in the group-fenced mode ({transactional_id})")
+
+
 class GroupEdge(CommitEdge, Protocol):
     """The consumer, with its group metadata for the transactions."""
 
@@ -70,15 +76,16 @@ class GroupFencedExactlyOnce(ExactlyOnce):
         edge: GroupEdge,
         metrics: Metrics,
         *,
-        producer_config: dict[str, Any],
+        transactions: GroupFenced,
     ) -> None:
-        super().__init__(settings, offsets, edge, metrics, client_kwargs={}, max_request_bytes=0)
+        super().__init__(settings, offsets, edge, metrics, new_producer=_no_partition_producer)
         self._group = edge
         kafka = settings.kafka
         transactional_id = (
             f"{settings.delivery.transactional_id_prefix}-{kafka.group_id}-{kafka.client_id}"
         )
-        self._txn = GroupTransactions(
+        producer_config = transactions.producer_config
+        self._txn = transactions.new_transactions(
             {
                 **producer_config,
                 "transactional.id": transactional_id,

@@ -29,7 +29,7 @@ from collections import deque
 from collections.abc import Iterable, Mapping
 from typing import NamedTuple
 
-from aiokafka.structs import TopicPartition
+from worker.kafka.types import TopicPartition
 
 __all__ = ["OffsetTracker", "PartitionOffsets", "PartitionProgress"]
 

@@ -1,44 +1,35 @@
-"""Results and dead letters to Kafka; a record counts as done only once the broker acks it."""
+"""Results and dead letters to Kafka; a record counts as done only once the broker acks it.
+
+``Publisher`` is the policy, on either client: retries, a result refused for its size
+judged alone, a dead letter slimmed until the topic takes it. Under it a ``Producer`` of
+the chosen client (``aiokafka/producer.py``, ``rdkafka/publisher.py``) writes the records.
+"""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import hashlib
-from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any, TypeVar
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 import structlog
-from aiokafka import AIOKafkaProducer
-from aiokafka.errors import (
-    KafkaError,
-    MessageSizeTooLargeError,
-    OutOfOrderSequenceNumber,
-    ProducerClosed,
-)
-from aiokafka.partitioner import DefaultPartitioner
+from aiokafka.errors import KafkaError, MessageSizeTooLargeError
 from aiokafka.structs import ConsumerRecord
 
 from worker import errors
-from worker.kafka._compat import fail_unsent
-from worker.kafka.writes import Retirements, settle_acks, write_with_retries
+from worker.kafka.writes import write_with_retries
 
 __all__ = [
     "DeadLetterWriteFailed",
+    "Producer",
     "Publisher",
     "ResultWriteFailed",
-    "settle_acks",  # re-exported: the librdkafka publisher and the audit log use them
-    "write_with_retries",
+    "write_with_retries",  # re-exported: the audit log uses it
 ]
 
 log = structlog.get_logger(__name__)
 
 Headers = Sequence[tuple[str, bytes | None]]
-_T = TypeVar("_T")
-
-#: Producer batch per partition. aiokafka's 16 KiB default fills after ~40 results;
-#: senders then queue behind the in-flight batch, which costs CPU per record.
-_MAX_BATCH_BYTES = 512 * 1024
 
 
 class DeadLetterWriteFailed(errors.WriteFailed):
@@ -95,98 +86,77 @@ def omitted(
     return b"", None if drop_key else key, [*headers, *added]
 
 
+class Producer(Protocol):
+    """What the publisher asks of a client's idempotent producer (``acks=all``). A write is
+    one try: Kafka errors propagate (aiokafka's classes, on either client), and
+    MessageSizeTooLargeError when the record is refused for its size."""
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None:
+        """Flush what is pending and close. Idempotent."""
+        ...
+
+    async def write(
+        self, topic: str, value: bytes | None, key: bytes | None, headers: Headers
+    ) -> Any:
+        """Send one record and wait for the broker's ack."""
+        ...
+
+    async def write_alone(
+        self, topic: str, value: bytes | None, key: bytes | None, headers: Headers
+    ) -> Any:
+        """Send one record in a batch of its own (judged on its own size); wait for the ack."""
+        ...
+
+    def replaced(self, exc: KafkaError) -> bool:
+        """True when a write failed only because its producer was replaced: it is tried
+        again at once, without counting a try."""
+        ...
+
+    async def send_in_order(
+        self, topic: str, key: bytes | None, results: Sequence[tuple[bytes, Headers]]
+    ) -> int:
+        """Send ``results`` (one record's, same key) together, in order, then await their
+        acks; the index of the first not acknowledged (``len(results)`` when all were)."""
+        ...
+
+    async def send_together(
+        self, topic: str, records: Sequence[tuple[bytes | None, bytes, Headers]]
+    ) -> list[BaseException | None]:
+        """Every (key, value, headers) sent, then every ack awaited: per record None once
+        acknowledged, else the error that kept it out (not retried)."""
+        ...
+
+    async def send_audit(self, topic: str, value: bytes, key: bytes | None) -> Any:
+        """Write an audit record and wait for the broker's ack."""
+        ...
+
+
 class Publisher:
-    """An idempotent producer (``acks=all``) writing results and dead letters."""
+    """Results and dead letters, written by the chosen client's ``producer``."""
 
     def __init__(
         self,
-        bootstrap_servers: str,
+        producer: Producer,
         *,
         output_topic: str,
         dlq_topic: str,
-        client_id: str,
-        linger_ms: int,
-        max_request_bytes: int,
-        client_kwargs: Mapping[str, Any],
-        compression_type: str = "none",
         write_attempts: int = 5,
         on_value_omitted: Callable[[], None] | None = None,
     ) -> None:
-        """``max_request_bytes`` bounds one record: the largest result or dead letter, headers
-        included (see PRODUCER_HEADROOM_BYTES)."""
+        self.producer = producer
         self.output_topic = output_topic
         self.dlq_topic = dlq_topic
         self._write_attempts = write_attempts
         self._on_value_omitted = on_value_omitted
-        self._producer_kwargs: dict[str, Any] = dict(
-            bootstrap_servers=bootstrap_servers,
-            client_id=client_id,
-            acks="all",
-            enable_idempotence=True,
-            linger_ms=linger_ms,
-            max_request_size=max_request_bytes,
-            max_batch_size=min(_MAX_BATCH_BYTES, max_request_bytes),
-            compression_type=kafka_compression(compression_type),
-            **client_kwargs,
-        )
-        self._producer = AIOKafkaProducer(**self._producer_kwargs)
-        # Bumped each time the producer is replaced (see _renew_producer).
-        self._generation = 0
-        self._renewing = asyncio.Lock()
-        # Which producers were stopped: their sends still pending are never acknowledged.
-        self._retired = Retirements()
 
     async def start(self) -> None:
-        await self._producer.start()
+        await self.producer.start()
 
     async def stop(self) -> None:
         """Flush what is pending and close. Idempotent."""
-        await self._producer.stop()
-
-    async def _renew_producer(self, generation: int, reason: BaseException) -> None:
-        """Replace the producer of ``generation`` by a fresh one (new producer id), once.
-
-        aiokafka gives a batch its partition's next sequence numbers when it sends
-        it, and does not take them back when the broker refuses the batch for its
-        size: every later batch to that partition is then refused with
-        OutOfOrderSequenceNumber, forever. A fresh idempotent producer starts its
-        sequences at 0. The old one is flushed and closed: its pending batches
-        land, or fail and are retried by their writers on the new one.
-        """
-        async with self._renewing:
-            if generation != self._generation:
-                return  # another writer already replaced it
-            old = self._producer
-            fresh = AIOKafkaProducer(**self._producer_kwargs)
-            try:
-                await fresh.start()
-                # Known before it takes writes: a send waiting for a topic's metadata on
-                # a producer stopped meanwhile (another refusal) would wait for ever.
-                for topic in (self.output_topic, self.dlq_topic):
-                    await fresh.partitions_for(topic)
-            except BaseException:
-                await fresh.stop()
-                raise
-            self._producer, self._generation = fresh, generation + 1
-        log.warning("producer_renewed", reason=f"{type(reason).__name__}: {reason}")
-        try:
-            await old.stop()
-        finally:
-            # What it left unsent fails, so that its writers try again on the new producer.
-            fail_unsent(old, ProducerClosed())
-            self._retired.retire(generation)
-
-    async def _acked(self, generation: int, sent: Awaitable[_T]) -> _T:
-        """The broker's ack of a record sent by the producer of ``generation``.
-
-        A size refusal or a sequence gap leaves that producer unable to write to
-        the partition again: it is renewed before the error propagates.
-        """
-        try:
-            return await self._retired.ack(generation, sent)
-        except (MessageSizeTooLargeError, OutOfOrderSequenceNumber) as exc:
-            await self._renew_producer(generation, exc)
-            raise
+        await self.producer.stop()
 
     async def write_result(self, value: bytes, key: bytes | None, headers: Headers) -> Any:
         """Write a result and wait for the broker's ack.
@@ -219,24 +189,12 @@ class Publisher:
         failure: type[errors.WriteFailed],
     ) -> Any:
         """Send one record in a batch of its own; MessageSizeTooLargeError if refused for size."""
-
-        async def send_once() -> Any:
-            generation, producer = self._generation, self._producer
-            batch = producer.create_batch()
-            if batch.append(key=key, value=value, timestamp=None, headers=list(headers)) is None:
-                raise MessageSizeTooLargeError("larger than the producer's request limit")
-            batch.close()
-            partitions = sorted(await producer.partitions_for(topic))
-            partition = DefaultPartitioner()(key, partitions, partitions)
-            sent = await producer.send_batch(batch, topic, partition=partition)
-            return await self._acked(generation, sent)
-
         return await write_with_retries(
-            send_once,
+            lambda: self.producer.write_alone(topic, value, key, headers),
             what=f"write to {topic!r}",
             attempts=self._write_attempts,
             failure=failure,
-            collateral=_replaced,
+            collateral=self.producer.replaced,
         )
 
     # -- the at-least-once sink: straight to the broker, waiting for each ack ------
@@ -251,29 +209,16 @@ class Publisher:
     ) -> None:
         """Several results of one record, in order: sent together, then acknowledged.
 
-        One task appends them to the producer in order (same key, same partition),
-        so they travel in order, mostly in one batch, for one ack. If any is not
-        acknowledged, it and every later one are written again one by one, in
-        order, with write_result's retries and size handling (a later one that
-        had landed appears twice: at-least-once).
+        They are appended to the producer in order (same key, same partition), so they
+        travel in order, mostly in one batch, for one ack. If any is not acknowledged,
+        it and every later one are written again one by one, in order, with
+        write_result's retries and size handling (a later one that had landed appears
+        twice: at-least-once).
         """
         if len(results) == 1:
             await self.write_result(results[0][0], record.key, results[0][1])
             return
-        generation, producer, sent = self._generation, self._producer, []
-        with contextlib.suppress(KafkaError):
-            for value, headers in results:
-                sent.append(
-                    await producer.send(
-                        self.output_topic, value=value, key=record.key, headers=list(headers)
-                    )
-                )
-        acks = await asyncio.gather(
-            *(self._acked(generation, future) for future in sent), return_exceptions=True
-        )
-        failed = next(
-            (i for i, ack in enumerate(acks) if isinstance(ack, BaseException)), len(sent)
-        )
+        failed = await self.producer.send_in_order(self.output_topic, record.key, results)
         for value, headers in results[failed:]:
             await self.write_result(value, record.key, headers)
 
@@ -284,28 +229,8 @@ class Publisher:
         enqueued, then every ack awaited. Per result: None once acknowledged, else the
         error that kept it out (not retried here: the caller writes it again with
         ``publish_result``, alone, with its retries and size handling)."""
-        generation, producer, topic = self._generation, self._producer, self.output_topic
-        sent: list[asyncio.Future[Any] | BaseException] = []
-        for record, value, headers in results:
-            try:
-                sent.append(
-                    await producer.send(topic, value=value, key=record.key, headers=list(headers))
-                )
-            except Exception as exc:  # refused before sending (its size), or the producer's state
-                sent.append(exc)
-        outcomes = await settle_acks(sent)
-        refused = next(
-            (
-                o
-                for o in outcomes
-                if isinstance(o, MessageSizeTooLargeError | OutOfOrderSequenceNumber)
-            ),
-            None,
-        )
-        if refused is not None:
-            # As in _acked: this producer cannot write to that partition again.
-            await self._renew_producer(generation, refused)
-        return outcomes
+        records = [(record.key, value, headers) for record, value, headers in results]
+        return await self.producer.send_together(self.output_topic, records)
 
     async def publish_dead_letter(
         self, record: ConsumerRecord[bytes, bytes], headers: Headers
@@ -314,8 +239,7 @@ class Publisher:
 
     async def send_audit(self, topic: str, value: bytes, key: bytes | None) -> Any:
         """Write an audit record and wait for the broker's ack."""
-        sent = await self._producer.send(topic, value=value, key=key)
-        return await sent
+        return await self.producer.send_audit(topic, value, key)
 
     async def write_dead_letter(
         self, value: bytes | None, key: bytes | None, headers: Headers
@@ -364,23 +288,10 @@ class Publisher:
         failure: type[errors.WriteFailed],
     ) -> Any:
         """Send and wait for the ack, with `write_with_retries`; ``failure`` if it never lands."""
-
-        async def send_once() -> Any:
-            generation, producer = self._generation, self._producer
-            # A record over the producer's own limit is refused here, before it is sent.
-            sent = await producer.send(topic, value=value, key=key, headers=list(headers))
-            return await self._acked(generation, sent)
-
         return await write_with_retries(
-            send_once,
+            lambda: self.producer.write(topic, value, key, headers),
             what=f"write to {topic!r}",
             attempts=self._write_attempts,
             failure=failure,
-            collateral=_replaced,
+            collateral=self.producer.replaced,
         )
-
-
-def _replaced(exc: KafkaError) -> bool:
-    """The write failed because its producer was replaced (another record's size refusal
-    broke its sequence numbers, or it was closed with the write unsent)."""
-    return isinstance(exc, OutOfOrderSequenceNumber | ProducerClosed)

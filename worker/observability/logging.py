@@ -31,7 +31,7 @@ THIRD_PARTY_LOGGERS = (
     "urllib3",
 )
 
-#: Fields that ``worker.kafka.rdkafka_log`` passes as a stdlib record's ``extra``.
+#: Fields that ``worker.kafka.rdkafka.log`` passes as a stdlib record's ``extra``.
 _EXTRA_FIELDS = ("facility", "client", "detail", "code", "fatal", "repeated")
 
 

@@ -34,11 +34,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import structlog
-from aiokafka.structs import ConsumerRecord, TopicPartition
 
 from worker import errors, wire
 from worker.delivery.base import Delivery
 from worker.flow.window import Window
+from worker.kafka.types import ConsumerRecord, TopicPartition
 from worker.observability import InFlight, InFlightRegistry
 from worker.observability.tracing import Tracing
 from worker.records.single import Outcome

@@ -16,12 +16,11 @@ import asyncio
 from collections.abc import Coroutine, Sequence
 from typing import Any
 
-from aiokafka.structs import ConsumerRecord, TopicPartition
-
 from worker.delivery.base import Delivery
 from worker.flow.ordering import Turns
 from worker.flow.window import Window
-from worker.kafka.intake import Dispatch
+from worker.kafka.feed import Dispatch
+from worker.kafka.types import ConsumerRecord, TopicPartition
 from worker.observability import InFlight, InFlightRegistry
 from worker.observability.tracing import Tracing
 from worker.records.batch import BatchPath

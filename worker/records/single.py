@@ -15,13 +15,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
-from aiokafka.structs import ConsumerRecord, TopicPartition
 
 from worker import errors, wire
 from worker.delivery.base import Delivery
 from worker.flow.ordering import Ticket
 from worker.flow.retry import Budget
 from worker.flow.window import Window
+from worker.kafka.types import ConsumerRecord, TopicPartition
 from worker.observability import InFlightRegistry
 from worker.observability.inflight import DETACHED, InFlight
 from worker.observability.tracing import Tracing

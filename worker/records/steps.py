@@ -16,7 +16,6 @@ from datetime import UTC, datetime
 from typing import Any, Protocol
 
 import structlog
-from aiokafka.structs import ConsumerRecord
 
 from worker import errors, wire
 from worker.audit import Audit
@@ -26,6 +25,7 @@ from worker.flow.holds import ModelGate
 from worker.flow.limiter import AdaptiveLimiter
 from worker.flow.model_health import ModelHealth
 from worker.flow.retry import Backoff, Retrier, RetryPolicy
+from worker.kafka.types import ConsumerRecord
 from worker.observability import Metrics
 from worker.records.refusals import OutputRefusals
 from worker.settings import Settings

@@ -24,11 +24,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from aiokafka.structs import ConsumerRecord
-
 from worker import errors, wire
 from worker.delivery.base import Sink
 from worker.flow.retry import Budget
+from worker.kafka.types import ConsumerRecord
 from worker.records.steps import Steps
 from worker.settings import Settings, StreamOutput
 from worker.triton.decoupled import is_final

@@ -26,7 +26,7 @@ from rich.progress import Progress, TaskID
 
 from worker.checks import probes
 from worker.kafka import PRODUCER_HEADROOM_BYTES, kafka_client_kwargs
-from worker.kafka._compat import send_to_some_broker
+from worker.kafka.aiokafka._compat import send_to_some_broker
 from worker.kafka.publisher import kafka_compression
 from worker.replay.plan import DeadLetter, Entry, Outcome, Planner, ReplayPlan
 from worker.settings import KafkaAuthSettings, KafkaSettings

@@ -16,7 +16,7 @@ import pytest
 from aiokafka.errors import KafkaConnectionError, RebalanceInProgressError
 from aiokafka.structs import ConsumerRecord, OffsetAndMetadata, TopicPartition
 
-from tests.unit.delivery.fakes import Factory, FakeProducer
+from tests.unit.kafka.aiokafka.fakes import Factory, FakeProducer
 from worker.delivery import ExactlyOnce
 from worker.delivery.offsets import OffsetTracker
 from worker.observability import Metrics
@@ -70,10 +70,8 @@ async def _started(factory: Factory) -> ExactlyOnce:
         OffsetTracker(),
         Edge(),
         Metrics(version="test"),
-        client_kwargs={},
-        max_request_bytes=1 << 20,
+        new_producer=factory,  # type: ignore[arg-type]  # a fake at the factory seam
     )
-    delivery._producer = factory  # type: ignore[method-assign]  # the factory seam
     await delivery.assigned({TP})
     return delivery
 
@@ -176,10 +174,8 @@ async def test_no_partition_commits_before_the_offsets_of_every_assigned_one_are
         OffsetTracker(),
         _TwoPartitions(producers),
         Metrics(version="test"),
-        client_kwargs={},
-        max_request_bytes=1 << 20,
+        new_producer=factory,  # type: ignore[arg-type]  # a fake at the factory seam
     )
-    delivery._producer = factory  # type: ignore[assignment]  # the factory seam
     assigning = asyncio.create_task(delivery.assigned({TP, TP1}))
     await reached.wait()  # partition 0's producer has started; partition 1's has not
     assert delivery.not_ready() == [str(TP), str(TP1)]

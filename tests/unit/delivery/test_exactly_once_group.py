@@ -19,7 +19,8 @@ from aiokafka.structs import ConsumerRecord, OffsetAndMetadata, TopicPartition
 from worker import errors
 from worker.delivery.exactly_once_group import GroupFencedExactlyOnce
 from worker.delivery.offsets import OffsetTracker
-from worker.delivery.transactions import Message, TransactionOutcome
+from worker.kafka.edge import GroupFenced
+from worker.kafka.transactions import Message, TransactionOutcome
 from worker.observability import Metrics
 from worker.settings import load_settings
 
@@ -110,15 +111,15 @@ def record(tp: TopicPartition, offset: int) -> ConsumerRecord[bytes, bytes]:
 
 
 async def started(edge: Edge | None = None) -> tuple[GroupFencedExactlyOnce, Transactions]:
+    txn = Transactions()
     delivery = GroupFencedExactlyOnce(
         SETTINGS,
         OffsetTracker(),
         edge or Edge(),
         Metrics(version="test"),
-        producer_config={"bootstrap.servers": "unused:9092"},
+        # The producer seam: the fake in place of GroupTransactions.
+        transactions=GroupFenced({"bootstrap.servers": "unused:9092"}, lambda _config: txn),  # type: ignore[arg-type,return-value]
     )
-    txn = Transactions()
-    delivery._txn = txn  # type: ignore[assignment]  # the producer seam
     await delivery.assigned({TP0, TP1})
     return delivery, txn
 

@@ -42,7 +42,7 @@ def _lines(stream: io.StringIO) -> list[dict[str, object]]:
 def test_json_logs_are_one_object_per_line_with_context(log_stream: io.StringIO) -> None:
     """Each event is one JSON object carrying level, logger, UTC time and bound context."""
     configure_logging("json", "info", stream=log_stream)
-    log = structlog.get_logger("worker.kafka.intake")
+    log = structlog.get_logger("worker.kafka.aiokafka.intake")
     structlog.contextvars.bind_contextvars(topic="requests", partition=3, offset=42)
     log.info("record_failed", code="DECODE_ERROR")
     structlog.contextvars.clear_contextvars()
@@ -53,7 +53,7 @@ def test_json_logs_are_one_object_per_line_with_context(log_stream: io.StringIO)
     assert {k: first[k] for k in ("event", "level", "logger", "topic", "partition", "offset")} == {
         "event": "record_failed",
         "level": "info",
-        "logger": "worker.kafka.intake",
+        "logger": "worker.kafka.aiokafka.intake",
         "topic": "requests",
         "partition": 3,
         "offset": 42,

@@ -1,4 +1,4 @@
-"""The aiokafka publisher: a write left unsent by the producer it replaced is written again.
+"""The aiokafka producer: a write left unsent by the producer it replaced is written again.
 
 aiokafka's ``send_batch`` waits for the partition's pending batch to drain, then appends
 its own without checking that the producer was closed meanwhile: appended while
@@ -19,7 +19,8 @@ from typing import Any
 
 import pytest
 
-from worker.kafka import publisher as publisher_module
+from worker.kafka.aiokafka import producer as producer_module
+from worker.kafka.aiokafka.producer import AioProducer
 from worker.kafka.publisher import Publisher, ResultWriteFailed
 
 
@@ -32,7 +33,7 @@ class _Batch:
 
 
 class _Producer:
-    """What ``Publisher._send_alone`` uses of AIOKafkaProducer. The first one made never
+    """What ``AioProducer.write_alone`` uses of AIOKafkaProducer. The first one made never
     sends a batch (aiokafka's race); the later ones acknowledge each at once."""
 
     made: list[_Producer] = []
@@ -67,16 +68,23 @@ class _Producer:
 def publisher(monkeypatch: pytest.MonkeyPatch) -> Publisher:
     """A publisher whose producers are the fake above."""
     _Producer.made = []
-    monkeypatch.setattr(publisher_module, "AIOKafkaProducer", _Producer)
-    return Publisher(
+    monkeypatch.setattr(producer_module, "AIOKafkaProducer", _Producer)
+    producer = AioProducer(
         "broker:9092",
-        output_topic="out",
-        dlq_topic="dlq",
+        topics=("out", "dlq"),
         client_id="c",
         linger_ms=5,
         max_request_bytes=1 << 20,
         client_kwargs={},
     )
+    return Publisher(producer, output_topic="out", dlq_topic="dlq")
+
+
+def _renew(publisher: Publisher) -> Any:
+    """Replace the first producer, as a size refusal would."""
+    producer = publisher.producer
+    assert isinstance(producer, AioProducer)
+    return producer._renew_producer(0, RuntimeError("a size refusal"))
 
 
 async def test_a_write_left_unsent_by_a_replaced_producer_goes_out_on_the_new_one(
@@ -89,7 +97,7 @@ async def test_a_write_left_unsent_by_a_replaced_producer_goes_out_on_the_new_on
     # One turn of the loop: the write sends its batch and waits for the ack.
     await asyncio.sleep(0)
     assert not alone.done()
-    await publisher._renew_producer(0, RuntimeError("a size refusal"))
+    await _renew(publisher)
     assert _Producer.made[0].stopped
     assert await asyncio.wait_for(alone, 5) == "acked by producer 1"
 
@@ -103,5 +111,5 @@ async def test_a_write_acked_before_its_producer_is_stopped_is_not_written_again
     assert await publisher._send_alone("out", b"v", b"k", [], ResultWriteFailed) == (
         "acked by producer 0"
     )
-    await publisher._renew_producer(0, RuntimeError("a size refusal"))
+    await _renew(publisher)
     assert len(_Producer.made) == 2

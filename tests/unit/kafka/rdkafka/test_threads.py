@@ -9,7 +9,7 @@ import weakref
 
 import pytest
 
-from worker.kafka import rdkafka_threads
+from worker.kafka.rdkafka import threads as rdkafka_threads
 
 pytestmark = pytest.mark.unit
 

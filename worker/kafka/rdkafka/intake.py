@@ -1,6 +1,6 @@
 """Kafka consumption through librdkafka (``WORKER_KAFKA_CLIENT=confluent``), as ``Intake`` does.
 
-Same contract as ``worker.kafka.intake``: records go to ``dispatch`` once they hold a
+Same contract as ``worker.kafka.aiokafka.intake``: records go to ``dispatch`` once they hold a
 window slot, full partitions are paused, and the ``Rebalance`` listener hears of
 assignments and revocations (the revoke waits for the partitions' drain before
 librdkafka lets them go: the callbacks run inside ``consume``, which waits).
@@ -30,9 +30,9 @@ from confluent_kafka.aio import AIOConsumer
 
 from worker.flow.breaker import CircuitBreaker
 from worker.flow.window import Window
-from worker.kafka.intake import REFUSED_CODES, Admits, Dispatch, Feed, Rebalance, refused
-from worker.kafka.rdkafka_threads import DaemonExecutor, unless_stopped
-from worker.kafka.rdkafka_types import (
+from worker.kafka.feed import REFUSED_CODES, Admits, Dispatch, Feed, Rebalance, refused
+from worker.kafka.rdkafka.threads import DaemonExecutor, unless_stopped
+from worker.kafka.rdkafka.types import (
     committed_of,
     from_rd_error,
     record_of,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import confluent_kafka
 
-from worker.kafka.rdkafka_types import headers_of, record_of
+from worker.kafka.rdkafka.types import headers_of, record_of
 
 
 def test_a_message_becomes_the_same_record_aiokafka_gives() -> None:

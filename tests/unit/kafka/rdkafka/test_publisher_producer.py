@@ -10,8 +10,8 @@ import asyncio
 
 import pytest
 
-from tests.unit.kafka.rdkafka_fakes import Broker, KafkaError, rd_error
-from worker.kafka.rdkafka_publisher import RdProducer
+from tests.unit.kafka.rdkafka.fakes import Broker, KafkaError, rd_error
+from worker.kafka.rdkafka.publisher import RdProducer
 
 pytestmark = pytest.mark.timeout(10)
 

@@ -14,14 +14,14 @@ from aiokafka.errors import CommitFailedError, KafkaError, MessageSizeTooLargeEr
 from confluent_kafka.aio import AIOConsumer
 
 from devtools.devstack.process import free_port
-from worker.kafka import rdkafka_log
-from worker.kafka.rdkafka_config import (
+from worker.kafka.rdkafka import log as rdkafka_log
+from worker.kafka.rdkafka.config import (
     OAUTH_DEFAULT_LIFETIME_S,
     consumer_config,
     oauth_token,
     producer_config,
 )
-from worker.kafka.rdkafka_types import from_rd_error
+from worker.kafka.rdkafka.types import from_rd_error
 from worker.settings import ConfigError, Settings, load_settings
 
 REQUIRED = {

@@ -20,11 +20,12 @@ from typing import Any
 import pytest
 from aiokafka.structs import ConsumerRecord, OffsetAndMetadata, TopicPartition
 
-from tests.unit.kafka.rdkafka_fakes import Broker, KafkaError, rd_error
+from tests.unit.kafka.rdkafka.fakes import Broker, KafkaError, rd_error
 from worker.delivery.exactly_once_group import GroupFencedExactlyOnce
 from worker.delivery.offsets import OffsetTracker
 from worker.errors import OutputTooLarge
-from worker.kafka import rdkafka_transactions
+from worker.kafka.edge import GroupFenced
+from worker.kafka.rdkafka import transactions as rdkafka_transactions
 from worker.observability import Metrics
 from worker.settings import load_settings
 
@@ -107,7 +108,10 @@ async def _started() -> GroupFencedExactlyOnce:
         OffsetTracker(),
         Edge(),
         Metrics(version="test"),
-        producer_config={"bootstrap.servers": "127.0.0.1:9", "batch.size": 512 * 1024},
+        transactions=GroupFenced(
+            {"bootstrap.servers": "127.0.0.1:9", "batch.size": 512 * 1024},
+            rdkafka_transactions.GroupTransactions,
+        ),
     )
     await delivery.assigned(set(PARTITIONS))
     return delivery

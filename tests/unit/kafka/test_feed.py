@@ -9,7 +9,7 @@ from typing import Any
 from aiokafka.structs import ConsumerRecord, TopicPartition
 
 from worker.flow.window import Window
-from worker.kafka.intake import Feed
+from worker.kafka.feed import Feed
 
 PARTITIONS = [TopicPartition("in", p) for p in range(4)]
 

@@ -8,7 +8,7 @@ from aiokafka import AIOKafkaConsumer
 from aiokafka.consumer.group_coordinator import GroupCoordinator
 from aiokafka.structs import TopicPartition
 
-from worker.kafka._compat import rebalancing
+from worker.kafka.aiokafka._compat import rebalancing
 
 
 class _Coordinator:

@@ -17,10 +17,11 @@ from aiokafka.errors import (
 )
 from aiokafka.structs import OffsetAndMetadata, TopicPartition
 
-from tests.unit.delivery.fakes import Factory, FakeProducer
-from worker.delivery import transactions
-from worker.delivery.transactions import Message, PartitionProducer, ProducerStartFailed
+from tests.unit.kafka.aiokafka.fakes import Factory, FakeProducer
 from worker.flow.retry import Backoff
+from worker.kafka.aiokafka import transactions
+from worker.kafka.aiokafka.transactions import PartitionProducer
+from worker.kafka.transactions import Message, ProducerStartFailed, TransactionOutcome
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -86,7 +87,7 @@ async def test_transaction_commits_messages_and_offset() -> None:
     producer = _partition_producer(factory)
     await producer.start()
     outcome = await producer.run_transaction(MESSAGES, 12)
-    assert outcome == transactions.TransactionOutcome(committed=True)
+    assert outcome == TransactionOutcome(committed=True)
     made = factory.made[0]
     assert made.sent == MESSAGES
     assert made.offsets == [{TP: OffsetAndMetadata(12, "")}]
@@ -130,7 +131,7 @@ async def test_message_refused_for_size_is_named_and_the_transaction_aborted() -
     producer = _partition_producer(factory)
     await producer.start()
     outcome = await producer.run_transaction(MESSAGES, 12)
-    assert outcome == transactions.TransactionOutcome(committed=False, too_large=(1,))
+    assert outcome == TransactionOutcome(committed=False, too_large=(1,))
     first = factory.made[0]
     assert first.calls == ["start", "begin", "abort", "stop"]
     assert first.offsets == []  # the offset never went into the aborted transaction

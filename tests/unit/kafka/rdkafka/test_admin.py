@@ -7,7 +7,7 @@ from confluent_kafka import KafkaError
 from confluent_kafka.admin import AclOperation
 
 from worker.checks import probes
-from worker.kafka.rdkafka_admin import NOT_REPORTED, _bits, refusal_message
+from worker.kafka.rdkafka.admin import NOT_REPORTED, _bits, refusal_message
 
 pytestmark = pytest.mark.unit
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import confluent_kafka
 import pytest
 
-from tests.unit.kafka.rdkafka_fakes import Broker
+from tests.unit.kafka.rdkafka.fakes import Broker
 
 
 @pytest.fixture

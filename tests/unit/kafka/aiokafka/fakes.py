@@ -1,4 +1,4 @@
-"""An in-memory aiokafka transactional producer for the delivery unit tests.
+"""An in-memory aiokafka transactional producer for the transactions and delivery unit tests.
 
 What ``PartitionProducer`` uses of ``AIOKafkaProducer``, each call recorded, with the
 failures a real broker cannot be made to produce on demand set per producer: a start
@@ -15,7 +15,7 @@ from aiokafka import AIOKafkaProducer
 from aiokafka.errors import MessageSizeTooLargeError
 from aiokafka.structs import OffsetAndMetadata, TopicPartition
 
-from worker.delivery.transactions import Message
+from worker.kafka.transactions import Message
 
 
 class _TxnManager:

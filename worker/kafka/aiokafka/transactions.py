@@ -1,18 +1,18 @@
-"""One input partition's transactional producer: started, used for one transaction at a time,
-replaced after a failure, never left with a transaction half-handled.
+"""One input partition's transactional producer on aiokafka, never left half-handled.
 
-Every path through ``run_transaction`` ends in a commit, an abort, or the producer
-closed (and, when the partition is still ours, re-created: initialising the same
-transactional id aborts whatever the old producer left open). A fenced producer is
-never re-created: another member owns the partition now.
+Started, used for one transaction at a time, replaced after a failure. Every path through
+``run_transaction`` ends in a commit, an abort, or the producer closed (and, when the
+partition is still ours, re-created: initialising the same transactional id aborts
+whatever the old producer left open). A fenced producer is never re-created: another
+member owns the partition now.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import structlog
 from aiokafka import AIOKafkaProducer
@@ -24,17 +24,18 @@ from aiokafka.errors import (
 )
 from aiokafka.structs import OffsetAndMetadata, TopicPartition
 
-from worker.errors import Fatal
 from worker.flow.retry import Backoff
-from worker.kafka._compat import in_transaction
-from worker.wire import Headers
+from worker.kafka.aiokafka._compat import in_transaction
+from worker.kafka.publisher import kafka_compression
+from worker.kafka.transactions import Message, ProducerStartFailed, TransactionOutcome
+from worker.settings import KafkaSettings
 
-__all__ = ["Message", "PartitionProducer", "ProducerStartFailed", "TransactionOutcome"]
+__all__ = ["PartitionProducer", "ProducerFactory", "transactional_producer"]
 
 log = structlog.get_logger(__name__)
 
-#: (topic, value, key, headers) of one record a transaction writes.
-Message = tuple[str, bytes | None, bytes | None, Headers]
+#: Makes a partition's transactional producer (not started) for a transactional id.
+ProducerFactory = Callable[[str], AIOKafkaProducer]
 
 #: Tries of starting a partition's producer before the worker gives up on it: with the
 #: backoff, a broker out of reach for about a minute. Five tries (7.5 s) were outlasted by
@@ -44,19 +45,6 @@ _START_ATTEMPTS = 20
 _START_BACKOFF = Backoff(first_s=0.5, max_s=4.0)
 
 
-class ProducerStartFailed(Fatal):
-    """A partition's transactional producer cannot start: its outcomes could never be written."""
-
-
-@dataclass(frozen=True, slots=True)
-class TransactionOutcome:
-    """How one transaction ended: committed, or which messages the broker refused for size."""
-
-    committed: bool
-    fenced: bool = False
-    too_large: tuple[int, ...] = ()  # indexes into the messages sent
-
-
 class PartitionProducer:
     """The transactional producer of one input partition."""
 
@@ -64,7 +52,7 @@ class PartitionProducer:
         self,
         tp: TopicPartition,
         transactional_id: str,
-        factory: Callable[[str], AIOKafkaProducer],
+        factory: ProducerFactory,
         group_id: str,
     ) -> None:
         self.tp = tp
@@ -189,3 +177,24 @@ class PartitionProducer:
 async def _stop_quietly(producer: AIOKafkaProducer) -> None:
     with contextlib.suppress(KafkaError, AssertionError, OSError):
         await producer.stop()
+
+
+def transactional_producer(
+    kafka: KafkaSettings,
+    transactional_id: str,
+    *,
+    client_kwargs: Mapping[str, Any],
+    max_request_bytes: int,
+) -> AIOKafkaProducer:
+    """A partition's transactional producer, not started; its client id names the partition."""
+    return AIOKafkaProducer(
+        bootstrap_servers=kafka.bootstrap_servers,
+        client_id=f"{kafka.client_id}-{transactional_id.rsplit('-', 2)[-2]}",
+        transactional_id=transactional_id,
+        acks="all",
+        enable_idempotence=True,
+        linger_ms=kafka.linger_ms,
+        max_request_size=max_request_bytes,
+        compression_type=kafka_compression(kafka.compression_type),
+        **client_kwargs,
+    )

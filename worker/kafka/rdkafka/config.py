@@ -18,8 +18,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from worker.kafka import rdkafka_log
 from worker.kafka.options import sasl_credentials
+from worker.kafka.rdkafka import log as rdkafka_log
 from worker.settings import ConfigError, KafkaAuthSettings, KafkaSettings
 from worker.settings.secrets import check_file, read_secret
 

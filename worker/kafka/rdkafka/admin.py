@@ -30,11 +30,14 @@ from confluent_kafka.admin import AdminClient
 
 from worker.flow.bounded import CLOSE_TIMEOUT_S
 from worker.flow.retry import Backoff
-from worker.kafka import rdkafka_config, rdkafka_log
-from worker.kafka.rdkafka_threads import in_thread, teardown
+from worker.kafka.rdkafka import config as rdkafka_config
+from worker.kafka.rdkafka import log as rdkafka_log
+from worker.kafka.rdkafka.threads import in_thread, teardown
 from worker.settings import Settings
 
-__all__ = ["NOT_REPORTED", "Interrupted", "RdAdmin", "refusal_message"]
+#: ``KafkaException``: what the admin's calls raise (imported from here by the checks, so
+#: that confluent_kafka is imported in worker.kafka alone).
+__all__ = ["NOT_REPORTED", "Interrupted", "KafkaException", "RdAdmin", "refusal_message"]
 
 #: The operations field's value when the broker did not report them (as on the wire).
 NOT_REPORTED = -(2**31)

@@ -33,17 +33,17 @@ import structlog
 from aiokafka.errors import KafkaError, MessageSizeTooLargeError
 from aiokafka.structs import TopicPartition
 
-from worker.delivery.transactions import Message, ProducerStartFailed, TransactionOutcome
 from worker.flow.retry import Backoff
-from worker.kafka.rdkafka_publisher import RdProducer
-from worker.kafka.rdkafka_threads import in_thread
+from worker.kafka.rdkafka.publisher import RdProducer
+from worker.kafka.rdkafka.threads import in_thread
+from worker.kafka.transactions import Message, ProducerStartFailed, TransactionOutcome
 
 __all__ = ["GroupTransactions"]
 
 log = structlog.get_logger(__name__)
 
 #: Tries of starting the producer: with the backoff, a broker out of reach for about a
-#: minute (a broker restart must not end the worker; see worker/delivery/transactions.py).
+#: minute (a broker restart must not end the worker; see kafka/aiokafka/transactions.py).
 _START_ATTEMPTS = 20
 _START_BACKOFF = Backoff(first_s=0.5, max_s=4.0)
 #: Bound on one transactional call (init, offsets, commit, abort).

@@ -10,8 +10,8 @@ from collections.abc import Iterator
 import pytest
 from confluent_kafka import KafkaError
 
-from worker.kafka import rdkafka_log
-from worker.kafka.rdkafka_log import RdLogger, Repeats, on_error
+from worker.kafka.rdkafka import log as rdkafka_log
+from worker.kafka.rdkafka.log import RdLogger, Repeats, on_error
 from worker.observability import configure_logging
 from worker.observability.logging import reset_logging
 

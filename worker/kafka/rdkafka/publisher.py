@@ -1,8 +1,8 @@
 """Results and dead letters through librdkafka (``WORKER_KAFKA_CLIENT=confluent``).
 
-The same ``Publisher`` (idempotent, ``acks=all``; a record counts as done once the
-broker acks it; dead letters slimmed when refused for their size), with librdkafka
-underneath: ``produce`` only queues the record, librdkafka's own threads frame,
+The producers under the same ``Publisher`` (idempotent, ``acks=all``; a record counts as
+done once the broker acks it; dead letters slimmed when refused for their size), with
+librdkafka underneath: ``produce`` only queues the record, librdkafka's own threads frame,
 compress and batch it, and a poll thread hands each delivery report back to the
 event loop as the result of the record's future. librdkafka keeps the idempotent
 sequence numbers itself (a batch refused for its size does not wedge the partition,
@@ -18,20 +18,19 @@ import contextlib
 import functools
 import threading
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import confluent_kafka
 import structlog
 from aiokafka.errors import KafkaError
-from aiokafka.structs import ConsumerRecord
 
-from worker import errors
-from worker.kafka.publisher import Headers, Publisher, settle_acks, write_with_retries
-from worker.kafka.rdkafka_threads import in_thread, teardown
-from worker.kafka.rdkafka_types import from_rd_error
+from worker.kafka.publisher import Headers
+from worker.kafka.rdkafka.threads import in_thread, teardown
+from worker.kafka.rdkafka.types import from_rd_error
+from worker.kafka.writes import settle_acks
 
-__all__ = ["RdProducer", "RdPublisher"]
+__all__ = ["RdProducer", "RdProducers"]
 
 log = structlog.get_logger(__name__)
 
@@ -169,23 +168,11 @@ async def _destroy(producer: confluent_kafka.Producer) -> None:
     await teardown(destroy, "producer", _DESTROY_TIMEOUT_S)
 
 
-class RdPublisher(Publisher):
-    """The idempotent publisher of results and dead letters, on librdkafka."""
+class RdProducers:
+    """The publisher's producer on librdkafka (``Producer``): the producer of every write,
+    and one whose batches hold one record, started when first needed."""
 
-    def __init__(
-        self,
-        config: Mapping[str, Any],
-        *,
-        output_topic: str,
-        dlq_topic: str,
-        write_attempts: int = 5,
-        on_value_omitted: Callable[[], None] | None = None,
-    ) -> None:
-        # Publisher.__init__ is not called: it builds aiokafka's producer.
-        self.output_topic = output_topic
-        self.dlq_topic = dlq_topic
-        self._write_attempts = write_attempts
-        self._on_value_omitted = on_value_omitted
+    def __init__(self, config: Mapping[str, Any]) -> None:
         self._rd = RdProducer(config)
         # One record per batch: a record refused for its size did not share its batch.
         self._solo = RdProducer({**config, "batch.num.messages": 1, "linger.ms": 0})
@@ -200,73 +187,44 @@ class RdPublisher(Publisher):
         await self._rd.stop()
         await self._solo.stop()
 
-    async def _send(
-        self,
-        topic: str,
-        value: bytes | None,
-        key: bytes | None,
-        headers: Headers,
-        failure: type[errors.WriteFailed],
+    async def write(
+        self, topic: str, value: bytes | None, key: bytes | None, headers: Headers
     ) -> Any:
-        async def send_once() -> Any:
-            return await (await self._rd.send(topic, value, key, headers))
+        return await (await self._rd.send(topic, value, key, headers))
 
-        return await write_with_retries(
-            send_once, what=f"write to {topic!r}", attempts=self._write_attempts, failure=failure
-        )
-
-    async def _send_alone(
-        self,
-        topic: str,
-        value: bytes | None,
-        key: bytes | None,
-        headers: Headers,
-        failure: type[errors.WriteFailed],
+    async def write_alone(
+        self, topic: str, value: bytes | None, key: bytes | None, headers: Headers
     ) -> Any:
         async with self._solo_lock:
             if not self._solo_started:
                 await self._solo.start()
                 self._solo_started = True
+        return await (await self._solo.send(topic, value, key, headers))
 
-        async def send_once() -> Any:
-            return await (await self._solo.send(topic, value, key, headers))
+    def replaced(self, exc: KafkaError) -> bool:
+        """Never: librdkafka's producer is not replaced."""
+        return False
 
-        return await write_with_retries(
-            send_once, what=f"write to {topic!r}", attempts=self._write_attempts, failure=failure
-        )
-
-    async def publish_results(
-        self, record: ConsumerRecord[bytes, bytes], results: Sequence[tuple[bytes, Headers]]
-    ) -> None:
-        """Several results of one record, in order: queued together, then acknowledged;
-        from the first not acknowledged on, written again one by one (see Publisher)."""
-        if len(results) == 1:
-            await self.write_result(results[0][0], record.key, results[0][1])
-            return
+    async def send_in_order(
+        self, topic: str, key: bytes | None, results: Sequence[tuple[bytes, Headers]]
+    ) -> int:
         sent: list[asyncio.Future[Any]] = []
         with contextlib.suppress(KafkaError):
             for value, headers in results:
-                sent.append(await self._rd.send(self.output_topic, value, record.key, headers))
+                sent.append(await self._rd.send(topic, value, key, headers))
         acks = await asyncio.gather(*sent, return_exceptions=True)
-        failed = next(
-            (i for i, ack in enumerate(acks) if isinstance(ack, BaseException)), len(sent)
-        )
-        for value, headers in results[failed:]:
-            await self.write_result(value, record.key, headers)
+        return next((i for i, ack in enumerate(acks) if isinstance(ack, BaseException)), len(sent))
 
-    async def publish_many(
-        self, results: Sequence[tuple[ConsumerRecord[bytes, bytes], bytes, Headers]]
+    async def send_together(
+        self, topic: str, records: Sequence[tuple[bytes | None, bytes, Headers]]
     ) -> list[BaseException | None]:
-        """Results of several records (the fast path): every send queued, then every
-        report awaited; None per result acknowledged, else its error (see Publisher)."""
         sent: list[asyncio.Future[Any] | BaseException] = []
-        for record, value, headers in results:
+        for key, value, headers in records:
             try:
-                sent.append(await self._rd.send(self.output_topic, value, record.key, headers))
+                sent.append(await self._rd.send(topic, value, key, headers))
             except Exception as exc:  # refused before sending: the caller writes it alone
                 sent.append(exc)
         return await settle_acks(sent)
 
     async def send_audit(self, topic: str, value: bytes, key: bytes | None) -> Any:
-        """Write an audit record and wait for the broker's ack."""
         return await (await self._rd.send(topic, value, key, None))

@@ -1,0 +1,84 @@
+"""The Kafka client is chosen in one place: only ``worker/kafka/edge.py`` reads
+``WORKER_KAFKA_CLIENT``, only ``worker/kafka/`` imports confluent_kafka, and aiokafka is
+imported outside it only where ``AIOKAFKA_OUTSIDE_KAFKA`` says why."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from devtools.layout import AIOKAFKA_OUTSIDE_KAFKA, PROJECT_ROOT, module_name, runtime_modules
+
+#: Where the setting may be compared: the edge that chooses, and the settings that define
+#: and check it.
+_READS_THE_CLIENT = {"worker/kafka/edge.py", "worker/settings/sections.py"}
+
+
+def _relative(path: Path) -> str:
+    return path.relative_to(PROJECT_ROOT).as_posix()
+
+
+def _compares_the_client(tree: ast.AST) -> bool:
+    """A comparison with ``<something>.kafka_client`` on either side."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            if any(isinstance(s, ast.Attribute) and s.attr == "kafka_client" for s in sides):
+                return True
+    return False
+
+
+def _imported_roots(tree: ast.AST) -> set[str]:
+    """The top-level names of the absolute imports of a module."""
+    roots: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            roots.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            roots.add(node.module.split(".")[0])
+    return roots
+
+
+def _outside_kafka() -> list[Path]:
+    return [p for p in runtime_modules() if not _relative(p).startswith("worker/kafka/")]
+
+
+def test_only_the_edge_compares_the_kafka_client_setting() -> None:
+    """``kafka_client`` is compared in worker/kafka/edge.py (and the settings) alone:
+    delivery, the checks and the commands ask the edge."""
+    found = {
+        _relative(path)
+        for path in runtime_modules()
+        if _compares_the_client(ast.parse(path.read_text()))
+    }
+    assert found - _READS_THE_CLIENT == set()
+    assert "worker/kafka/edge.py" in found
+
+
+def test_the_client_check_finds_a_comparison() -> None:
+    """The check above can fail: either side of a comparison is seen."""
+    assert _compares_the_client(ast.parse('if settings.kafka.kafka_client == "confluent": pass'))
+    assert _compares_the_client(ast.parse('x = "aiokafka" != kafka.kafka_client'))
+    assert not _compares_the_client(ast.parse("client = settings.kafka.kafka_client"))
+
+
+def test_only_the_kafka_edge_imports_confluent_kafka() -> None:
+    """No module outside worker/kafka/ imports confluent_kafka, even lazily."""
+    offenders = {
+        _relative(path)
+        for path in _outside_kafka()
+        if "confluent_kafka" in _imported_roots(ast.parse(path.read_text()))
+    }
+    assert offenders == set()
+
+
+def test_aiokafka_is_imported_outside_the_kafka_edge_only_where_listed() -> None:
+    """Outside worker/kafka/, Kafka's types come from worker.kafka.types; the modules that
+    use aiokafka's clients are listed with why, and the list only shrinks."""
+    importing = {
+        module_name(path)
+        for path in _outside_kafka()
+        if "aiokafka" in _imported_roots(ast.parse(path.read_text()))
+    }
+    assert importing - set(AIOKAFKA_OUTSIDE_KAFKA) == set()
+    assert set(AIOKAFKA_OUTSIDE_KAFKA) <= importing, "a module no longer imports aiokafka"

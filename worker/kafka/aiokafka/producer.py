@@ -1,0 +1,190 @@
+"""The publisher's producer on aiokafka: idempotent (``acks=all``), replaced after a refusal
+for size, so that the partition it wrote to takes writes again.
+
+aiokafka gives a batch its partition's next sequence numbers when it sends it, and does
+not take them back when the broker refuses the batch: every later batch to that partition
+would be refused with OutOfOrderSequenceNumber. The producer of such a refusal is replaced
+by a fresh one (new producer id, sequences from 0); writes it left unsent fail with
+ProducerClosed and are tried again on the new one (``replaced``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Mapping, Sequence
+from typing import Any, TypeVar
+
+import structlog
+from aiokafka import AIOKafkaProducer
+from aiokafka.errors import (
+    KafkaError,
+    MessageSizeTooLargeError,
+    OutOfOrderSequenceNumber,
+    ProducerClosed,
+)
+from aiokafka.partitioner import DefaultPartitioner
+
+from worker.kafka.aiokafka._compat import fail_unsent
+from worker.kafka.publisher import Headers, kafka_compression
+from worker.kafka.writes import Retirements, settle_acks
+
+__all__ = ["AioProducer"]
+
+log = structlog.get_logger(__name__)
+
+_T = TypeVar("_T")
+
+#: Producer batch per partition. aiokafka's 16 KiB default fills after ~40 results;
+#: senders then queue behind the in-flight batch, which costs CPU per record.
+_MAX_BATCH_BYTES = 512 * 1024
+
+
+class AioProducer:
+    """An idempotent aiokafka producer, renewed after a size refusal (``Producer``)."""
+
+    def __init__(
+        self,
+        bootstrap_servers: str,
+        *,
+        topics: Sequence[str],
+        client_id: str,
+        linger_ms: int,
+        max_request_bytes: int,
+        client_kwargs: Mapping[str, Any],
+        compression_type: str = "none",
+    ) -> None:
+        """``topics``: those it writes to, known to a fresh producer before it takes writes;
+        ``max_request_bytes`` bounds one record, headers included."""
+        self._topics = tuple(topics)
+        self._producer_kwargs: dict[str, Any] = dict(
+            bootstrap_servers=bootstrap_servers,
+            client_id=client_id,
+            acks="all",
+            enable_idempotence=True,
+            linger_ms=linger_ms,
+            max_request_size=max_request_bytes,
+            max_batch_size=min(_MAX_BATCH_BYTES, max_request_bytes),
+            compression_type=kafka_compression(compression_type),
+            **client_kwargs,
+        )
+        self._producer = AIOKafkaProducer(**self._producer_kwargs)
+        # Bumped each time the producer is replaced (see _renew_producer).
+        self._generation = 0
+        self._renewing = asyncio.Lock()
+        # Which producers were stopped: their sends still pending are never acknowledged.
+        self._retired = Retirements()
+
+    async def start(self) -> None:
+        await self._producer.start()
+
+    async def stop(self) -> None:
+        """Flush what is pending and close. Idempotent."""
+        await self._producer.stop()
+
+    async def _renew_producer(self, generation: int, reason: BaseException) -> None:
+        """Replace the producer of ``generation`` by a fresh one (new producer id), once.
+
+        The old one is flushed and closed: its pending batches land, or fail and are
+        retried by their writers on the new one.
+        """
+        async with self._renewing:
+            if generation != self._generation:
+                return  # another writer already replaced it
+            old = self._producer
+            fresh = AIOKafkaProducer(**self._producer_kwargs)
+            try:
+                await fresh.start()
+                # Known before it takes writes: a send waiting for a topic's metadata on
+                # a producer stopped meanwhile (another refusal) would wait for ever.
+                for topic in self._topics:
+                    await fresh.partitions_for(topic)
+            except BaseException:
+                await fresh.stop()
+                raise
+            self._producer, self._generation = fresh, generation + 1
+        log.warning("producer_renewed", reason=f"{type(reason).__name__}: {reason}")
+        try:
+            await old.stop()
+        finally:
+            # What it left unsent fails, so that its writers try again on the new producer.
+            fail_unsent(old, ProducerClosed())
+            self._retired.retire(generation)
+
+    async def _acked(self, generation: int, sent: Awaitable[_T]) -> _T:
+        """The broker's ack of a record sent by the producer of ``generation``.
+
+        A size refusal or a sequence gap leaves that producer unable to write to
+        the partition again: it is renewed before the error propagates.
+        """
+        try:
+            return await self._retired.ack(generation, sent)
+        except (MessageSizeTooLargeError, OutOfOrderSequenceNumber) as exc:
+            await self._renew_producer(generation, exc)
+            raise
+
+    async def write(
+        self, topic: str, value: bytes | None, key: bytes | None, headers: Headers
+    ) -> Any:
+        generation, producer = self._generation, self._producer
+        # A record over the producer's own limit is refused here, before it is sent.
+        sent = await producer.send(topic, value=value, key=key, headers=list(headers))
+        return await self._acked(generation, sent)
+
+    async def write_alone(
+        self, topic: str, value: bytes | None, key: bytes | None, headers: Headers
+    ) -> Any:
+        generation, producer = self._generation, self._producer
+        batch = producer.create_batch()
+        if batch.append(key=key, value=value, timestamp=None, headers=list(headers)) is None:
+            raise MessageSizeTooLargeError("larger than the producer's request limit")
+        batch.close()
+        partitions = sorted(await producer.partitions_for(topic))
+        partition = DefaultPartitioner()(key, partitions, partitions)
+        sent = await producer.send_batch(batch, topic, partition=partition)
+        return await self._acked(generation, sent)
+
+    def replaced(self, exc: KafkaError) -> bool:
+        """The write failed because its producer was replaced (another record's size refusal
+        broke its sequence numbers, or it was closed with the write unsent)."""
+        return isinstance(exc, OutOfOrderSequenceNumber | ProducerClosed)
+
+    async def send_in_order(
+        self, topic: str, key: bytes | None, results: Sequence[tuple[bytes, Headers]]
+    ) -> int:
+        generation, producer, sent = self._generation, self._producer, []
+        with contextlib.suppress(KafkaError):
+            for value, headers in results:
+                sent.append(await producer.send(topic, value=value, key=key, headers=list(headers)))
+        acks = await asyncio.gather(
+            *(self._acked(generation, future) for future in sent), return_exceptions=True
+        )
+        return next((i for i, ack in enumerate(acks) if isinstance(ack, BaseException)), len(sent))
+
+    async def send_together(
+        self, topic: str, records: Sequence[tuple[bytes | None, bytes, Headers]]
+    ) -> list[BaseException | None]:
+        generation, producer = self._generation, self._producer
+        sent: list[asyncio.Future[Any] | BaseException] = []
+        for key, value, headers in records:
+            try:
+                sent.append(await producer.send(topic, value=value, key=key, headers=list(headers)))
+            except Exception as exc:  # refused before sending (its size), or the producer's state
+                sent.append(exc)
+        outcomes = await settle_acks(sent)
+        refused = next(
+            (
+                o
+                for o in outcomes
+                if isinstance(o, MessageSizeTooLargeError | OutOfOrderSequenceNumber)
+            ),
+            None,
+        )
+        if refused is not None:
+            # As in _acked: this producer cannot write to that partition again.
+            await self._renew_producer(generation, refused)
+        return outcomes
+
+    async def send_audit(self, topic: str, value: bytes, key: bytes | None) -> Any:
+        sent = await self._producer.send(topic, value=value, key=key)
+        return await sent
