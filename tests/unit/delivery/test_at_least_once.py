@@ -6,59 +6,20 @@ test can make a commit fail on demand, which a real broker will not do when aske
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
 import structlog
-from aiokafka.errors import CommitFailedError, MessageSizeTooLargeError
-from aiokafka.structs import ConsumerRecord, OffsetAndMetadata, TopicPartition
+from aiokafka.errors import MessageSizeTooLargeError
+from aiokafka.structs import OffsetAndMetadata
 
+from tests.unit.delivery.fakes import TP, Edge, record
 from worker.delivery import AtLeastOnce
 from worker.delivery.offsets import OffsetTracker
 from worker.observability import Metrics
 
 pytestmark = pytest.mark.timeout(10)
-
-TP = TopicPartition("in", 0)
-
-
-class Edge:
-    """The consumer as delivery sees it: commits are recorded, or fail when told."""
-
-    def __init__(self, committed: dict[TopicPartition, OffsetAndMetadata] | None = None) -> None:
-        self.commits: list[dict[TopicPartition, int]] = []
-        self.metadata: list[dict[TopicPartition, str]] = []
-        self.committed = dict(committed or {})
-        self.fail_next = False
-
-    async def fetch_committed(
-        self, partitions: Iterable[TopicPartition]
-    ) -> dict[TopicPartition, OffsetAndMetadata]:
-        return {tp: self.committed[tp] for tp in partitions if tp in self.committed}
-
-    def seek(self, tp: TopicPartition, offset: int) -> None:
-        raise AssertionError("at_least_once never seeks")
-
-    def owns(self, tp: TopicPartition) -> bool:
-        return True
-
-    def assignment(self) -> set[TopicPartition]:
-        return {TP}
-
-    def highwater(self, tp: TopicPartition) -> int | None:
-        return 100
-
-    async def commit(self, offsets: Mapping[TopicPartition, OffsetAndMetadata]) -> None:
-        if self.fail_next:
-            self.fail_next = False
-            raise CommitFailedError("rebalancing")
-        self.commits.append({tp: meta.offset for tp, meta in offsets.items()})
-        self.metadata.append({tp: meta.metadata for tp, meta in offsets.items()})
-
-
-def record(offset: int) -> ConsumerRecord[bytes, bytes]:
-    return ConsumerRecord("in", 0, offset, 0, 0, b"k", b"v", None, 1, 1, [])
 
 
 class Publisher:
@@ -80,7 +41,7 @@ def delivery(
 ) -> tuple[AtLeastOnce, Edge, Metrics]:
     """at_least_once over ``edge``; outcomes are delivered by the callables the tests pass,
     results of several records at once by ``sink``'s publish_many."""
-    edge, metrics = edge or Edge(), Metrics(version="test")
+    edge, metrics = edge or Edge(highwater=100), Metrics(version="test")
     built = AtLeastOnce(
         sink, OffsetTracker(), edge, metrics, interval_s=1.0, max_uncommitted=max_uncommitted
     )
@@ -184,7 +145,9 @@ async def test_done_runs_beyond_the_point_travel_in_the_commit_metadata() -> Non
 
 async def test_a_member_starting_from_that_commit_skips_the_listed_records() -> None:
     """The next owner reads the metadata on assignment and settles the listed records at once."""
-    edge = Edge({TP: OffsetAndMetadata(100, "d1:2+1,5+0")})  # 102, 103, 105 done
+    edge = Edge(
+        highwater=100, committed={TP: OffsetAndMetadata(100, "d1:2+1,5+0")}
+    )  # 102, 103, 105 done
     d, _, metrics = delivery(edge)
     await d.assigned({TP})
     settled = [o for o in range(100, 107) if d.settle_if_done(record(o), d.track(record(o)))]
@@ -195,7 +158,7 @@ async def test_a_member_starting_from_that_commit_skips_the_listed_records() -> 
 
 async def test_metadata_of_another_start_is_not_used() -> None:
     """A partition starting elsewhere than the commit (offset reset) skips nothing."""
-    edge = Edge({TP: OffsetAndMetadata(100, "d1:2+1")})
+    edge = Edge(highwater=100, committed={TP: OffsetAndMetadata(100, "d1:2+1")})
     d, _, _ = delivery(edge)
     await d.assigned({TP})
     assert not d.settle_if_done(record(150), d.track(record(150)))
@@ -207,7 +170,7 @@ async def test_metadata_it_could_not_have_written_is_ignored_logged_once_and_cou
     text: str,
 ) -> None:
     """A run past the bound (or past sys.maxsize), or another format: every record processed."""
-    edge = Edge({TP: OffsetAndMetadata(100, text)})
+    edge = Edge(highwater=100, committed={TP: OffsetAndMetadata(100, text)})
     d, _, metrics = delivery(edge, max_uncommitted=1000)
     with structlog.testing.capture_logs() as logs:
         await d.assigned({TP})
@@ -221,7 +184,9 @@ async def test_metadata_it_could_not_have_written_is_ignored_logged_once_and_cou
 
 async def test_a_run_within_the_bound_is_trusted() -> None:
     """The farthest run a worker with this bound could have written is still skipped."""
-    edge = Edge({TP: OffsetAndMetadata(100, "d1:3e7+0")})  # point + 999, the bound being 1000
+    edge = Edge(
+        highwater=100, committed={TP: OffsetAndMetadata(100, "d1:3e7+0")}
+    )  # point + 999, the bound being 1000
     d, _, metrics = delivery(edge, max_uncommitted=1000)
     await d.assigned({TP})
     assert not d.settle_if_done(record(100), d.track(record(100)))

@@ -7,11 +7,12 @@ commit that records its calls (the modes' own commits are tested with each mode)
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 
 import pytest
-from aiokafka.structs import ConsumerRecord, OffsetAndMetadata, TopicPartition
+from aiokafka.structs import TopicPartition
 
+from tests.unit.delivery.fakes import TP, Edge, record
 from worker import errors
 from worker.delivery.base import TrackingDelivery
 from worker.delivery.offsets import OffsetTracker
@@ -19,48 +20,20 @@ from worker.observability import Metrics
 
 pytestmark = pytest.mark.timeout(10)
 
-TP = TopicPartition("in", 0)
-
-
-class Edge:
-    """The consumer as delivery sees it: partition in-0 assigned, its end at 50."""
-
-    def assignment(self) -> set[TopicPartition]:
-        return {TP}
-
-    def highwater(self, tp: TopicPartition) -> int | None:
-        return 50
-
-    async def commit(self, offsets: Mapping[TopicPartition, OffsetAndMetadata]) -> None:
-        raise AssertionError("the base commits nothing itself")
-
-    async def fetch_committed(
-        self, partitions: Iterable[TopicPartition]
-    ) -> dict[TopicPartition, OffsetAndMetadata]:
-        return {}
-
-    def seek(self, tp: TopicPartition, offset: int) -> None:
-        raise AssertionError("no seek")
-
-    def owns(self, tp: TopicPartition) -> bool:
-        return True
-
 
 class Counting(TrackingDelivery):
     """The base, whose commit counts its calls and tells the test of each."""
 
     def __init__(self, interval_s: float) -> None:
-        super().__init__(OffsetTracker(), Edge(), Metrics(version="test"), interval_s, 10)
+        super().__init__(
+            OffsetTracker(), Edge(highwater=50), Metrics(version="test"), interval_s, 10
+        )
         self.commits = 0
         self.committed = asyncio.Event()
 
     async def commit(self, only: Iterable[TopicPartition] | None = None) -> None:
         self.commits += 1
         self.committed.set()
-
-
-def record(offset: int) -> ConsumerRecord[bytes, bytes]:
-    return ConsumerRecord("in", 0, offset, 0, 0, b"k", b"v", None, 1, 1, [])
 
 
 def test_a_partition_is_tracked_from_its_first_record() -> None:

@@ -10,12 +10,13 @@ topic's limit, a broker restart) are in tests/fault/test_exactly_once_failures.p
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 
 import pytest
 from aiokafka.errors import KafkaConnectionError, RebalanceInProgressError
-from aiokafka.structs import ConsumerRecord, OffsetAndMetadata, TopicPartition
+from aiokafka.structs import OffsetAndMetadata, TopicPartition
 
+from tests.unit.delivery.fakes import TP, Edge, record
 from tests.unit.kafka.aiokafka.fakes import Factory, FakeProducer
 from worker.delivery import ExactlyOnce
 from worker.delivery.offsets import OffsetTracker
@@ -24,7 +25,6 @@ from worker.settings import load_settings
 
 pytestmark = pytest.mark.timeout(10)
 
-TP = TopicPartition("in", 0)
 SETTINGS = load_settings(
     {
         "WORKER_INPUT_TOPICS": "in",
@@ -36,39 +36,11 @@ SETTINGS = load_settings(
 )
 
 
-class Edge:
-    """The consumer as delivery sees it: no committed offset yet, every partition owned."""
-
-    def assignment(self) -> set[TopicPartition]:
-        return {TP}
-
-    def highwater(self, tp: TopicPartition) -> int | None:
-        return None
-
-    async def commit(self, offsets: Mapping[TopicPartition, OffsetAndMetadata]) -> None:
-        raise AssertionError("exactly_once commits in transactions")
-
-    async def fetch_committed(
-        self, partitions: Iterable[TopicPartition]
-    ) -> dict[TopicPartition, OffsetAndMetadata]:
-        return {}
-
-    def seek(self, tp: TopicPartition, offset: int) -> None:
-        raise AssertionError("nothing committed: no seek")
-
-    def owns(self, tp: TopicPartition) -> bool:
-        return True
-
-
-def record(offset: int) -> ConsumerRecord[bytes, bytes]:
-    return ConsumerRecord("in", 0, offset, 0, 0, b"k", b"v", None, 1, 1, [])
-
-
 async def _started(factory: Factory) -> ExactlyOnce:
     delivery = ExactlyOnce(
         SETTINGS,
         OffsetTracker(),
-        Edge(),
+        Edge(transactions_only=True),
         Metrics(version="test"),
         new_producer=factory,  # type: ignore[arg-type]  # a fake at the factory seam
     )
@@ -138,10 +110,8 @@ class _TwoPartitions(Edge):
     """Partitions 0 and 1; the committed offsets are those the producers' transactions sent."""
 
     def __init__(self, producers: dict[str, FakeProducer]) -> None:
+        super().__init__({TP, TP1}, transactions_only=True)
         self._producers = producers
-
-    def assignment(self) -> set[TopicPartition]:
-        return {TP, TP1}
 
     async def fetch_committed(
         self, partitions: Iterable[TopicPartition]

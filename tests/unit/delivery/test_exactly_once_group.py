@@ -10,12 +10,13 @@ against a real broker are in tests/fault/test_exactly_once_group.py.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import pytest
-from aiokafka.structs import ConsumerRecord, OffsetAndMetadata, TopicPartition
+from aiokafka.structs import TopicPartition
 
+from tests.unit.delivery.fakes import Edge, record
 from worker import errors
 from worker.delivery.exactly_once_group import GroupFencedExactlyOnce
 from worker.delivery.offsets import OffsetTracker
@@ -37,38 +38,6 @@ SETTINGS = load_settings(
         "WORKER_KAFKA_CLIENT": "confluent",
     }
 )
-
-
-class Edge:
-    """The consumer: its group metadata (or an error while a rebalance begins)."""
-
-    def __init__(self) -> None:
-        self.metadata_error: Exception | None = None
-
-    def assignment(self) -> set[TopicPartition]:
-        return {TP0, TP1}
-
-    def highwater(self, tp: TopicPartition) -> int | None:
-        return None
-
-    async def commit(self, offsets: Mapping[TopicPartition, OffsetAndMetadata]) -> None:
-        raise AssertionError("exactly_once commits in transactions")
-
-    async def fetch_committed(
-        self, partitions: Iterable[TopicPartition]
-    ) -> dict[TopicPartition, OffsetAndMetadata]:
-        raise AssertionError("librdkafka fetches from the stable committed offsets")
-
-    def seek(self, tp: TopicPartition, offset: int) -> None:
-        raise AssertionError("no seek after assignment")
-
-    def owns(self, tp: TopicPartition) -> bool:
-        return True
-
-    async def group_metadata(self) -> Any:
-        if self.metadata_error is not None:
-            raise self.metadata_error
-        return "generation-7"
 
 
 class Transactions:
@@ -106,16 +75,12 @@ class Transactions:
         return self.outcomes.pop(0) if self.outcomes else TransactionOutcome(committed=True)
 
 
-def record(tp: TopicPartition, offset: int) -> ConsumerRecord[bytes, bytes]:
-    return ConsumerRecord(tp.topic, tp.partition, offset, 0, 0, b"k", b"v", None, 1, 1, [])
-
-
 async def started(edge: Edge | None = None) -> tuple[GroupFencedExactlyOnce, Transactions]:
     txn = Transactions()
     delivery = GroupFencedExactlyOnce(
         SETTINGS,
         OffsetTracker(),
-        edge or Edge(),
+        edge or Edge({TP0, TP1}, transactions_only=True, fetches=False),
         Metrics(version="test"),
         # The producer seam: the fake in place of GroupTransactions.
         transactions=GroupFenced({"bootstrap.servers": "unused:9092"}, lambda _config: txn),  # type: ignore[arg-type,return-value]
@@ -127,7 +92,7 @@ async def started(edge: Edge | None = None) -> tuple[GroupFencedExactlyOnce, Tra
 async def staged(delivery: GroupFencedExactlyOnce, tp: TopicPartition, offset: int) -> Any:
     """Complete the record with a result; returns its task once the result is staged (the
     task ends when the transaction carrying it commits)."""
-    rec = record(tp, offset)
+    rec = record(offset, tp)
     ticket = delivery.track(rec)
     safe = asyncio.Event()
 
@@ -174,7 +139,7 @@ async def test_a_fenced_member_drops_its_partitions_and_their_records() -> None:
 
 async def test_a_rebalance_beginning_defers_the_transaction() -> None:
     """No group metadata (a rebalance began): nothing sent; the next commit carries it."""
-    edge = Edge()
+    edge = Edge({TP0, TP1}, transactions_only=True, fetches=False)
     delivery, txn = await started(edge)
     task = await staged(delivery, TP0, 0)
     edge.metadata_error = RuntimeError("rebalance in progress")

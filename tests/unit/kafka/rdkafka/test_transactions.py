@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Iterable, Mapping
 from typing import Any
 
 import pytest
-from aiokafka.structs import ConsumerRecord, OffsetAndMetadata, TopicPartition
+from aiokafka.structs import ConsumerRecord, TopicPartition
 
+from tests.unit.delivery.fakes import Edge, record
 from tests.unit.kafka.rdkafka.fakes import Broker, KafkaError, rd_error
 from worker.delivery.exactly_once_group import GroupFencedExactlyOnce
 from worker.delivery.offsets import OffsetTracker
@@ -71,42 +71,11 @@ def quick_retries(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(rdkafka_transactions, "_OFFSETS_GRACE_S", 0.1)
 
 
-class Edge:
-    """The consumer as delivery sees it, with its group metadata."""
-
-    def assignment(self) -> set[TopicPartition]:
-        return set(PARTITIONS)
-
-    def highwater(self, tp: TopicPartition) -> int | None:
-        return None
-
-    async def commit(self, offsets: Mapping[TopicPartition, OffsetAndMetadata]) -> None:
-        raise AssertionError("exactly_once commits in transactions")
-
-    async def fetch_committed(
-        self, partitions: Iterable[TopicPartition]
-    ) -> dict[TopicPartition, OffsetAndMetadata]:
-        return {}
-
-    def seek(self, tp: TopicPartition, offset: int) -> None:
-        raise AssertionError("librdkafka fetches from the committed offsets: no seek")
-
-    def owns(self, tp: TopicPartition) -> bool:
-        return True
-
-    async def group_metadata(self) -> Any:
-        return object()
-
-
-def record(tp: TopicPartition, offset: int) -> ConsumerRecord[bytes, bytes]:
-    return ConsumerRecord(tp.topic, tp.partition, offset, 0, 0, b"k", b"v", None, 1, 1, [])
-
-
 async def _started() -> GroupFencedExactlyOnce:
     delivery = GroupFencedExactlyOnce(
         SETTINGS,
         OffsetTracker(),
-        Edge(),
+        Edge(PARTITIONS, transactions_only=True),
         Metrics(version="test"),
         transactions=GroupFenced(
             {"bootstrap.servers": "127.0.0.1:9", "batch.size": 512 * 1024},
@@ -158,7 +127,7 @@ async def _complete_all(
     """Records at ``offsets`` of each partition completed, in turn; their tasks by
     (partition, offset)."""
     return {
-        (tp.partition, o): await _complete(delivery, record(tp, o), dead_lettered)
+        (tp.partition, o): await _complete(delivery, record(o, tp), dead_lettered)
         for o in offsets
         for tp in PARTITIONS
     }

@@ -1,0 +1,83 @@
+"""The consumer as the delivery modes see it, and the records they are given.
+
+One ``Edge`` for every mode's unit tests: what a mode must never ask of the consumer
+(a commit outside a transaction, a read of the committed offsets on librdkafka, a seek)
+fails the test, as each test's settings say.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from aiokafka.errors import CommitFailedError
+from aiokafka.structs import ConsumerRecord, OffsetAndMetadata, TopicPartition
+
+TP = TopicPartition("in", 0)
+
+
+class Edge:
+    """A consumer with ``partitions`` assigned and owned, their log ends at ``highwater``.
+
+    ``committed``: offsets already committed; commits are recorded (and fail once with
+    ``fail_next``), or refused with ``transactions_only`` (exactly_once commits in its
+    transactions). ``fetches=False``: reading the committed offsets fails the test
+    (librdkafka fetches from the stable committed offsets). Seeking always does.
+    """
+
+    def __init__(
+        self,
+        partitions: Iterable[TopicPartition] = (TP,),
+        *,
+        highwater: int | None = None,
+        committed: Mapping[TopicPartition, OffsetAndMetadata] | None = None,
+        transactions_only: bool = False,
+        fetches: bool = True,
+    ) -> None:
+        self.partitions = set(partitions)
+        self._highwater = highwater
+        self.committed = dict(committed or {})
+        self._transactions_only = transactions_only
+        self._fetches = fetches
+        self.commits: list[dict[TopicPartition, int]] = []
+        self.metadata: list[dict[TopicPartition, str]] = []
+        self.fail_next = False
+        self.metadata_error: Exception | None = None
+
+    def assignment(self) -> set[TopicPartition]:
+        return set(self.partitions)
+
+    def highwater(self, tp: TopicPartition) -> int | None:
+        return self._highwater
+
+    def owns(self, tp: TopicPartition) -> bool:
+        return True
+
+    async def commit(self, offsets: Mapping[TopicPartition, OffsetAndMetadata]) -> None:
+        if self._transactions_only:
+            raise AssertionError("exactly_once commits in transactions")
+        if self.fail_next:
+            self.fail_next = False
+            raise CommitFailedError("rebalancing")
+        self.commits.append({tp: meta.offset for tp, meta in offsets.items()})
+        self.metadata.append({tp: meta.metadata for tp, meta in offsets.items()})
+
+    async def fetch_committed(
+        self, partitions: Iterable[TopicPartition]
+    ) -> dict[TopicPartition, OffsetAndMetadata]:
+        if not self._fetches:
+            raise AssertionError("librdkafka fetches from the stable committed offsets")
+        return {tp: self.committed[tp] for tp in partitions if tp in self.committed}
+
+    def seek(self, tp: TopicPartition, offset: int) -> None:
+        raise AssertionError(f"no seek ({tp} to {offset})")
+
+    async def group_metadata(self) -> Any:
+        """librdkafka's group metadata (or the error of a rebalance beginning)."""
+        if self.metadata_error is not None:
+            raise self.metadata_error
+        return "generation-7"
+
+
+def record(offset: int, tp: TopicPartition = TP) -> ConsumerRecord[bytes, bytes]:
+    return ConsumerRecord(tp.topic, tp.partition, offset, 0, 0, b"k", b"v", None, 1, 1, [])
