@@ -53,12 +53,9 @@ AIOKAFKA_OUTSIDE_KAFKA = {
         "the Metadata and DescribeGroups requests of the check, built on aiokafka's protocol "
         "structs (the authorized operations aiokafka's own requests do not ask for)"
     ),
-    "worker.commands.produce": "the produce command's own AIOKafkaProducer",
     "worker.commands.session": (
         "the commands' connection check (create_conn) and the errors it tells apart"
     ),
-    "worker.commands.tail": "the tail command's own AIOKafkaConsumer, without a group",
-    "worker.commands.topics": "the topics command's AIOKafkaAdminClient and NewTopic",
     "worker.replay.transfer": "the replay command's own consumer and transactional producer",
 }
 

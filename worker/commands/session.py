@@ -101,14 +101,6 @@ class Connection:
         """The bootstrap servers, for a client or a message."""
         return self.kafka.bootstrap_servers
 
-    def client(self, suffix: str) -> dict[str, Any]:
-        """Keyword arguments of an aiokafka client named ``<client id>-<suffix>``."""
-        return {
-            "bootstrap_servers": self.kafka.bootstrap_servers,
-            "client_id": f"{self.kafka.client_id}-{suffix}",
-            **self.client_kwargs,
-        }
-
 
 def read_connection(
     args: argparse.Namespace,
