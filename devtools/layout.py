@@ -56,7 +56,6 @@ AIOKAFKA_OUTSIDE_KAFKA = {
     "worker.commands.session": (
         "the commands' connection check (create_conn) and the errors it tells apart"
     ),
-    "worker.replay.transfer": "the replay command's own consumer and transactional producer",
 }
 
 #: Functions of ``worker/`` longer than the contract's 60 lines, each with why; only shrinks.
