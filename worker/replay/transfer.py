@@ -26,7 +26,7 @@ from rich.progress import Progress, TaskID
 from worker.checks import probes
 from worker.kafka import PRODUCER_HEADROOM_BYTES, kafka_client_kwargs
 from worker.kafka.aiokafka import clients
-from worker.kafka.aiokafka._compat import send_to_some_broker
+from worker.kafka.aiokafka import probes as broker
 from worker.kafka.types import KafkaError, TopicPartition
 from worker.replay.plan import DeadLetter, Entry, Outcome, Planner, ReplayPlan
 from worker.settings import KafkaAuthSettings, KafkaSettings
@@ -92,9 +92,7 @@ async def replay(
 
 async def _snapshot(consumer: clients.AIOKafkaConsumer, topic: str) -> dict[TopicPartition, range]:
     """The offsets of every partition of ``topic`` from its start to its end, now."""
-    answer = await probes.describe_topics(
-        lambda request: send_to_some_broker(consumer, request), [topic]
-    )
+    answer = await broker.describe_topics_through(consumer, [topic])
     by_name: dict[str, Any] = {t["topic"]: t for t in answer["topics"]}
     found = by_name.get(topic, {"error_code": 3})
     code = int(found["error_code"])
@@ -152,9 +150,7 @@ async def _check_destinations(consumer: clients.AIOKafkaConsumer, plan: ReplayPl
     topics = sorted({entry.destination for entry in sending})
     if not topics:
         return
-    answer = await probes.describe_topics(
-        lambda request: send_to_some_broker(consumer, request), topics
-    )
+    answer = await broker.describe_topics_through(consumer, topics)
     problems: dict[str, str] = {}
     for found in answer["topics"]:
         code = int(found["error_code"])
