@@ -41,31 +41,6 @@ TOP_LEVEL = ("app", "errors", "audit", "cli", "shutdown")
 #: list only ever shrinks.
 KNOWN_PACKAGE_EDGES: dict[tuple[str, str], str] = {}
 
-
-#: Modules outside ``worker/kafka/`` that import aiokafka itself, each with why; only shrinks.
-#: Kafka's records, partitions, offsets and errors come from ``worker.kafka.types``.
-AIOKAFKA_OUTSIDE_KAFKA = {
-    "worker.checks.kafka": (
-        "the check's own connection to a broker (create_conn, FindCoordinator) and the errors "
-        "it tells apart; moves behind worker/kafka/ with a probe of each client there"
-    ),
-    "worker.checks.probes": (
-        "the Metadata and DescribeGroups requests of the check, built on aiokafka's protocol "
-        "structs (the authorized operations aiokafka's own requests do not ask for)"
-    ),
-    "worker.commands.produce": "the produce command's own AIOKafkaProducer",
-    "worker.commands.session": (
-        "the commands' connection check (create_conn) and the errors it tells apart"
-    ),
-    "worker.commands.tail": "the tail command's own AIOKafkaConsumer, without a group",
-    "worker.commands.topics": "the topics command's AIOKafkaAdminClient and NewTopic",
-    "worker.replay.transfer": "the replay command's own consumer and transactional producer",
-    "worker.observability.inflight": (
-        "the ConsumerRecord type of a record in flight: worker.kafka imports observability, "
-        "so observability cannot take the type from worker.kafka.types"
-    ),
-}
-
 #: Functions of ``worker/`` longer than the contract's 60 lines, each with why; only shrinks.
 LONG_FUNCTIONS: dict[str, str] = {}
 #: The longest function or constructor the contract lets ``worker/`` have.

@@ -4,6 +4,7 @@ later writes."""
 from __future__ import annotations
 
 import asyncio
+import functools
 from typing import Any
 
 import pytest
@@ -13,6 +14,7 @@ from aiokafka.structs import ConsumerRecord, TopicPartition
 from tests.support import Topics
 from tests.support.worker import kafka_client_under_test
 from worker import errors
+from worker.kafka.aiokafka import clients
 from worker.kafka.aiokafka.producer import AioProducer
 from worker.kafka.publisher import Publisher
 from worker.kafka.rdkafka.config import producer_config
@@ -56,27 +58,24 @@ async def _read_partition(
 
 def _publisher(kafka: Any, topics: Topics, unique: str) -> Publisher:
     """The publisher of the client under test (WORKER_TEST_KAFKA_CLIENT)."""
-    if kafka_client_under_test() == "confluent":
-        settings = load_settings(
-            {
-                "WORKER_INPUT_TOPICS": topics.input,
-                "WORKER_OUTPUT_TOPIC": topics.output,
-                "WORKER_DLQ_TOPIC": topics.dlq,
-                "WORKER_BOOTSTRAP_SERVERS": kafka.bootstrap_servers,
-                "WORKER_CLIENT_ID": f"publisher-{unique}",
-                "WORKER_KAFKA_CLIENT": "confluent",
-            }
-        )
+    client = kafka_client_under_test()
+    settings = load_settings(
+        {
+            "WORKER_INPUT_TOPICS": topics.input,
+            "WORKER_OUTPUT_TOPIC": topics.output,
+            "WORKER_DLQ_TOPIC": topics.dlq,
+            "WORKER_BOOTSTRAP_SERVERS": kafka.bootstrap_servers,
+            "WORKER_CLIENT_ID": f"publisher-{unique}",
+            "WORKER_KAFKA_CLIENT": client,
+        }
+    )
+    if client == "confluent":
         config = producer_config(settings.kafka, settings.kafka_auth, max_request_bytes=MAX_BYTES)
         return Publisher(RdProducers(config), output_topic=topics.output, dlq_topic=topics.dlq)
-    producer = AioProducer(
-        kafka.bootstrap_servers,
-        topics=(topics.output, topics.dlq),
-        client_id=f"publisher-{unique}",
-        linger_ms=5,
-        max_request_bytes=MAX_BYTES,
-        client_kwargs={},
+    new_producer = functools.partial(
+        clients.producer, settings.kafka, {}, **clients.idempotent(MAX_BYTES)
     )
+    producer = AioProducer(new_producer, topics=(topics.output, topics.dlq))
     return Publisher(producer, output_topic=topics.output, dlq_topic=topics.dlq)
 
 

@@ -22,16 +22,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from aiokafka import errors as kafka_errors
-from aiokafka.conn import create_conn
-from aiokafka.protocol.coordination import FindCoordinatorRequest
-
 from worker.checks import probes
 from worker.checks.listener import Listener, identify, mismatch
 from worker.errors import CannotRun, KafkaUnavailable
 from worker.flow.retry import Backoff
+from worker.kafka.aiokafka import probes as broker
 from worker.kafka.edge import uses_librdkafka
 from worker.kafka.options import kafka_client_kwargs, sasl_password
+from worker.kafka.types import KafkaError, SaslAuthenticationFailed, UnsupportedSaslMechanismError
 from worker.settings import Settings
 
 __all__ = ["Findings", "inspect_kafka", "scrub", "who"]
@@ -158,10 +156,10 @@ async def _ask_aiokafka(settings: Settings, progress: _Progress) -> Findings:
     try:
         progress.step = "describing the topics"
         topics = [use.topic for use in probes.topics_to_check(settings)]
-        metadata = await probes.describe_topics(conn.send, topics)
+        metadata = await broker.describe_topics(conn.send, topics)
         progress.step = f"describing consumer group {settings.kafka.group_id!r}"
         group = await _describe_group(conn, settings, kwargs)
-    except (OSError, kafka_errors.KafkaError) as exc:
+    except (OSError, KafkaError) as exc:
         raise _Unanswered(f"{address}: {probes.reason(exc)}") from None
     finally:
         await _close(conn)
@@ -181,10 +179,9 @@ async def _connect(
     """A connection (authenticated) to the first address that takes one."""
     reasons = []
     for address in addresses:
-        host, _, port = address.rpartition(":")
         try:
-            conn = await create_conn(
-                host.strip("[]"), int(port), client_id=settings.kafka.client_id, **kwargs
+            conn = await broker.connect(
+                address, client_id=settings.kafka.client_id, client_kwargs=kwargs
             )
         except ssl.SSLCertVerificationError as exc:
             raise _Refused(
@@ -196,14 +193,14 @@ async def _connect(
                 f"Kafka {address}: TLS handshake failed ({exc.reason or exc}); "
                 "check the WORKER_SSL_* files"
             ) from None
-        except kafka_errors.SaslAuthenticationFailed as exc:
+        except SaslAuthenticationFailed as exc:
             raise _Refused(
                 f"Kafka {address}: SASL {settings.kafka_auth.sasl_mechanism} authentication "
                 f"failed for {who(settings)}: {exc.args[0] if exc.args else exc}"
             ) from None
-        except kafka_errors.UnsupportedSaslMechanismError as exc:
+        except UnsupportedSaslMechanismError as exc:
             raise _Refused(f"Kafka {address}: {exc}; check WORKER_SASL_MECHANISM") from None
-        except (OSError, kafka_errors.KafkaError) as exc:
+        except (OSError, KafkaError) as exc:
             reasons.append(f"{address}: {probes.reason(exc)}")
             continue
         return conn, address
@@ -216,14 +213,13 @@ async def _describe_group(conn: Any, settings: Settings, kwargs: dict[str, Any])
     group_id = settings.kafka.group_id
     failures = 0
     while True:
-        found = await conn.send(FindCoordinatorRequest(group_id, 0))
-        code = int(found.error_code)
+        code, coordinator = await broker.find_coordinator(conn, group_id)
         if not code:
-            group = await _on_coordinator(conn, f"{found.host}:{found.port}", settings, kwargs)
+            group = await _on_coordinator(conn, coordinator, settings, kwargs)
             code = int(group["error_code"])
-            if not code or not kafka_errors.for_code(code).retriable:
+            if not code or not broker.retriable(code):
                 return group
-        elif not kafka_errors.for_code(code).retriable:
+        elif not broker.retriable(code):
             return {"error_code": code, "members": []}
         failures += 1
         await asyncio.sleep(_RETRY.delay_s(failures))
@@ -233,10 +229,10 @@ async def _on_coordinator(
     conn: Any, address: str, settings: Settings, kwargs: dict[str, Any]
 ) -> dict[str, Any]:
     if address == f"{conn.host}:{conn.port}":
-        return await probes.describe_group_with(conn.send, settings.kafka.group_id)
+        return await broker.describe_group_with(conn.send, settings.kafka.group_id)
     coordinator, _ = await _connect(settings, [address], kwargs)
     try:
-        return await probes.describe_group_with(coordinator.send, settings.kafka.group_id)
+        return await broker.describe_group_with(coordinator.send, settings.kafka.group_id)
     finally:
         await _close(coordinator)
 

@@ -13,12 +13,10 @@ import asyncio
 import json
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
-from aiokafka import AIOKafkaProducer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -34,10 +32,20 @@ from worker.commands.session import (
     topic_problem,
 )
 from worker.errors import ExitCode
-from worker.kafka.publisher import kafka_compression
+from worker.kafka.aiokafka import clients
 from worker.settings import ConfigError
 
-__all__ = ["Outgoing", "add_produce_parser", "progress_bar", "read_requests", "send_all"]
+__all__ = [
+    "MAX_REQUEST_BYTES",
+    "Outgoing",
+    "add_produce_parser",
+    "progress_bar",
+    "read_requests",
+    "send_all",
+]
+
+#: The largest request the command sends (the topic's own limit may be lower).
+MAX_REQUEST_BYTES = 8 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,21 +70,17 @@ def progress_bar(console: Console, *, disable: bool = False) -> Progress:
 
 
 async def send_all(
-    bootstrap: str,
+    producer: clients.AIOKafkaProducer,
     topic: str,
     records: Sequence[Outgoing],
     progress: Progress,
-    *,
-    client: Mapping[str, Any] | None = None,
 ) -> list[float]:
     """Produce every record and wait for the acks; return each one's send time (epoch s).
 
-    ``client``: more aiokafka producer options (client id, TLS, SASL, compression).
+    ``producer`` is started here and stopped before returning.
     """
     task = progress.add_task(f"producing to {topic}", total=len(records))
     sent_at: list[float] = []
-    options: dict[str, Any] = {"linger_ms": 5, **(client or {}), "bootstrap_servers": bootstrap}
-    producer = AIOKafkaProducer(acks="all", max_request_size=8 << 20, **options)
     await producer.start()
     try:
         futures = []
@@ -181,11 +185,14 @@ async def _produce(connection: Connection, topic: str, records: list[Outgoing]) 
     if problem is not None:
         raise CommandFailed(problem, ExitCode.CONFIG)
     console = Console(stderr=True)
-    client = connection.client("produce") | {
-        "linger_ms": connection.kafka.linger_ms,
-        "compression_type": kafka_compression(connection.kafka.compression_type),
-    }
+    producer = clients.producer(
+        connection.kafka,
+        connection.client_kwargs,
+        suffix="produce",
+        acks="all",
+        max_request_size=MAX_REQUEST_BYTES,
+    )
     with progress_bar(console, disable=not console.is_terminal) as progress:
-        await send_all(connection.bootstrap_servers, topic, records, progress, client=client)
+        await send_all(producer, topic, records, progress)
     console.print(f"sent {len(records)} requests to [bold]{topic}[/bold]")
     return ExitCode.OK

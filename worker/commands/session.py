@@ -20,12 +20,11 @@ from collections.abc import Coroutine, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from aiokafka import errors as kafka_errors
-from aiokafka.conn import create_conn
-
 from worker.checks import probes
 from worker.errors import ExitCode
+from worker.kafka.aiokafka import probes as broker
 from worker.kafka.options import kafka_client_kwargs
+from worker.kafka.types import KafkaError, SaslAuthenticationFailed, UnsupportedSaslMechanismError
 from worker.settings import (
     SETTINGS_SPEC,
     ConfigError,
@@ -101,14 +100,6 @@ class Connection:
         """The bootstrap servers, for a client or a message."""
         return self.kafka.bootstrap_servers
 
-    def client(self, suffix: str) -> dict[str, Any]:
-        """Keyword arguments of an aiokafka client named ``<client id>-<suffix>``."""
-        return {
-            "bootstrap_servers": self.kafka.bootstrap_servers,
-            "client_id": f"{self.kafka.client_id}-{suffix}",
-            **self.client_kwargs,
-        }
-
 
 def read_connection(
     args: argparse.Namespace,
@@ -146,31 +137,29 @@ async def reach(connection: Connection, topics: Sequence[str]) -> dict[str, Any]
     """
     last = "no bootstrap server"
     for address in connection.kafka.bootstrap_servers.split(","):
-        host, _, port = address.rpartition(":")
         try:
             conn = await asyncio.wait_for(
-                create_conn(
-                    host.strip("[]"),
-                    int(port),
+                broker.connect(
+                    address,
                     client_id=connection.kafka.client_id,
+                    client_kwargs=connection.client_kwargs,
                     request_timeout_ms=int(CONTACT_TIMEOUT_S * 1000),
-                    **connection.client_kwargs,
                 ),
                 CONTACT_TIMEOUT_S,
             )
-        except (ssl.SSLError, kafka_errors.SaslAuthenticationFailed) as exc:
+        except (ssl.SSLError, SaslAuthenticationFailed) as exc:
             raise CommandFailed(_refusal(connection, address, exc), ExitCode.CONFIG) from None
-        except kafka_errors.UnsupportedSaslMechanismError as exc:
+        except UnsupportedSaslMechanismError as exc:
             message = f"Kafka {address}: {exc}; check WORKER_SASL_MECHANISM"
             raise CommandFailed(message, ExitCode.CONFIG) from None
-        except (OSError, kafka_errors.KafkaError, TimeoutError) as exc:
+        except (OSError, KafkaError, TimeoutError) as exc:
             last = probes.reason(exc) if str(exc) else f"no answer in {CONTACT_TIMEOUT_S:g} s"
             continue
         try:
             return await asyncio.wait_for(
-                probes.describe_topics(conn.send, topics), CONTACT_TIMEOUT_S
+                broker.describe_topics(conn.send, topics), CONTACT_TIMEOUT_S
             )
-        except (kafka_errors.KafkaError, TimeoutError) as exc:
+        except (KafkaError, TimeoutError) as exc:
             last = probes.reason(exc) if str(exc) else f"no answer in {CONTACT_TIMEOUT_S:g} s"
         finally:
             conn.close()
@@ -220,7 +209,7 @@ def run_command(work: Coroutine[Any, Any, int]) -> int:
         return _fail(str(exc), ExitCode.CONFIG)
     except CommandFailed as exc:
         return _fail(str(exc), exc.code)
-    except kafka_errors.KafkaError as exc:
+    except KafkaError as exc:
         return _fail(f"Kafka: {probes.reason(exc)}", ExitCode.INCOMPLETE)
 
 

@@ -17,9 +17,6 @@ import sys
 import time
 from typing import Any
 
-from aiokafka import AIOKafkaConsumer, TopicPartition
-from aiokafka.structs import ConsumerRecord
-
 from worker.checks import probes
 from worker.commands.session import (
     CommandFailed,
@@ -31,6 +28,8 @@ from worker.commands.session import (
     topic_problem,
 )
 from worker.errors import ExitCode
+from worker.kafka.aiokafka import clients
+from worker.kafka.types import ConsumerRecord, TopicPartition
 from worker.settings import ConfigError
 
 __all__ = ["add_tail_parser", "record_line", "run_tail"]
@@ -114,8 +113,10 @@ async def _last(
     connection: Connection, partitions: list[TopicPartition], count: int, wait_s: float
 ) -> list[ConsumerRecord[bytes, bytes]]:
     """The last ``count`` records of the partitions by timestamp, waiting up to ``wait_s``."""
-    consumer = AIOKafkaConsumer(
-        **connection.client("tail"),
+    consumer = clients.consumer(
+        connection.kafka,
+        connection.client_kwargs,
+        suffix="tail",
         group_id=None,
         enable_auto_commit=False,
         isolation_level="read_committed",
@@ -140,7 +141,7 @@ async def _last(
     return found[-count:]
 
 
-async def _read_up_to(consumer: AIOKafkaConsumer, ends: dict[TopicPartition, int]) -> bool:
+async def _read_up_to(consumer: clients.AIOKafkaConsumer, ends: dict[TopicPartition, int]) -> bool:
     """True once every partition's position reached its end offset at the start."""
     return all([await consumer.position(tp) >= end for tp, end in ends.items()])
 

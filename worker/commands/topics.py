@@ -14,7 +14,6 @@ import asyncio
 import sys
 import time
 
-from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from rich.console import Console
 
 from worker.commands.session import (
@@ -26,6 +25,7 @@ from worker.commands.session import (
     run_command,
 )
 from worker.errors import ExitCode
+from worker.kafka.aiokafka import clients
 from worker.settings import ConfigError
 
 __all__ = ["add_topics_parser", "run_topics"]
@@ -112,13 +112,15 @@ async def _create(
 async def _create_missing(
     connection: Connection, names: list[str], partitions: int, factor: int
 ) -> None:
-    admin = AIOKafkaAdminClient(**connection.client("topics"))
+    admin = clients.admin(connection.kafka, connection.client_kwargs, suffix="topics")
     try:
         await admin.start()
-        response = await admin.create_topics([NewTopic(name, partitions, factor) for name in names])
+        answers = await clients.create_topics(
+            admin, names, partitions=partitions, replication=factor
+        )
     finally:
         await admin.close()
-    for topic, code, *rest in response.topic_errors:
+    for topic, code, *rest in answers:
         if code and code != _ALREADY_EXISTS:
             detail = rest[0] if rest and rest[0] else f"Kafka error code {code}"
             raise CommandFailed(f"cannot create topic {topic!r}: {detail}", ExitCode.CONFIG)

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 from worker.flow.breaker import CircuitBreaker
 from worker.flow.window import Window
 from worker.kafka import options as security
+from worker.kafka.aiokafka import clients
 from worker.kafka.aiokafka.intake import Intake
 from worker.kafka.aiokafka.producer import AioProducer
 from worker.kafka.aiokafka.transactions import ProducerFactory, transactional_producer
@@ -154,15 +155,13 @@ def _aiokafka_parts(
     largest = largest_record_bytes(settings)
     auth = settings.kafka_auth
     # Options of its own for the producer, the consumer and the transactional producers.
-    producer = AioProducer(
-        kafka.bootstrap_servers,
-        topics=(topics.output_topic, topics.dlq_topic),
-        client_id=kafka.client_id,
-        linger_ms=kafka.linger_ms,
-        max_request_bytes=largest,
-        client_kwargs=security.kafka_client_kwargs(auth),
-        compression_type=kafka.compression_type,
+    new_producer = functools.partial(
+        clients.producer,
+        kafka,
+        security.kafka_client_kwargs(auth),
+        **clients.idempotent(largest),
     )
+    producer = AioProducer(new_producer, topics=(topics.output_topic, topics.dlq_topic))
     intake = Intake(
         kafka,
         topics.input_topics,
@@ -171,10 +170,10 @@ def _aiokafka_parts(
         breaker=breaker,
         metrics=metrics,
     )
-    new_producer = functools.partial(
+    new_transactional = functools.partial(
         transactional_producer,
         kafka,
         client_kwargs=security.kafka_client_kwargs(auth),
         max_request_bytes=largest,
     )
-    return producer, intake, PerPartition(new_producer)
+    return producer, intake, PerPartition(new_transactional)

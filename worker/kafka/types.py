@@ -9,7 +9,12 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Protocol
 
-from aiokafka.errors import CommitFailedError, KafkaError
+from aiokafka.errors import (
+    CommitFailedError,
+    KafkaError,
+    SaslAuthenticationFailed,
+    UnsupportedSaslMechanismError,
+)
 from aiokafka.structs import ConsumerRecord, OffsetAndMetadata, TopicPartition
 
 __all__ = [
@@ -18,7 +23,9 @@ __all__ = [
     "ConsumerRecord",
     "KafkaError",
     "OffsetAndMetadata",
+    "SaslAuthenticationFailed",
     "TopicPartition",
+    "UnsupportedSaslMechanismError",
 ]
 
 

@@ -25,12 +25,12 @@ from collections.abc import Callable, Iterable
 from typing import Final, Literal, Protocol
 
 import structlog
-from aiokafka.structs import ConsumerRecord
 
 __all__ = [
     "DETACHED",
     "MAX_LIMIT",
     "STATES",
+    "Coordinates",
     "InFlight",
     "InFlightRegistry",
     "PartitionProgress",
@@ -120,6 +120,19 @@ class InFlight:
 DETACHED: Final = InFlight("", -1, -1, 0.0)
 
 
+class Coordinates(Protocol):
+    """Where a record is: what ``add`` reads of a consumed record (either client's)."""
+
+    @property
+    def topic(self) -> str: ...
+
+    @property
+    def partition(self) -> int: ...
+
+    @property
+    def offset(self) -> int: ...
+
+
 class PartitionProgress(Protocol):
     """One assigned partition's commit bookkeeping, as the delivery's offset tracker tells it."""
 
@@ -164,7 +177,7 @@ class InFlightRegistry:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def add(self, record: ConsumerRecord[bytes, bytes]) -> InFlight:
+    def add(self, record: Coordinates) -> InFlight:
         """Register a record taking its slot; returns the entry its stages update."""
         entry = InFlight(record.topic, record.partition, record.offset, self._clock())
         self._entries[entry] = None

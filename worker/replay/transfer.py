@@ -16,18 +16,18 @@ to that partition again. Destinations are looked up without creating topics.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import AsyncIterator, Callable, Collection, Iterable, Sequence
 from typing import Any
 
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
-from aiokafka.errors import KafkaError
 from rich.progress import Progress, TaskID
 
 from worker.checks import probes
 from worker.kafka import PRODUCER_HEADROOM_BYTES, kafka_client_kwargs
-from worker.kafka.aiokafka._compat import send_to_some_broker
-from worker.kafka.publisher import kafka_compression
+from worker.kafka.aiokafka import clients
+from worker.kafka.aiokafka import probes as broker
+from worker.kafka.types import KafkaError, TopicPartition
 from worker.replay.plan import DeadLetter, Entry, Outcome, Planner, ReplayPlan
 from worker.settings import KafkaAuthSettings, KafkaSettings
 from worker.wire import replay_headers
@@ -37,6 +37,10 @@ __all__ = ["ReplayError", "replay"]
 #: Reading stops with an error when no partition moves for this long (a broker gone).
 _STALL_S = 60.0
 _KAFKA_ERRORS = {3: "does not exist", 29: "not authorized to describe it"}
+
+
+#: Makes one of the replay's producers (not started).
+_ProducerFactory = Callable[[], clients.AIOKafkaProducer]
 
 
 class ReplayError(Exception):
@@ -55,14 +59,14 @@ async def replay(
     dead-letter topic cannot be read, ConfigError for unusable security settings.
     """
     client_kwargs = kafka_client_kwargs(auth)
-    consumer = AIOKafkaConsumer(
-        bootstrap_servers=kafka.bootstrap_servers,
-        client_id=f"{kafka.client_id}-replay",
+    consumer = clients.consumer(
+        kafka,
+        client_kwargs,
+        suffix="replay",
         group_id=None,
         enable_auto_commit=False,
         auto_offset_reset="earliest",
         isolation_level="read_committed",
-        **client_kwargs,
     )
     dlq_topic = planner.dlq_topic
     try:
@@ -80,18 +84,15 @@ async def replay(
         except KafkaError as exc:
             raise ReplayError(f"reading {dlq_topic!r}: {probes.reason(exc)}") from None
         if not plan.dry_run and plan.having(Outcome.SEND):
-            producer_kwargs = _producer_kwargs(kafka, client_kwargs, plan)
-            await _send(consumer, plan, producer_kwargs, progress)
+            await _send(consumer, plan, _new_producer(kafka, client_kwargs, plan), progress)
         return plan
     finally:
         await consumer.stop()
 
 
-async def _snapshot(consumer: AIOKafkaConsumer, topic: str) -> dict[TopicPartition, range]:
+async def _snapshot(consumer: clients.AIOKafkaConsumer, topic: str) -> dict[TopicPartition, range]:
     """The offsets of every partition of ``topic`` from its start to its end, now."""
-    answer = await probes.describe_topics(
-        lambda request: send_to_some_broker(consumer, request), [topic]
-    )
+    answer = await broker.describe_topics_through(consumer, [topic])
     by_name: dict[str, Any] = {t["topic"]: t for t in answer["topics"]}
     found = by_name.get(topic, {"error_code": 3})
     code = int(found["error_code"])
@@ -108,7 +109,7 @@ async def _snapshot(consumer: AIOKafkaConsumer, topic: str) -> dict[TopicPartiti
 
 
 async def _read(
-    consumer: AIOKafkaConsumer,
+    consumer: clients.AIOKafkaConsumer,
     ranges: dict[TopicPartition, range],
     progress: Progress | None,
     description: str,
@@ -143,15 +144,13 @@ async def _read(
         progress.update(task, completed=total)
 
 
-async def _check_destinations(consumer: AIOKafkaConsumer, plan: ReplayPlan) -> None:
+async def _check_destinations(consumer: clients.AIOKafkaConsumer, plan: ReplayPlan) -> None:
     """Entries whose topic does not exist (or may not be written) get NO_DESTINATION."""
     sending = plan.having(Outcome.SEND)
     topics = sorted({entry.destination for entry in sending})
     if not topics:
         return
-    answer = await probes.describe_topics(
-        lambda request: send_to_some_broker(consumer, request), topics
-    )
+    answer = await broker.describe_topics_through(consumer, topics)
     problems: dict[str, str] = {}
     for found in answer["topics"]:
         code = int(found["error_code"])
@@ -165,21 +164,14 @@ async def _check_destinations(consumer: AIOKafkaConsumer, plan: ReplayPlan) -> N
             entry.detail = f"topic {entry.destination!r} {problems[entry.destination]}"
 
 
-def _producer_kwargs(
+def _new_producer(
     kafka: KafkaSettings, client_kwargs: dict[str, Any], plan: ReplayPlan
-) -> dict[str, Any]:
+) -> _ProducerFactory:
+    """Makes the idempotent producers of the replay, sized for its largest dead letter."""
     largest = max(entry.letter.size for entry in plan.having(Outcome.SEND))
     max_request = max(1 << 20, largest + PRODUCER_HEADROOM_BYTES)
-    return dict(
-        bootstrap_servers=kafka.bootstrap_servers,
-        client_id=f"{kafka.client_id}-replay",
-        acks="all",
-        enable_idempotence=True,
-        linger_ms=kafka.linger_ms,
-        compression_type=kafka_compression(kafka.compression_type),
-        max_request_size=max_request,
-        max_batch_size=min(512 * 1024, max_request),
-        **client_kwargs,
+    return functools.partial(
+        clients.producer, kafka, client_kwargs, suffix="replay", **clients.idempotent(max_request)
     )
 
 
@@ -189,9 +181,9 @@ def _outgoing(entry: Entry, record: Any) -> tuple[Any, ...]:
 
 
 async def _send(
-    consumer: AIOKafkaConsumer,
+    consumer: clients.AIOKafkaConsumer,
     plan: ReplayPlan,
-    producer_kwargs: dict[str, Any],
+    new_producer: _ProducerFactory,
     progress: Progress | None,
 ) -> None:
     """Re-produce every SEND entry; each ends SENT or FAILED."""
@@ -216,7 +208,7 @@ async def _send(
         settle(entry, error)
 
     lost = "no longer in the dead-letter topic (deleted by retention since it was read)"
-    producer = AIOKafkaProducer(**producer_kwargs)
+    producer = new_producer()
     try:
         await producer.start()
     except KafkaError as exc:
@@ -245,7 +237,7 @@ async def _send(
         await producer.stop()
     for entry in todo.values():
         settle(entry, ReplayError(lost))
-    await _send_again(retry, producer_kwargs, settle)
+    await _send_again(retry, new_producer, settle)
 
 
 def _progress_task(progress: Progress | None, entries: Collection[Entry]) -> TaskID | None:
@@ -268,15 +260,15 @@ def _ranges(topic: str, todo: Iterable[tuple[int, int]]) -> dict[TopicPartition,
 
 async def _send_again(
     retry: Sequence[tuple[Entry, Any]],
-    producer_kwargs: dict[str, Any],
+    new_producer: _ProducerFactory,
     settle: Callable[[Entry, BaseException | None], None],
 ) -> None:
     """Each refused record once more, alone, on a producer that has not failed yet."""
-    producer: AIOKafkaProducer | None = None
+    producer: clients.AIOKafkaProducer | None = None
     try:
         for entry, record in retry:
             if producer is None:
-                producer = AIOKafkaProducer(**producer_kwargs)
+                producer = new_producer()
                 await producer.start()
             topic, value, key, headers = _outgoing(entry, record)
             try:

@@ -17,12 +17,13 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import structlog
-from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener
+from aiokafka import ConsumerRebalanceListener
 from aiokafka.errors import GroupAuthorizationFailedError, TopicAuthorizationFailedError
 from aiokafka.structs import OffsetAndMetadata, TopicPartition
 
 from worker.flow.breaker import CircuitBreaker
 from worker.flow.window import Window
+from worker.kafka.aiokafka import clients
 from worker.kafka.aiokafka._compat import fetch_committed, rebalancing
 from worker.kafka.feed import Admits, Dispatch, Feed, Rebalance, refused
 from worker.observability import Metrics
@@ -52,10 +53,10 @@ class Intake(Feed, ConsumerRebalanceListener):  # type: ignore[misc]
         super().__init__(window=window, breaker=breaker, metrics=metrics)
         self._topics = list(topics)
         self._group_id = kafka.group_id
-        self.consumer = AIOKafkaConsumer(
-            bootstrap_servers=kafka.bootstrap_servers,
+        self.consumer = clients.consumer(
+            kafka,
+            client_kwargs,
             group_id=kafka.group_id,
-            client_id=kafka.client_id,
             enable_auto_commit=False,
             auto_offset_reset=kafka.auto_offset_reset,
             max_poll_records=kafka.max_poll_records,
@@ -63,7 +64,6 @@ class Intake(Feed, ConsumerRebalanceListener):  # type: ignore[misc]
             max_poll_interval_ms=kafka.max_poll_interval_ms,
             session_timeout_ms=kafka.session_timeout_ms,
             heartbeat_interval_ms=max(100, kafka.session_timeout_ms // 5),
-            **client_kwargs,
         )
 
     async def start(self, rebalance: Rebalance) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 import structlog
@@ -26,7 +26,7 @@ from aiokafka.errors import (
 from aiokafka.partitioner import DefaultPartitioner
 
 from worker.kafka.aiokafka._compat import fail_unsent
-from worker.kafka.publisher import Headers, kafka_compression
+from worker.kafka.publisher import Headers
 from worker.kafka.writes import Retirements, settle_acks
 
 __all__ = ["AioProducer"]
@@ -35,40 +35,19 @@ log = structlog.get_logger(__name__)
 
 _T = TypeVar("_T")
 
-#: Producer batch per partition. aiokafka's 16 KiB default fills after ~40 results;
-#: senders then queue behind the in-flight batch, which costs CPU per record.
-_MAX_BATCH_BYTES = 512 * 1024
-
 
 class AioProducer:
     """An idempotent aiokafka producer, renewed after a size refusal (``Producer``)."""
 
     def __init__(
-        self,
-        bootstrap_servers: str,
-        *,
-        topics: Sequence[str],
-        client_id: str,
-        linger_ms: int,
-        max_request_bytes: int,
-        client_kwargs: Mapping[str, Any],
-        compression_type: str = "none",
+        self, new_producer: Callable[[], AIOKafkaProducer], *, topics: Sequence[str]
     ) -> None:
-        """``topics``: those it writes to, known to a fresh producer before it takes writes;
-        ``max_request_bytes`` bounds one record, headers included."""
+        """``new_producer`` makes an idempotent producer, not started (``clients.producer``
+        with ``clients.idempotent``: its request limit bounds one record, headers included);
+        ``topics``: those it writes to, known to a fresh producer before it takes writes."""
         self._topics = tuple(topics)
-        self._producer_kwargs: dict[str, Any] = dict(
-            bootstrap_servers=bootstrap_servers,
-            client_id=client_id,
-            acks="all",
-            enable_idempotence=True,
-            linger_ms=linger_ms,
-            max_request_size=max_request_bytes,
-            max_batch_size=min(_MAX_BATCH_BYTES, max_request_bytes),
-            compression_type=kafka_compression(compression_type),
-            **client_kwargs,
-        )
-        self._producer = AIOKafkaProducer(**self._producer_kwargs)
+        self._new_producer = new_producer
+        self._producer = new_producer()
         # Bumped each time the producer is replaced (see _renew_producer).
         self._generation = 0
         self._renewing = asyncio.Lock()
@@ -92,7 +71,7 @@ class AioProducer:
             if generation != self._generation:
                 return  # another writer already replaced it
             old = self._producer
-            fresh = AIOKafkaProducer(**self._producer_kwargs)
+            fresh = self._new_producer()
             try:
                 await fresh.start()
                 # Known before it takes writes: a send waiting for a topic's metadata on

@@ -25,8 +25,8 @@ from aiokafka.errors import (
 from aiokafka.structs import OffsetAndMetadata, TopicPartition
 
 from worker.flow.retry import Backoff
+from worker.kafka.aiokafka import clients
 from worker.kafka.aiokafka._compat import in_transaction
-from worker.kafka.publisher import kafka_compression
 from worker.kafka.transactions import Message, ProducerStartFailed, TransactionOutcome
 from worker.settings import KafkaSettings
 
@@ -187,14 +187,10 @@ def transactional_producer(
     max_request_bytes: int,
 ) -> AIOKafkaProducer:
     """A partition's transactional producer, not started; its client id names the partition."""
-    return AIOKafkaProducer(
-        bootstrap_servers=kafka.bootstrap_servers,
-        client_id=f"{kafka.client_id}-{transactional_id.rsplit('-', 2)[-2]}",
+    return clients.producer(
+        kafka,
+        client_kwargs,
+        suffix=transactional_id.rsplit("-", 2)[-2],
         transactional_id=transactional_id,
-        acks="all",
-        enable_idempotence=True,
-        linger_ms=kafka.linger_ms,
-        max_request_size=max_request_bytes,
-        compression_type=kafka_compression(kafka.compression_type),
-        **client_kwargs,
+        **clients.idempotent(max_request_bytes, batched=False),
     )

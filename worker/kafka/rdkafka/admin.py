@@ -1,8 +1,8 @@
 """The broker questions of ``check`` and the start-up gate on librdkafka's admin API
 (``WORKER_KAFKA_CLIENT=confluent``): the worker's own TLS and SASL configuration asks them.
 
-The answers take the shapes of the aiokafka path's (``worker/checks/probes.py``): the
-cluster and each topic with its error code and the operations this principal may
+The answers take the shapes of the aiokafka path's (``worker/kafka/aiokafka/probes.py``):
+the cluster and each topic with its error code and the operations this principal may
 perform as a bit field (``AclOperation`` codes are Kafka's), and the group with its
 error code, state, members and operations. Topics are described, never created.
 

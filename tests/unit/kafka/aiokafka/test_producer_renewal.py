@@ -19,7 +19,6 @@ from typing import Any
 
 import pytest
 
-from worker.kafka.aiokafka import producer as producer_module
 from worker.kafka.aiokafka.producer import AioProducer
 from worker.kafka.publisher import Publisher, ResultWriteFailed
 
@@ -65,18 +64,10 @@ class _Producer:
 
 
 @pytest.fixture
-def publisher(monkeypatch: pytest.MonkeyPatch) -> Publisher:
+def publisher() -> Publisher:
     """A publisher whose producers are the fake above."""
     _Producer.made = []
-    monkeypatch.setattr(producer_module, "AIOKafkaProducer", _Producer)
-    producer = AioProducer(
-        "broker:9092",
-        topics=("out", "dlq"),
-        client_id="c",
-        linger_ms=5,
-        max_request_bytes=1 << 20,
-        client_kwargs={},
-    )
+    producer = AioProducer(_Producer, topics=("out", "dlq"))
     return Publisher(producer, output_topic="out", dlq_topic="dlq")
 
 
