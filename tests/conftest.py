@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import AsyncIterator, Iterator
-from typing import Any
+from dataclasses import dataclass
 
 import pytest
 
 from devtools.devstack.containers import ContainerKafka, ContainerTriton, docker_available
 from devtools.devstack.kafka import KafkaCluster
 from devtools.devstack.stack import LocalStack
-from tests.support import local_kafka
+from tests.support import KafkaUnderTest, StackUnderTest, TritonUnderTest, local_kafka
 from worker.triton.pool import TritonPool
 
 #: The marker of each test folder; contract tests run with the unit tests (no servers).
@@ -39,6 +39,14 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(name)
 
 
+@dataclass(frozen=True)
+class ContainerStack:
+    """Kafka and Triton as containers (``DEVSTACK_DOCKER=1``)."""
+
+    kafka: ContainerKafka
+    triton: ContainerTriton
+
+
 def _report(config: pytest.Config, line: str) -> None:
     reporter = config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None:
@@ -48,7 +56,7 @@ def _report(config: pytest.Config, line: str) -> None:
 @pytest.fixture(scope="session")
 def stack(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Any]:
+) -> Iterator[StackUnderTest]:
     """Kafka (one node) and Triton (every model), started side by side once per session."""
     if docker_available():
         kafka, triton = ContainerKafka(), ContainerTriton()
@@ -58,7 +66,7 @@ def stack(
         except BaseException:
             kafka.stop()
             raise
-        yield type("ContainerStack", (), {"kafka": kafka, "triton": triton})()
+        yield ContainerStack(kafka, triton)
         triton.stop()
         kafka.stop()
         return
@@ -71,13 +79,13 @@ def stack(
 
 
 @pytest.fixture(scope="session")
-def kafka(stack: Any) -> Any:
+def kafka(stack: StackUnderTest) -> KafkaUnderTest:
     """The session's Kafka: ``bootstrap_servers`` plus admin helpers."""
     return stack.kafka
 
 
 @pytest.fixture(scope="session")
-def triton(stack: Any) -> Any:
+def triton(stack: StackUnderTest) -> TritonUnderTest:
     """The session's Triton: ``grpc_address``, ``http_address``; stop/kill/restart."""
     return stack.triton
 
@@ -90,7 +98,7 @@ def cluster3() -> Iterator[KafkaCluster]:
 
 
 @pytest.fixture
-async def pool(triton: Any) -> AsyncIterator[TritonPool]:
+async def pool(triton: TritonUnderTest) -> AsyncIterator[TritonPool]:
     """A stream pool (two streams) to the session's Triton, closed after the test."""
     pool = TritonPool(triton.grpc_address, streams=2)
     await pool.start()

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from tests.support import Topics, collect, create, headers_dict
+from tests.support import KafkaUnderTest, Topics, TritonUnderTest, collect, create, headers_dict
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -93,7 +93,9 @@ def venv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Venv]:
     yield env
 
 
-def _env(kafka: Any, triton: Any, topics: Topics, **extra: str) -> dict[str, str]:
+def _env(
+    kafka: KafkaUnderTest, triton: TritonUnderTest, topics: Topics, **extra: str
+) -> dict[str, str]:
     """The process environment of a user's shell: only their WORKER_* settings."""
     base = {k: v for k, v in os.environ.items() if not k.startswith(("WORKER_", "OTEL_"))}
     base.pop("PYTHONPATH", None)
@@ -126,7 +128,12 @@ def _requests(tag: str) -> str:
 
 
 async def _answer_through_the_package(
-    venv: Venv, kafka: Any, triton: Any, topics: Topics, env: Mapping[str, str], tmp: Path
+    venv: Venv,
+    kafka: KafkaUnderTest,
+    triton: TritonUnderTest,
+    topics: Topics,
+    env: Mapping[str, str],
+    tmp: Path,
 ) -> str:
     """check, produce, run until both requests are answered, SIGTERM: the worker's log."""
     await create(kafka, topics)
@@ -153,7 +160,7 @@ async def _answer_through_the_package(
 
 
 async def test_the_base_install_runs_every_command(
-    venv: Venv, kafka: Any, triton: Any, unique: str, tmp_path: Path
+    venv: Venv, kafka: KafkaUnderTest, triton: TritonUnderTest, unique: str, tmp_path: Path
 ) -> None:
     """No extra: check, produce, run (a result and a dead letter), replay --dry-run."""
     assert not venv.has("confluent_kafka") and not venv.has("opentelemetry")
@@ -165,7 +172,7 @@ async def test_the_base_install_runs_every_command(
 
 
 def test_the_base_install_refuses_librdkafka_in_one_line(
-    venv: Venv, kafka: Any, triton: Any, unique: str, tmp_path: Path
+    venv: Venv, kafka: KafkaUnderTest, triton: TritonUnderTest, unique: str, tmp_path: Path
 ) -> None:
     """No extra, WORKER_KAFKA_CLIENT=confluent: exit 2 and one line naming the extra."""
     assert not venv.has("confluent_kafka")
@@ -187,7 +194,7 @@ def test_the_base_install_refuses_librdkafka_in_one_line(
 
 
 async def test_the_confluent_extra_runs_the_worker_on_librdkafka(
-    venv: Venv, kafka: Any, triton: Any, unique: str, tmp_path: Path
+    venv: Venv, kafka: KafkaUnderTest, triton: TritonUnderTest, unique: str, tmp_path: Path
 ) -> None:
     """With [confluent]: check and run on librdkafka, at-least-once then exactly-once."""
     venv.pip_install("[confluent]")
@@ -200,7 +207,7 @@ async def test_the_confluent_extra_runs_the_worker_on_librdkafka(
 
 
 async def test_the_otel_extra_traces_each_record(
-    venv: Venv, kafka: Any, triton: Any, unique: str, tmp_path: Path
+    venv: Venv, kafka: KafkaUnderTest, triton: TritonUnderTest, unique: str, tmp_path: Path
 ) -> None:
     """With [otel] and OTEL_TRACES_EXPORTER=console: a record's spans are printed."""
     venv.pip_install("[otel]")

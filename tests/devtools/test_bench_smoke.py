@@ -6,17 +6,19 @@ import json
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from devtools.bench.command import VARIANT_KEYS
 from devtools.devstack.paths import PROJECT_ROOT
+from tests.support import KafkaUnderTest, TritonUnderTest
 
 pytestmark = pytest.mark.timeout(300)
 
 
-def test_smoke_run_reports_every_variant(kafka: Any, triton: Any, tmp_path: Path) -> None:
+def test_smoke_run_reports_every_variant(
+    kafka: KafkaUnderTest, triton: TritonUnderTest, tmp_path: Path
+) -> None:
     """`bench --smoke` on the session's servers: every variant, the ceiling, the common rate."""
     done = subprocess.run(
         [
@@ -75,7 +77,7 @@ def test_smoke_run_reports_every_variant(kafka: Any, triton: Any, tmp_path: Path
 
 
 def test_decoupled_variant_reports_responses_and_first_response_times(
-    kafka: Any, triton: Any, tmp_path: Path
+    kafka: KafkaUnderTest, triton: TritonUnderTest, tmp_path: Path
 ) -> None:
     """`bench --variants decoupled`: Triton alone and the worker in both modes, all measured."""
     done = subprocess.run(

@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import time
-from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.structs import TopicPartition
 
 from devtools.devstack.kafka import KafkaCluster
+from tests.support import KafkaUnderTest
 
 
-async def test_produce_consume_commit_read_back(kafka: Any, unique: str) -> None:
+async def test_produce_consume_commit_read_back(kafka: KafkaUnderTest, unique: str) -> None:
     """A topic is created, records go through a consumer group, the commit reads back."""
     topic, group = f"roundtrip-{unique}", f"group-{unique}"
     await kafka.create_topics([topic], partitions=2)

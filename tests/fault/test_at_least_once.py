@@ -13,7 +13,6 @@ import signal
 import subprocess
 import time
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
@@ -23,7 +22,9 @@ from devtools.samples import faulty_request
 from tests.support import (
     COMMIT_SLACK_MS,
     Collected,
+    KafkaUnderTest,
     Topics,
+    TritonUnderTest,
     collect,
     create,
     report,
@@ -53,7 +54,12 @@ async def _kill(proc: subprocess.Popen[bytes]) -> None:
 
 
 async def _finish(
-    kafka: Any, topics: Topics, env: dict[str, str], got: Collected, total: int, log: Path
+    kafka: KafkaUnderTest,
+    topics: Topics,
+    env: dict[str, str],
+    got: Collected,
+    total: int,
+    log: Path,
 ) -> Collected:
     second = spawn_worker(env, log)
     try:
@@ -68,7 +74,7 @@ async def _finish(
 
 
 async def test_sigkill_with_the_defaults_redoes_at_most_the_window_and_one_interval(
-    kafka: Any, triton: Any, unique: str, tmp_path: Path
+    kafka: KafkaUnderTest, triton: TritonUnderTest, unique: str, tmp_path: Path
 ) -> None:
     """Default window and commit interval: SIGKILL mid-stream, restart; duplicates within bound."""
     topics = Topics.fresh(unique)
@@ -104,7 +110,7 @@ async def test_sigkill_with_the_defaults_redoes_at_most_the_window_and_one_inter
 
 
 async def test_sigkill_behind_a_record_retrying_for_30s_redoes_a_bounded_amount(
-    kafka: Any, triton: Any, unique: str, tmp_path: Path
+    kafka: KafkaUnderTest, triton: TritonUnderTest, unique: str, tmp_path: Path
 ) -> None:
     """One record at the head retries for 30 s while 6,000 behind it finish; SIGKILL; bounded."""
     topics = Topics.fresh(unique)

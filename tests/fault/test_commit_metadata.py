@@ -13,7 +13,6 @@ import asyncio
 import signal
 import subprocess
 from pathlib import Path
-from typing import Any
 
 import pytest
 from aiokafka import AIOKafkaConsumer
@@ -23,7 +22,9 @@ from devtools import samples
 from devtools.devstack.process import free_port
 from tests.support import (
     Collected,
+    KafkaUnderTest,
     Topics,
+    TritonUnderTest,
     collect,
     create,
     log_events,
@@ -72,7 +73,7 @@ async def _answers_or_exit(
 
 
 async def test_hostile_commit_metadata_is_ignored_and_every_record_processed(
-    kafka: Any, triton: Any, unique: str, tmp_path: Path
+    kafka: KafkaUnderTest, triton: TritonUnderTest, unique: str, tmp_path: Path
 ) -> None:
     """Runs past the bound in committed metadata: processed from the offset, logged, no crash."""
     topics = Topics.fresh(unique)

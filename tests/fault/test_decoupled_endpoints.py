@@ -17,7 +17,6 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -26,6 +25,7 @@ from devtools.devstack.process import free_port
 from devtools.devstack.triton import TritonServer, ensure_triton
 from devtools.samples import expected_tokens, token_request
 from tests.support import (
+    KafkaUnderTest,
     Topics,
     collect_streams,
     create,
@@ -112,7 +112,7 @@ async def _until(condition: Callable[[], bool], timeout_s: float, what: str) -> 
 
 
 async def test_decoupled_requests_on_a_killed_endpoint_fail_over_to_the_other(
-    kafka: Any, pair: list[TritonServer], unique: str
+    kafka: KafkaUnderTest, pair: list[TritonServer], unique: str
 ) -> None:
     """SIGKILL the endpoint holding half the token streams: all answered, breaker shut, ready."""
     topics = Topics.fresh(unique)

@@ -18,8 +18,10 @@ from aiokafka.structs import TopicPartition
 
 from devtools.samples import expected_tokens, token_request
 from tests.support import (
+    KafkaUnderTest,
     Streams,
     Topics,
+    TritonUnderTest,
     collect_streams,
     create,
     headers_dict,
@@ -55,7 +57,7 @@ def _token(record: Any) -> str:
 
 
 async def _kill_mid_stream(
-    kafka: Any, topics: Topics, env: dict[str, str], tmp_path: Path
+    kafka: KafkaUnderTest, topics: Topics, env: dict[str, str], tmp_path: Path
 ) -> tuple[Streams, dict[TopicPartition, int]]:
     """Run a worker until a third of the responses are out; SIGKILL it; what it left."""
     first = spawn_worker(env, tmp_path / "first.log")
@@ -79,7 +81,9 @@ async def _kill_mid_stream(
     return seen, await kafka.committed_offsets(topics.group)
 
 
-async def _finish(kafka: Any, topics: Topics, env: dict[str, str], tmp_path: Path) -> Streams:
+async def _finish(
+    kafka: KafkaUnderTest, topics: Topics, env: dict[str, str], tmp_path: Path
+) -> Streams:
     """A second worker until every stream is complete; stopped gracefully."""
     second = spawn_worker(env, tmp_path / "second.log")
     try:
@@ -95,13 +99,13 @@ async def _finish(kafka: Any, topics: Topics, env: dict[str, str], tmp_path: Pat
     return got
 
 
-async def _produce(kafka: Any, topics: Topics) -> None:
+async def _produce(kafka: KafkaUnderTest, topics: Topics) -> None:
     requests = [token_request(f"s{i}", TEXT, TOKENS, delay_ms=15) for i in range(REQUESTS)]
     await send(kafka.bootstrap_servers, topics.input, requests)
 
 
 async def test_sigkill_mid_stream_loses_no_response_and_redoes_only_unfinished_requests(
-    kafka: Any, triton: Any, unique: str, tmp_path: Path
+    kafka: KafkaUnderTest, triton: TritonUnderTest, unique: str, tmp_path: Path
 ) -> None:
     """each, at_least_once, SIGKILL mid-stream: every response arrives; repeats only redone."""
     topics = Topics.fresh(unique)
@@ -133,7 +137,7 @@ async def test_sigkill_mid_stream_loses_no_response_and_redoes_only_unfinished_r
 
 
 async def test_exactly_once_sigkill_mid_stream_never_shows_a_partial_stream(
-    kafka: Any, triton: Any, unique: str, tmp_path: Path
+    kafka: KafkaUnderTest, triton: TritonUnderTest, unique: str, tmp_path: Path
 ) -> None:
     """each, exactly_once, SIGKILL: read_committed sees each stream whole, exactly once."""
     topics = Topics.fresh(unique)

@@ -34,7 +34,9 @@ from devtools.devstack.kafka import KafkaCluster, KafkaSecurity, ensure_kafka_ja
 from devtools.samples import SampleRequest, Tensor, encode_request, faulty_request
 from tests.support import (
     Collected,
+    KafkaUnderTest,
     Topics,
+    TritonUnderTest,
     collect,
     create,
     headers_dict,
@@ -80,7 +82,7 @@ def _source_offset(record: Any) -> int:
     return int(headers_dict(record.headers)["x-source-offset"])
 
 
-async def _warm_up(kafka: Any, topics: Topics) -> Collected:
+async def _warm_up(kafka: KafkaUnderTest, topics: Topics) -> Collected:
     """One request answered: the partition is assigned and its producer started."""
     warm = faulty_request(np.random.default_rng(0), "warm-up")
     await send(kafka.bootstrap_servers, topics.input, [warm], partition=0)
@@ -89,7 +91,7 @@ async def _warm_up(kafka: Any, topics: Topics) -> Collected:
 
 @pytest.mark.parametrize("ordering", ["unordered", "key", "partition"])
 async def test_exactly_once_ordering_modes_answer_within_a_few_commits(
-    kafka: Any, triton: Any, unique: str, ordering: str
+    kafka: KafkaUnderTest, triton: TritonUnderTest, unique: str, ordering: str
 ) -> None:
     """exactly_once, each ordering: 200 records of a partition in a few commits, in order, once."""
     topics = Topics.fresh(unique)
@@ -163,7 +165,7 @@ DLQ_MAX_BYTES = 65_536
 
 
 async def test_exactly_once_outcomes_refused_for_size_do_not_stall_the_partition(
-    kafka: Any, triton: Any, unique: str
+    kafka: KafkaUnderTest, triton: TritonUnderTest, unique: str
 ) -> None:
     """exactly_once: a result over the output topic's limit and a dead letter over the DLQ's."""
     topics = Topics.fresh(unique)
@@ -301,7 +303,7 @@ def _as_carol(cluster: KafkaCluster, pki: LocalPki) -> dict[str, str]:
 
 
 async def test_exactly_once_without_transactional_id_acl_exits_3_naming_the_id(
-    acl_kafka: tuple[KafkaCluster, LocalPki], triton: Any, unique: str, tmp_path: Path
+    acl_kafka: tuple[KafkaCluster, LocalPki], triton: TritonUnderTest, unique: str, tmp_path: Path
 ) -> None:
     """No Write ACL on the transactional ids: exit 3 and one line naming the id, no stall."""
     cluster, pki = acl_kafka
@@ -334,7 +336,7 @@ async def test_exactly_once_without_transactional_id_acl_exits_3_naming_the_id(
 
 
 async def test_exactly_once_with_transactional_id_acl_answers(
-    acl_kafka: tuple[KafkaCluster, LocalPki], triton: Any, unique: str
+    acl_kafka: tuple[KafkaCluster, LocalPki], triton: TritonUnderTest, unique: str
 ) -> None:
     """The same grants plus Write and Describe on the transactional ids: requests answered."""
     cluster, pki = acl_kafka

@@ -29,7 +29,9 @@ from devtools.devstack.kafka import KafkaCluster
 from devtools.samples import SampleRequest, Tensor, encode_request
 from tests.support import (
     Collected,
+    KafkaUnderTest,
     Topics,
+    TritonUnderTest,
     collect,
     headers_dict,
     local_kafka,
@@ -107,7 +109,9 @@ class Progress:
             )
 
 
-async def _watch(kafka: Any, group: str, progress: Progress, flowing: asyncio.Event) -> None:
+async def _watch(
+    kafka: KafkaUnderTest, group: str, progress: Progress, flowing: asyncio.Event
+) -> None:
     """Read the committed offsets until the flow has ended and every partition reached its end."""
     while flowing.is_set() or not progress.caught_up():
         try:
@@ -169,7 +173,7 @@ class Flow:
 
 
 @asynccontextmanager
-async def _watched(kafka: Any, topics: Topics) -> AsyncIterator[tuple[Progress, Flow]]:
+async def _watched(kafka: KafkaUnderTest, topics: Topics) -> AsyncIterator[tuple[Progress, Flow]]:
     """A flow and a watcher of the group's progress; on leaving, waits for every partition
     to reach its end (the watcher fails the test on a stall first)."""
     progress = Progress(topics.input)
@@ -185,7 +189,7 @@ async def _watched(kafka: Any, topics: Topics) -> AsyncIterator[tuple[Progress, 
         watcher.cancel()
 
 
-async def _warm_up(kafka: Any, topics: Topics) -> Collected:
+async def _warm_up(kafka: KafkaUnderTest, topics: Topics) -> Collected:
     """One request per partition answered: partitions assigned, transactions running."""
     warm = samples.good_requests(PARTITIONS, seed=70, models=("double",))
     producer = AIOKafkaProducer(bootstrap_servers=kafka.bootstrap_servers, acks="all")
@@ -219,7 +223,7 @@ def _check(sent: list[SampleRequest], everything: Collected, warm: Collected) ->
 
 
 async def test_results_refused_for_size_amid_a_flow_leave_no_partition_stalled(
-    kafka: Any, triton: Any, unique: str
+    kafka: KafkaUnderTest, triton: TritonUnderTest, unique: str
 ) -> None:
     """exactly_once, 150 requests/s on 3 partitions, one result too large every 2 s: once each."""
     topics = Topics.fresh(unique)
@@ -267,7 +271,11 @@ def own_kafka() -> Iterator[KafkaCluster]:
 
 
 async def _flow_through(
-    kafka: Any, triton: Any, topics: Topics, fault: Callable[[], Awaitable[None]], seed: int
+    kafka: KafkaUnderTest,
+    triton: TritonUnderTest,
+    topics: Topics,
+    fault: Callable[[], Awaitable[None]],
+    seed: int,
 ) -> tuple[Progress, Flow, Collected]:
     """100 requests/s for 12 s on every partition; ``fault`` runs after 3 s while the flow
     goes on (stalls are not counted meanwhile), then the worker must commit everything."""
@@ -303,7 +311,7 @@ async def _flow_through(
 
 
 async def test_broker_restart_amid_a_flow_leaves_no_partition_stalled(
-    own_kafka: KafkaCluster, triton: Any, unique: str
+    own_kafka: KafkaCluster, triton: TritonUnderTest, unique: str
 ) -> None:
     """exactly_once, 100 requests/s on 3 partitions, the only broker restarted: once each."""
     topics = Topics.fresh(unique)
@@ -326,7 +334,7 @@ async def test_broker_restart_amid_a_flow_leaves_no_partition_stalled(
 
 
 async def test_leader_stopped_amid_a_flow_leaves_no_partition_stalled(
-    cluster3: KafkaCluster, triton: Any, unique: str
+    cluster3: KafkaCluster, triton: TritonUnderTest, unique: str
 ) -> None:
     """exactly_once, 100 requests/s on 3 partitions, the output partition's leader stopped
     (3 nodes): leaders and coordinators on it move; once each."""

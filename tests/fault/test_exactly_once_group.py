@@ -27,7 +27,9 @@ from devtools.devstack.process import free_port
 from devtools.samples import SampleRequest, faulty_request
 from tests.support import (
     Collected,
+    KafkaUnderTest,
     Topics,
+    TritonUnderTest,
     collect,
     create,
     read_all,
@@ -171,7 +173,7 @@ def _check_exactly_once(sent: list[SampleRequest], everything: Collected) -> Non
 
 
 async def test_exactly_once_hand_over_under_load_one_two_one(
-    kafka: Any, triton: Any, unique: str, tmp_path: Path
+    kafka: KafkaUnderTest, triton: TritonUnderTest, unique: str, tmp_path: Path
 ) -> None:
     """exactly_once, members 1 → 2 → 1 under load, drains timing out: each request once."""
     topics = Topics.fresh(unique)
@@ -235,7 +237,7 @@ async def test_exactly_once_hand_over_under_load_one_two_one(
 
 
 async def test_exactly_once_zombie_is_fenced_and_rejoins(
-    kafka: Any, triton: Any, unique: str, tmp_path: Path
+    kafka: KafkaUnderTest, triton: TritonUnderTest, unique: str, tmp_path: Path
 ) -> None:
     """exactly_once: a member frozen past its session timeout is fenced when it thaws; once."""
     topics = Topics.fresh(unique)

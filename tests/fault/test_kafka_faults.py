@@ -8,7 +8,6 @@ import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -16,7 +15,9 @@ from devtools import samples
 from devtools.devstack.kafka import KafkaCluster
 from devtools.devstack.process import free_port, tail
 from tests.support import (
+    KafkaUnderTest,
     Topics,
+    TritonUnderTest,
     collect,
     create,
     local_kafka,
@@ -44,7 +45,7 @@ def own_kafka() -> Iterator[KafkaCluster]:
 
 
 async def test_single_broker_restart_mid_stream(
-    own_kafka: KafkaCluster, triton: Any, unique: str
+    own_kafka: KafkaCluster, triton: TritonUnderTest, unique: str
 ) -> None:
     """The only broker stops and starts again mid-stream: every request answered once or more."""
     topics = Topics.fresh(unique)
@@ -69,7 +70,9 @@ async def test_single_broker_restart_mid_stream(
     assert set(got.results) == {r.request_id for r in requests}
 
 
-async def test_partition_leader_failover(cluster3: KafkaCluster, triton: Any, unique: str) -> None:
+async def test_partition_leader_failover(
+    cluster3: KafkaCluster, triton: TritonUnderTest, unique: str
+) -> None:
     """The leader of the input and output partitions stops mid-stream; the worker carries on."""
     topics = Topics.fresh(unique)
     await cluster3.create_topics(
@@ -99,7 +102,7 @@ async def test_partition_leader_failover(cluster3: KafkaCluster, triton: Any, un
 
 @pytest.mark.parametrize("group_protocol", ["classic", "consumer"])
 async def test_group_scales_one_three_one_mid_stream(
-    kafka: Any, triton: Any, unique: str, tmp_path: Path, group_protocol: str
+    kafka: KafkaUnderTest, triton: TritonUnderTest, unique: str, tmp_path: Path, group_protocol: str
 ) -> None:
     """Workers join (1 → 3) and leave (3 → 1) mid-stream: all answered, duplicates bounded;
     under the classic (eager) protocol and the consumer one (KIP-848, incremental)."""
@@ -151,7 +154,7 @@ async def test_group_scales_one_three_one_mid_stream(
 
 @pytest.mark.parametrize("signals", [1, 2])
 async def test_sigterm_while_the_broker_is_down_ends_the_worker(
-    own_kafka: KafkaCluster, triton: Any, unique: str, tmp_path: Path, signals: int
+    own_kafka: KafkaCluster, triton: TritonUnderTest, unique: str, tmp_path: Path, signals: int
 ) -> None:
     """SIGTERM while the only broker is down: exit 0 within its bounds; a second one: exit 1 now."""
     topics = Topics.fresh(unique)

@@ -18,7 +18,6 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
@@ -26,7 +25,9 @@ import pytest
 from devtools.devstack.process import free_port, tail
 from devtools.samples import faulty_request
 from tests.support import (
+    KafkaUnderTest,
     Topics,
+    TritonUnderTest,
     create,
     log_events,
     metric_sum,
@@ -75,7 +76,11 @@ async def _in_flight(port: int, proc: subprocess.Popen[bytes], count: int) -> No
 
 @contextlib.asynccontextmanager
 async def _second_joins(
-    kafka: Any, triton: Any, unique: str, tmp_path: Path, revoke_timeout_s: str
+    kafka: KafkaUnderTest,
+    triton: TritonUnderTest,
+    unique: str,
+    tmp_path: Path,
+    revoke_timeout_s: str,
 ) -> AsyncIterator[_Members]:
     """The first member with its slow records in flight; the second joins; yields once the
     first's revoke has begun. Both are stopped afterwards."""
@@ -115,7 +120,7 @@ async def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
 
 
 async def test_a_slow_revoke_holds_the_joining_members_partitions_for_its_bound_only(
-    kafka: Any, triton: Any, unique: str, tmp_path: Path
+    kafka: KafkaUnderTest, triton: TritonUnderTest, unique: str, tmp_path: Path
 ) -> None:
     """The first member's records take 6 and 9 s when a second joins: the second's partitions
     come once the first's revoke gave up after its 2 s bound, not later (on either client)."""
@@ -131,7 +136,7 @@ async def test_a_slow_revoke_holds_the_joining_members_partitions_for_its_bound_
 
 
 async def test_sigterm_during_a_revoke_exits_once_its_records_are_done(
-    kafka: Any, triton: Any, unique: str, tmp_path: Path
+    kafka: KafkaUnderTest, triton: TritonUnderTest, unique: str, tmp_path: Path
 ) -> None:
     """SIGTERM while the revoke waits for 6 and 9 s records: exit 0 right after the last is
     published, no commit abandoned (on librdkafka the commit made when the first was done

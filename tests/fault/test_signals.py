@@ -13,7 +13,6 @@ import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
@@ -22,7 +21,9 @@ from devtools import samples
 from devtools.devstack.kafka import KafkaCluster
 from devtools.devstack.process import free_port, tail
 from tests.support import (
+    KafkaUnderTest,
     Topics,
+    TritonUnderTest,
     collect,
     create,
     local_kafka,
@@ -61,7 +62,7 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
 
 @pytest.mark.parametrize("signals", [1, 2])
 async def test_signals_during_start_up_end_it(
-    triton: Any, unique: str, tmp_path: Path, signals: int
+    triton: TritonUnderTest, unique: str, tmp_path: Path, signals: int
 ) -> None:
     """Ctrl-C (once, or twice) while the broker hangs the start-up: exit at once, no traceback."""
     log = tmp_path / "worker.log"
@@ -94,7 +95,7 @@ async def test_signals_during_start_up_end_it(
 
 
 async def _worker_holding_slow_records(
-    kafka: Any, triton: Any, unique: str, log: Path, **extra: str
+    kafka: KafkaUnderTest, triton: TritonUnderTest, unique: str, log: Path, **extra: str
 ) -> tuple[subprocess.Popen[bytes], int]:
     """A worker whose window holds requests the ``faulty`` model answers after 4 s."""
     topics = Topics.fresh(unique)
@@ -114,7 +115,7 @@ async def _worker_holding_slow_records(
 
 
 async def test_second_signal_while_draining_ends_the_process(
-    kafka: Any, triton: Any, unique: str, tmp_path: Path
+    kafka: KafkaUnderTest, triton: TritonUnderTest, unique: str, tmp_path: Path
 ) -> None:
     """SIGTERM drains slow requests; a second SIGTERM ends the process within 2 s, exit 1."""
     log = tmp_path / "worker.log"
@@ -130,7 +131,7 @@ async def test_second_signal_while_draining_ends_the_process(
 
 
 async def test_a_drain_that_times_out_exits_non_zero(
-    kafka: Any, triton: Any, unique: str, tmp_path: Path
+    kafka: KafkaUnderTest, triton: TritonUnderTest, unique: str, tmp_path: Path
 ) -> None:
     """One SIGTERM; the slow requests outlive WORKER_SHUTDOWN_TIMEOUT_S: exit 1, not 0."""
     log = tmp_path / "worker.log"
@@ -156,7 +157,7 @@ def own_kafka() -> Iterator[KafkaCluster]:
 
 @pytest.mark.parametrize("phase", ["final_commit", "client_close"])
 async def test_second_signal_with_the_broker_frozen(
-    own_kafka: KafkaCluster, triton: Any, unique: str, tmp_path: Path, phase: str
+    own_kafka: KafkaCluster, triton: TritonUnderTest, unique: str, tmp_path: Path, phase: str
 ) -> None:
     """The broker freezes (SIGSTOP) mid-stream; SIGTERM; a second one in the final commit or
     in a client's close ends the process within 2 s, exit 1."""

@@ -24,6 +24,7 @@ from devtools.devstack.paths import models_dir
 from devtools.devstack.process import free_port
 from devtools.devstack.triton import TritonPorts, TritonServer, ensure_triton
 from tests.support import (
+    KafkaUnderTest,
     Topics,
     collect,
     create,
@@ -95,7 +96,9 @@ async def _until(condition: Any, timeout_s: float, what: str) -> None:
         await asyncio.sleep(0.05)
 
 
-async def test_load_is_spread_over_every_endpoint(kafka: Any, trio: Trio, unique: str) -> None:
+async def test_load_is_spread_over_every_endpoint(
+    kafka: KafkaUnderTest, trio: Trio, unique: str
+) -> None:
     """900 records through three endpoints: all answered, each endpoint serves a share."""
     topics = Topics.fresh(unique)
     await create(kafka, topics, partitions=3)
@@ -114,7 +117,9 @@ async def test_load_is_spread_over_every_endpoint(kafka: Any, trio: Trio, unique
     assert all(count >= total * 0.1 for count in served.values()), served
 
 
-async def test_an_endpoint_killed_mid_stream_then_back(kafka: Any, trio: Trio, unique: str) -> None:
+async def test_an_endpoint_killed_mid_stream_then_back(
+    kafka: KafkaUnderTest, trio: Trio, unique: str
+) -> None:
     """SIGKILL one of three while records flow: none dead, breaker shut; restarted, it serves."""
     topics = Topics.fresh(unique)
     await create(kafka, topics, partitions=3)
@@ -203,7 +208,7 @@ async def test_a_name_of_several_addresses_is_one_endpoint_each(trio: Trio) -> N
 
 
 async def test_check_is_ready_while_one_endpoint_answers(
-    kafka: Any, trio: Trio, unique: str
+    kafka: KafkaUnderTest, trio: Trio, unique: str
 ) -> None:
     """`check` probes each endpoint: ready with one down (named); failed with all down."""
     topics = Topics.fresh(unique)

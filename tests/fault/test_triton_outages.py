@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
 
@@ -17,6 +16,7 @@ from devtools import samples
 from devtools.devstack.paths import models_dir
 from devtools.devstack.triton import TritonServer, ensure_triton
 from tests.support import (
+    KafkaUnderTest,
     Topics,
     collect,
     create,
@@ -45,7 +45,7 @@ def own_triton(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TritonServe
 
 
 async def test_triton_killed_and_restarted_mid_stream(
-    kafka: Any, own_triton: TritonServer, unique: str
+    kafka: KafkaUnderTest, own_triton: TritonServer, unique: str
 ) -> None:
     """SIGKILL Triton while requests flow, start it again: every request answered, none dead."""
     topics = Topics.fresh(unique)
@@ -70,7 +70,7 @@ async def test_triton_killed_and_restarted_mid_stream(
 
 
 async def test_triton_down_30s_no_dead_letters_resume_within_5s(
-    kafka: Any, own_triton: TritonServer, unique: str
+    kafka: KafkaUnderTest, own_triton: TritonServer, unique: str
 ) -> None:
     """A 30 s outage: breaker opens, /readyz false, zero dead letters; resume ≤ 5 s after ready."""
     topics = Topics.fresh(unique)

@@ -20,14 +20,15 @@ import signal
 import subprocess
 import time
 from pathlib import Path
-from typing import Any
 
 import confluent_kafka
 import pytest
 
 from devtools.devstack.process import free_port
 from tests.support import (
+    KafkaUnderTest,
     Topics,
+    TritonUnderTest,
     create,
     metric_sum,
     metrics_text,
@@ -112,7 +113,7 @@ async def _until_answered(
 
 
 async def test_distinct_unknown_models_keep_memory_flat(
-    kafka: Any, triton: Any, unique: str, tmp_path: Path
+    kafka: KafkaUnderTest, triton: TritonUnderTest, unique: str, tmp_path: Path
 ) -> None:
     """Records each naming another unknown model: every one a dead letter, RSS flat."""
     topics = Topics.fresh(unique)

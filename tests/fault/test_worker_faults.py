@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import signal
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
@@ -16,7 +15,9 @@ from devtools import samples
 from devtools.samples import faulty_request
 from tests.support import (
     Collected,
+    KafkaUnderTest,
     Topics,
+    TritonUnderTest,
     collect,
     create,
     headers_dict,
@@ -33,7 +34,12 @@ pytestmark = pytest.mark.timeout(240)
 
 
 async def _kill_and_restart(
-    kafka: Any, triton: Any, topics: Topics, tmp_path: Path, total: int, **extra: str
+    kafka: KafkaUnderTest,
+    triton: TritonUnderTest,
+    topics: Topics,
+    tmp_path: Path,
+    total: int,
+    **extra: str,
 ) -> Collected:
     """Run a worker process, SIGKILL it mid-stream, run a new one until all is answered."""
     env = worker_env(kafka, triton, topics, commit_interval_ms="100", **extra)
@@ -59,7 +65,7 @@ async def _kill_and_restart(
 
 
 async def test_sigkill_mid_stream_loses_nothing_and_duplicates_stay_bounded(
-    kafka: Any, triton: Any, unique: str, tmp_path: Path
+    kafka: KafkaUnderTest, triton: TritonUnderTest, unique: str, tmp_path: Path
 ) -> None:
     """SIGKILL a worker mid-stream, start another: all answered; duplicates ≤ window."""
     topics = Topics.fresh(unique)
@@ -78,7 +84,7 @@ async def test_sigkill_mid_stream_loses_nothing_and_duplicates_stay_bounded(
 
 
 async def test_exactly_once_survives_sigkill(
-    kafka: Any, triton: Any, unique: str, tmp_path: Path
+    kafka: KafkaUnderTest, triton: TritonUnderTest, unique: str, tmp_path: Path
 ) -> None:
     """exactly_once + SIGKILL: a read_committed reader sees every request id exactly once."""
     topics = Topics.fresh(unique)
@@ -101,7 +107,9 @@ async def test_exactly_once_survives_sigkill(
     assert set(got.dead_letters) == {r.request_id for r in requests if r.expected_code}
 
 
-async def test_poison_pills_alone_are_dead_lettered(kafka: Any, triton: Any, unique: str) -> None:
+async def test_poison_pills_alone_are_dead_lettered(
+    kafka: KafkaUnderTest, triton: TritonUnderTest, unique: str
+) -> None:
     """Requests the model raises for are dead-lettered (INFERENCE_ERROR, once); others pass."""
     topics = Topics.fresh(unique)
     await create(kafka, topics, partitions=2)
@@ -121,7 +129,7 @@ async def test_poison_pills_alone_are_dead_lettered(kafka: Any, triton: Any, uni
 
 
 async def test_slow_model_times_out_retries_then_dead_letters(
-    kafka: Any, triton: Any, unique: str
+    kafka: KafkaUnderTest, triton: TritonUnderTest, unique: str
 ) -> None:
     """A request slower than its timeout is retried max_attempts times, then RETRIES_EXHAUSTED."""
     topics = Topics.fresh(unique)
@@ -152,7 +160,7 @@ async def test_slow_model_times_out_retries_then_dead_letters(
 
 
 async def test_window_full_past_max_poll_interval_keeps_membership(
-    kafka: Any, triton: Any, unique: str
+    kafka: KafkaUnderTest, triton: TritonUnderTest, unique: str
 ) -> None:
     """The window stays full longer than max_poll_interval_ms: no rebalance."""
     topics = Topics.fresh(unique)
@@ -193,7 +201,7 @@ async def test_window_full_past_max_poll_interval_keeps_membership(
 
 
 async def test_dead_letter_write_failure_stops_the_worker_without_committing(
-    kafka: Any, triton: Any, unique: str, tmp_path: Path
+    kafka: KafkaUnderTest, triton: TritonUnderTest, unique: str, tmp_path: Path
 ) -> None:
     """A DLQ that refuses every write: the worker exits non-zero; the offset stays before it."""
     topics = Topics.fresh(unique)
@@ -218,7 +226,7 @@ async def test_dead_letter_write_failure_stops_the_worker_without_committing(
 
 
 async def test_result_refused_by_the_broker_becomes_output_too_large(
-    kafka: Any, triton: Any, unique: str
+    kafka: KafkaUnderTest, triton: TritonUnderTest, unique: str
 ) -> None:
     """The output topic refuses a result for its size: the request is dead-lettered."""
     topics = Topics.fresh(unique)
@@ -246,7 +254,7 @@ async def test_result_refused_by_the_broker_becomes_output_too_large(
 
 @pytest.mark.parametrize("delivery", ["at_least_once", "exactly_once"])
 async def test_results_as_large_as_one_refused_are_dead_lettered_without_a_try(
-    kafka: Any, triton: Any, unique: str, delivery: str
+    kafka: KafkaUnderTest, triton: TritonUnderTest, unique: str, delivery: str
 ) -> None:
     """The output topic refused a result for its size: results as large or larger, soon after, are
     OUTPUT_TOO_LARGE without being sent (each refusal replaces a producer or aborts a
@@ -281,7 +289,7 @@ async def test_results_as_large_as_one_refused_are_dead_lettered_without_a_try(
 
 @pytest.mark.parametrize("ordering", ["key", "partition"])
 async def test_ordering_holds_under_concurrency(
-    kafka: Any, triton: Any, unique: str, ordering: str
+    kafka: KafkaUnderTest, triton: TritonUnderTest, unique: str, ordering: str
 ) -> None:
     """key: per key, outputs follow input offsets; partition: per partition, they do too."""
     topics = Topics.fresh(unique)

@@ -9,7 +9,15 @@ import pytest
 
 from devtools.devstack.kafka import run_sync
 from devtools.devstack.process import free_port
-from tests.support import Topics, create, running_worker, settings_for, worker_env
+from tests.support import (
+    KafkaUnderTest,
+    Topics,
+    TritonUnderTest,
+    create,
+    running_worker,
+    settings_for,
+    worker_env,
+)
 from tests.support.worker import clear_settings
 from worker import cli
 from worker.checks.report import CheckResult, run_checks
@@ -25,7 +33,7 @@ def _failed(results: list[CheckResult]) -> dict[str, str]:
     return {r.check: r.detail for r in results if r.outcome == "fail"}
 
 
-async def test_all_good(kafka: Any, triton: Any, unique: str) -> None:
+async def test_all_good(kafka: KafkaUnderTest, triton: TritonUnderTest, unique: str) -> None:
     """Topics exist, the group is free, Triton serves the default and allow-listed models."""
     topics = Topics.fresh(unique)
     await create(kafka, topics, partitions=3)
@@ -58,7 +66,9 @@ async def test_all_good(kafka: Any, triton: Any, unique: str) -> None:
     assert "INPUT0 FP32" in by_check["model double"].detail
 
 
-async def test_group_in_use_is_described_not_joined(kafka: Any, triton: Any, unique: str) -> None:
+async def test_group_in_use_is_described_not_joined(
+    kafka: KafkaUnderTest, triton: TritonUnderTest, unique: str
+) -> None:
     """With a worker running in the group, check reports its member and leaves it alone."""
     topics = Topics.fresh(unique)
     await create(kafka, topics)
@@ -84,7 +94,9 @@ async def test_group_in_use_is_described_not_joined(kafka: Any, triton: Any, uni
     assert group.detail.startswith("Stable, 1 members")
 
 
-async def test_missing_input_topic(kafka: Any, triton: Any, unique: str) -> None:
+async def test_missing_input_topic(
+    kafka: KafkaUnderTest, triton: TritonUnderTest, unique: str
+) -> None:
     """An input topic that does not exist fails its row only, and is not created by the check."""
     topics = Topics.fresh(unique)
     await create(kafka, topics)
@@ -97,7 +109,9 @@ async def test_missing_input_topic(kafka: Any, triton: Any, unique: str) -> None
     assert [t for t in described if t["error_code"] == 0] == []  # still unknown to the broker
 
 
-async def test_missing_dlq_topic(kafka: Any, triton: Any, unique: str) -> None:
+async def test_missing_dlq_topic(
+    kafka: KafkaUnderTest, triton: TritonUnderTest, unique: str
+) -> None:
     """A dead-letter topic that does not exist fails its row."""
     topics = Topics.fresh(unique)
     await kafka.create_topics([topics.input, topics.output], partitions=1)
@@ -107,7 +121,9 @@ async def test_missing_dlq_topic(kafka: Any, triton: Any, unique: str) -> None:
     assert _failed(results) == {f"dead-letter topic {topics.dlq}": "does not exist"}
 
 
-async def test_kafka_unreachable(kafka: Any, triton: Any, unique: str) -> None:
+async def test_kafka_unreachable(
+    kafka: KafkaUnderTest, triton: TritonUnderTest, unique: str
+) -> None:
     """No broker at the bootstrap address: Kafka fails, its dependent checks are skipped."""
     topics = Topics.fresh(unique)
     settings = settings_for(kafka, triton, topics, bootstrap_servers=f"127.0.0.1:{free_port()}")
@@ -124,7 +140,9 @@ async def test_kafka_unreachable(kafka: Any, triton: Any, unique: str) -> None:
     ]
 
 
-async def test_wrong_triton_url(kafka: Any, triton: Any, unique: str) -> None:
+async def test_wrong_triton_url(
+    kafka: KafkaUnderTest, triton: TritonUnderTest, unique: str
+) -> None:
     """Nothing listening at the Triton URL: Triton fails, the model checks are skipped."""
     topics = Topics.fresh(unique)
     await create(kafka, topics)
@@ -138,7 +156,9 @@ async def test_wrong_triton_url(kafka: Any, triton: Any, unique: str) -> None:
     assert _by_check(results)["model double"].outcome == "skip"
 
 
-async def test_unknown_default_model(kafka: Any, triton: Any, unique: str) -> None:
+async def test_unknown_default_model(
+    kafka: KafkaUnderTest, triton: TritonUnderTest, unique: str
+) -> None:
     """A default model Triton does not serve fails its row."""
     topics = Topics.fresh(unique)
     await create(kafka, topics)
@@ -156,8 +176,8 @@ def _use_env(monkeypatch: pytest.MonkeyPatch, env: dict[str, str]) -> None:
 
 
 def test_command_exit_codes(
-    kafka: Any,
-    triton: Any,
+    kafka: KafkaUnderTest,
+    triton: TritonUnderTest,
     unique: str,
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
@@ -177,8 +197,8 @@ def test_command_exit_codes(
 
 
 def test_command_prints_the_table_alone_when_kafka_does_not_answer(
-    kafka: Any,
-    triton: Any,
+    kafka: KafkaUnderTest,
+    triton: TritonUnderTest,
     unique: str,
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],

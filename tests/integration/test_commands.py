@@ -19,7 +19,7 @@ import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
 from devtools.devstack.process import free_port
-from tests.support import silent_broker
+from tests.support import KafkaUnderTest, silent_broker
 from tests.support.worker import env_without_settings
 from worker.errors import ExitCode
 
@@ -69,7 +69,7 @@ async def _records(bootstrap: str, topic: str, count: int) -> list[Any]:
 
 
 async def test_produce_takes_kafka_and_the_topic_from_the_worker_settings(
-    kafka: Any, unique: str
+    kafka: KafkaUnderTest, unique: str
 ) -> None:
     """WORKER_BOOTSTRAP_SERVERS and WORKER_INPUT_TOPICS alone: sent to the first input topic."""
     topic = f"produce-env-{unique}"
@@ -85,7 +85,7 @@ async def test_produce_takes_kafka_and_the_topic_from_the_worker_settings(
 
 
 async def test_topics_creates_the_missing_ones_and_leaves_the_others(
-    kafka: Any, unique: str
+    kafka: KafkaUnderTest, unique: str
 ) -> None:
     """An existing input topic is kept as it is; output and dead-letter topics are created."""
     names = [f"in-{unique}", f"out-{unique}", f"dlq-{unique}"]
@@ -110,7 +110,9 @@ async def test_topics_creates_the_missing_ones_and_leaves_the_others(
     assert [line.split()[0] for line in again.stdout.splitlines()] == ["exists"] * 3
 
 
-async def test_tail_prints_the_last_records_with_their_headers(kafka: Any, unique: str) -> None:
+async def test_tail_prints_the_last_records_with_their_headers(
+    kafka: KafkaUnderTest, unique: str
+) -> None:
     """The last N records as JSON lines, oldest first; --wait for more than exist: exit 4."""
     topic = f"tail-{unique}"
     await kafka.create_topics([topic])
@@ -150,7 +152,7 @@ async def test_tail_prints_the_last_records_with_their_headers(kafka: Any, uniqu
     ],
 )
 async def test_command_failures_end_in_one_line_and_a_documented_code(
-    kafka: Any, unique: str, args: tuple[str, ...], code: int, says: str
+    kafka: KafkaUnderTest, unique: str, args: tuple[str, ...], code: int, says: str
 ) -> None:
     """A missing file, topic or setting, an unreachable broker: one line, no traceback."""
     closed = f"127.0.0.1:{free_port()}"  # nothing listens there

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -31,7 +30,7 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> LocalPki:
 
 
 @pytest.fixture(scope="module")
-def sasl_kafka(pki: LocalPki, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+def sasl_kafka(pki: LocalPki, tmp_path_factory: pytest.TempPathFactory) -> Iterator[KafkaCluster]:
     """One Kafka node with a SASL_SSL listener and one SCRAM user, carol (super user)."""
     security = KafkaSecurity(
         keystore_pem=pki.server.bundle,
@@ -45,7 +44,7 @@ def sasl_kafka(pki: LocalPki, tmp_path_factory: pytest.TempPathFactory) -> Itera
     cluster.stop()
 
 
-def _env(kafka: Any, ca: Path, password: str, unique: str) -> dict[str, str]:
+def _env(kafka: KafkaCluster, ca: Path, password: str, unique: str) -> dict[str, str]:
     return {
         "WORKER_BOOTSTRAP_SERVERS": kafka.sasl_bootstrap_servers,
         "WORKER_SECURITY_PROTOCOL": "SASL_SSL",
@@ -59,7 +58,9 @@ def _env(kafka: Any, ca: Path, password: str, unique: str) -> dict[str, str]:
     }
 
 
-def test_topics_produce_and_tail_over_sasl_ssl(sasl_kafka: Any, pki: LocalPki, unique: str) -> None:
+def test_topics_produce_and_tail_over_sasl_ssl(
+    sasl_kafka: KafkaCluster, pki: LocalPki, unique: str
+) -> None:
     """Topics created, a request produced, then read back, all authenticated as carol."""
     env = _env(sasl_kafka, pki.ca_cert, PASSWORD, unique)
     created = worker_command(env, "topics", "--partitions", "1")
@@ -87,7 +88,13 @@ def test_topics_produce_and_tail_over_sasl_ssl(sasl_kafka: Any, pki: LocalPki, u
     ],
 )
 def test_refused_credentials_end_in_one_line_and_exit_2(
-    sasl_kafka: Any, pki: LocalPki, unique: str, case: str, password: str, ca: str, says: str
+    sasl_kafka: KafkaCluster,
+    pki: LocalPki,
+    unique: str,
+    case: str,
+    password: str,
+    ca: str,
+    says: str,
 ) -> None:
     """A wrong password or an untrusted CA: `produce` says so in one line, no secret, exit 2."""
     env = _env(sasl_kafka, pki.ca_cert if ca == "ca" else pki.other_ca_cert, password, unique)

@@ -5,14 +5,22 @@ from __future__ import annotations
 import asyncio
 import re
 import urllib.request
-from typing import Any
 
 import pytest
 
 from devtools import samples
 from devtools.devstack.process import free_port
 from tests.contract.test_deploy import base_metric_name, referenced_metric_names
-from tests.support import Topics, collect, create, running_worker, send, settings_for
+from tests.support import (
+    KafkaUnderTest,
+    Topics,
+    TritonUnderTest,
+    collect,
+    create,
+    running_worker,
+    send,
+    settings_for,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -35,7 +43,7 @@ def _missing(referenced: set[str], families: dict[str, str]) -> set[str]:
 
 
 async def test_dashboard_metrics_exist_on_a_running_worker(
-    kafka: Any, triton: Any, unique: str
+    kafka: KafkaUnderTest, triton: TritonUnderTest, unique: str
 ) -> None:
     """After results and a dead letter, /metrics has each worker_* name queried; Triton its nv_*."""
     topics = Topics.fresh(unique)

@@ -24,7 +24,9 @@ from devtools.samples import (
 )
 from devtools.samples import Tensor as SampleTensor
 from tests.support import (
+    KafkaUnderTest,
     Topics,
+    TritonUnderTest,
     collect_streams,
     create,
     headers_dict,
@@ -75,7 +77,7 @@ def _histogram(worker: Any, name: str, model: str) -> tuple[float, float]:
 
 
 async def test_final_mode_joins_every_response_in_order_beside_ordinary_requests(
-    kafka: Any, triton: Any, unique: str
+    kafka: KafkaUnderTest, triton: TritonUnderTest, unique: str
 ) -> None:
     """final: one result per stream, BYTES [N] pieces in order, x-response-count, metrics."""
     topics = Topics.fresh(unique)
@@ -105,7 +107,7 @@ async def test_final_mode_joins_every_response_in_order_beside_ordinary_requests
 
 
 async def test_each_mode_publishes_every_response_in_order_as_its_own_result(
-    kafka: Any, triton: Any, unique: str
+    kafka: KafkaUnderTest, triton: TritonUnderTest, unique: str
 ) -> None:
     """each: a result per response, same key and partition, indexes 0.., final on the last."""
     topics = Topics.fresh(unique)
@@ -139,7 +141,7 @@ async def test_each_mode_publishes_every_response_in_order_as_its_own_result(
 
 
 async def test_joined_bytes_make_one_string_per_stream(
-    kafka: Any, triton: Any, unique: str
+    kafka: KafkaUnderTest, triton: TritonUnderTest, unique: str
 ) -> None:
     """final with WORKER_STREAM_JOIN_BYTES: the pieces joined into the generated text."""
     topics = Topics.fresh(unique)
@@ -159,7 +161,7 @@ async def test_joined_bytes_make_one_string_per_stream(
 
 
 async def test_a_failure_after_k_responses_is_an_inference_error_in_both_modes(
-    kafka: Any, triton: Any, unique: str
+    kafka: KafkaUnderTest, triton: TritonUnderTest, unique: str
 ) -> None:
     """fail_after 3: final dead-letters it (3 received); each publishes 3, then the letter."""
     final_topics, each_topics = Topics.fresh(f"{unique}-f"), Topics.fresh(f"{unique}-e")
@@ -198,7 +200,7 @@ async def test_a_failure_after_k_responses_is_an_inference_error_in_both_modes(
 
 
 async def test_a_gap_longer_than_the_idle_timeout_ends_the_stream_in_both_modes(
-    kafka: Any, triton: Any, unique: str
+    kafka: KafkaUnderTest, triton: TritonUnderTest, unique: str
 ) -> None:
     """Tokens 600 ms apart, idle timeout 250 ms: final retries then gives up; each stops."""
     final_topics, each_topics = Topics.fresh(f"{unique}-f"), Topics.fresh(f"{unique}-e")

@@ -28,7 +28,9 @@ from tests.contract.examples import (
     read_script,
 )
 from tests.support import (
+    KafkaUnderTest,
     Topics,
+    TritonUnderTest,
     collect,
     create,
     headers_dict,
@@ -42,7 +44,7 @@ pytestmark = pytest.mark.timeout(180)
 
 
 async def test_every_request_of_the_pages_gets_the_result_the_page_shows(
-    kafka: Any, triton: Any, unique: str
+    kafka: KafkaUnderTest, triton: TritonUnderTest, unique: str
 ) -> None:
     """Each JSON request of a page is answered with a result (not a dead letter), and
     equal to the result its page shows, where it shows one."""
@@ -76,7 +78,7 @@ def _replay_commands() -> list[list[str]]:
 
 
 async def test_the_runbooks_replay_commands_run_as_written(
-    kafka: Any, triton: Any, unique: str
+    kafka: KafkaUnderTest, triton: TritonUnderTest, unique: str
 ) -> None:
     """`replay --dry-run --code FORBIDDEN` lists a FORBIDDEN dead letter and sends nothing;
     `replay --code FORBIDDEN --failed-after 2h` sends it back; both exit 0."""

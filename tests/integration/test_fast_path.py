@@ -7,13 +7,21 @@ whose bisection isolates the pill (see tests/integration/test_batching.py).
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 from tritonclient.grpc import service_pb2
 
 from devtools.samples import SampleRequest, Tensor, encode_request, good_requests
-from tests.support import Topics, collect, create, headers_dict, running_worker, send, settings_for
+from tests.support import (
+    KafkaUnderTest,
+    Topics,
+    TritonUnderTest,
+    collect,
+    create,
+    headers_dict,
+    running_worker,
+    send,
+    settings_for,
+)
 from worker.app import Worker
 from worker.wire.tensors import serialize_bytes_tensor
 
@@ -46,7 +54,7 @@ def _sample(worker: Worker, metric: str, **labels: str) -> float:
 
 
 async def test_a_backlog_takes_the_fast_path_and_a_poison_pill_fails_alone(
-    kafka: Any, triton: Any, unique: str
+    kafka: KafkaUnderTest, triton: TritonUnderTest, unique: str
 ) -> None:
     """mlp records answered by the fast path; the pill among echo_bytes neighbours is its own
     INFERENCE_ERROR dead letter after one counted attempt, every neighbour answered."""

@@ -28,7 +28,15 @@ from aiokafka.structs import ConsumerRecord, TopicPartition
 from confluent_kafka import Consumer, KafkaError, Message, Producer
 
 from devtools.samples import ENCODINGS, Tensor, double_inputs, encode_request, mlp_inputs
-from tests.support import Topics, mlp_reference, result_outputs, running_worker, settings_for
+from tests.support import (
+    KafkaUnderTest,
+    Topics,
+    TritonUnderTest,
+    mlp_reference,
+    result_outputs,
+    running_worker,
+    settings_for,
+)
 from worker.app import Worker
 from worker.wire import header_value
 
@@ -194,7 +202,7 @@ def double_json_without_id(rng: np.random.Generator) -> bytes:
 class Answers:
     """Every result and dead letter, by the input offset they answer (``x-source-offset``)."""
 
-    def __init__(self, kafka: Any, topics: Topics) -> None:
+    def __init__(self, kafka: KafkaUnderTest, topics: Topics) -> None:
         self._kafka = kafka
         self._topics = topics
         self.results: dict[int, list[ConsumerRecord[bytes, bytes]]] = {}
@@ -363,7 +371,7 @@ def batch_of(batches: Sequence[Batch], offset: int) -> Batch:
 
 
 async def test_librdkafka_codecs_null_records_headers_bom_and_transactions(
-    kafka: Any, triton: Any, unique: str
+    kafka: KafkaUnderTest, triton: TritonUnderTest, unique: str
 ) -> None:
     """librdkafka traffic on default topics: every codec, null record, odd headers, BOM, aborts."""
     topics = Topics.fresh(unique)
@@ -529,7 +537,7 @@ async def test_librdkafka_codecs_null_records_headers_bom_and_transactions(
 
 
 async def test_worker_zstd_output_is_zstd_and_readable_by_both_clients(
-    kafka: Any, triton: Any, unique: str
+    kafka: KafkaUnderTest, triton: TritonUnderTest, unique: str
 ) -> None:
     """WORKER_COMPRESSION_TYPE=zstd: answers are stored as zstd batches; both clients read them."""
     topics = Topics.fresh(unique)
@@ -600,7 +608,7 @@ def _consume_all(
 
 
 async def test_large_dead_letter_kept_whole_when_the_dlq_allows_it(
-    kafka: Any, triton: Any, unique: str
+    kafka: KafkaUnderTest, triton: TritonUnderTest, unique: str
 ) -> None:
     """A 1.5 MiB invalid value on a 4 MiB topic: its dead letter (4 MiB DLQ) keeps every byte."""
     topics = Topics.fresh(unique)
@@ -635,7 +643,7 @@ async def test_large_dead_letter_kept_whole_when_the_dlq_allows_it(
 
 
 async def test_oversized_dead_letters_lose_value_then_key_when_the_dlq_is_smaller(
-    kafka: Any, triton: Any, unique: str
+    kafka: KafkaUnderTest, triton: TritonUnderTest, unique: str
 ) -> None:
     """Default 1 MiB DLQ: a 1.5 MiB value and a 1 MiB key are dead-lettered without them."""
     topics = Topics.fresh(unique)

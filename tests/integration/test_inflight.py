@@ -21,7 +21,16 @@ import structlog
 
 from devtools.devstack.process import free_port
 from devtools.samples import faulty_request
-from tests.support import Topics, collect, create, running_worker, send, settings_for
+from tests.support import (
+    KafkaUnderTest,
+    Topics,
+    TritonUnderTest,
+    collect,
+    create,
+    running_worker,
+    send,
+    settings_for,
+)
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -65,7 +74,7 @@ def _by_partition(snapshot: dict[str, Any]) -> dict[int, dict[str, Any]]:
 
 
 async def test_inflight_lists_slow_records_with_their_partitions_and_commit_points(
-    kafka: Any, triton: Any, unique: str
+    kafka: KafkaUnderTest, triton: TritonUnderTest, unique: str
 ) -> None:
     """Slow records: listed with offsets, state and age; commit points; gauge rises; stuck once."""
     topics = Topics.fresh(unique)
@@ -179,7 +188,7 @@ async def test_inflight_lists_slow_records_with_their_partitions_and_commit_poin
 
 
 async def test_inflight_is_not_found_unless_debug_endpoints_are_on(
-    kafka: Any, triton: Any, unique: str
+    kafka: KafkaUnderTest, triton: TritonUnderTest, unique: str
 ) -> None:
     """With WORKER_DEBUG_ENDPOINTS unset, /debug/inflight is 404 while /metrics has the gauge."""
     topics = Topics.fresh(unique)

@@ -16,7 +16,6 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
@@ -24,7 +23,15 @@ from aiokafka import AIOKafkaConsumer
 
 from devtools.devstack.process import free_port
 from devtools.samples import faulty_request
-from tests.support import Topics, create, send, spawn_worker, worker_env
+from tests.support import (
+    KafkaUnderTest,
+    Topics,
+    TritonUnderTest,
+    create,
+    send,
+    spawn_worker,
+    worker_env,
+)
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -154,7 +161,7 @@ async def _first_result(
 
 
 async def test_fetch_loop_sleeps_while_its_partition_is_at_its_limit(
-    kafka: Any, triton: Any, unique: str, tmp_path: Path
+    kafka: KafkaUnderTest, triton: TritonUnderTest, unique: str, tmp_path: Path
 ) -> None:
     """A partition full of slow requests, global room left: <5 % CPU, progress, /healthz up."""
     topics = Topics.fresh(unique)
@@ -217,7 +224,9 @@ async def _assigned(
         await asyncio.sleep(0.2)
 
 
-async def test_an_idle_worker_sleeps(kafka: Any, triton: Any, unique: str, tmp_path: Path) -> None:
+async def test_an_idle_worker_sleeps(
+    kafka: KafkaUnderTest, triton: TritonUnderTest, unique: str, tmp_path: Path
+) -> None:
     """An empty input topic: the worker polls Kafka now and then, and /healthz stays up."""
     topics = Topics.fresh(unique)
     await create(kafka, topics, partitions=1)

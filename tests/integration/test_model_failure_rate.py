@@ -35,7 +35,9 @@ from devtools.samples import (
     faulty_request,
 )
 from tests.support import (
+    KafkaUnderTest,
     Topics,
+    TritonUnderTest,
     collect,
     create,
     headers_dict,
@@ -85,7 +87,7 @@ def _config(name: str) -> str:
     )
 
 
-def _post(triton: Any, path: str, body: dict[str, Any]) -> None:
+def _post(triton: TritonUnderTest, path: str, body: dict[str, Any]) -> None:
     request = urllib.request.Request(
         f"http://{triton.http_address}{path}",
         data=json.dumps(body).encode(),
@@ -99,7 +101,7 @@ def _post(triton: Any, path: str, body: dict[str, Any]) -> None:
         raise AssertionError(f"{path}: {exc.code} {exc.read().decode()}") from exc
 
 
-async def _load_release(triton: Any, name: str, version: int, model_py: bytes) -> None:
+async def _load_release(triton: TritonUnderTest, name: str, version: int, model_py: bytes) -> None:
     """Load ``name`` with ``model_py`` as its only version; returns once loaded."""
     parameters = {
         "config": _config(name),
@@ -111,7 +113,7 @@ async def _load_release(triton: Any, name: str, version: int, model_py: bytes) -
 
 
 @contextlib.asynccontextmanager
-async def _release(triton: Any, name: str) -> AsyncIterator[None]:
+async def _release(triton: TritonUnderTest, name: str) -> AsyncIterator[None]:
     """The good release of ``name`` loaded; unloaded on exit whatever happens."""
     await _load_release(triton, name, 1, _GOOD_MODEL)
     try:
@@ -120,7 +122,7 @@ async def _release(triton: Any, name: str) -> AsyncIterator[None]:
         await asyncio.to_thread(_post, triton, f"/v2/repository/models/{name}/unload", {})
 
 
-def _failed_inferences(triton: Any, name: str) -> int:
+def _failed_inferences(triton: TritonUnderTest, name: str) -> int:
     """Triton's count of failed inference requests of ``name`` (its statistics API)."""
     url = f"http://{triton.http_address}/v2/models/{name}/stats"
     with urllib.request.urlopen(url, timeout=10) as response:
@@ -177,7 +179,7 @@ class Flow:
 
 
 async def test_a_release_failing_every_request_is_held_until_the_good_one_is_back(
-    kafka: Any, triton: Any, unique: str
+    kafka: KafkaUnderTest, triton: TritonUnderTest, unique: str
 ) -> None:
     """Bad release loaded in place of a good one, then the good one back: only the sample dies."""
     release = f"release_{unique}"
@@ -282,7 +284,7 @@ async def test_a_release_failing_every_request_is_held_until_the_good_one_is_bac
 
 
 async def test_a_poison_pill_among_good_requests_is_dead_lettered_alone(
-    kafka: Any, triton: Any, unique: str
+    kafka: KafkaUnderTest, triton: TritonUnderTest, unique: str
 ) -> None:
     """Pills first and amid good requests: each dead-lettered at once; the breaker stays closed."""
     topics = Topics.fresh(unique)

@@ -30,7 +30,9 @@ from devtools.samples import (
 )
 from tests.support import (
     Collected,
+    KafkaUnderTest,
     Topics,
+    TritonUnderTest,
     collect,
     create,
     headers_dict,
@@ -53,7 +55,7 @@ _GAP_S = 4.0
 # -- Triton's repository API ---------------------------------------------------------
 
 
-def _post(triton: Any, path: str) -> Any:
+def _post(triton: TritonUnderTest, path: str) -> Any:
     request = urllib.request.Request(
         f"http://{triton.http_address}{path}",
         data=b"{}",
@@ -66,7 +68,7 @@ def _post(triton: Any, path: str) -> Any:
     return json.loads(body) if body else None
 
 
-def _model_ready(triton: Any, model: str) -> bool:
+def _model_ready(triton: TritonUnderTest, model: str) -> bool:
     url = f"http://{triton.http_address}/v2/models/{model}/ready"
     try:
         with urllib.request.urlopen(url, timeout=10) as response:
@@ -75,15 +77,15 @@ def _model_ready(triton: Any, model: str) -> bool:
         return False
 
 
-async def _unload(triton: Any, model: str) -> None:
+async def _unload(triton: TritonUnderTest, model: str) -> None:
     await asyncio.to_thread(_post, triton, f"/v2/repository/models/{model}/unload")
 
 
-async def _load(triton: Any, model: str) -> None:
+async def _load(triton: TritonUnderTest, model: str) -> None:
     await asyncio.to_thread(_post, triton, f"/v2/repository/models/{model}/load")
 
 
-def _load_broken(triton: Any, model: str) -> tuple[int, str]:
+def _load_broken(triton: TritonUnderTest, model: str) -> tuple[int, str]:
     """Load ``model`` with a configuration naming a backend that does not exist: it fails."""
     config = json.dumps({"name": model, "backend": "no_such_backend", "max_batch_size": 0})
     request = urllib.request.Request(
@@ -99,13 +101,15 @@ def _load_broken(triton: Any, model: str) -> tuple[int, str]:
         return int(exc.code), exc.read().decode()
 
 
-async def _index_state(triton: Any, model: str) -> set[str]:
+async def _index_state(triton: TritonUnderTest, model: str) -> set[str]:
     """The states Triton's repository index gives for ``model``'s versions."""
     index = await asyncio.to_thread(_post, triton, "/v2/repository/index")
     return {entry.get("state", "") for entry in index if entry["name"] == model}
 
 
-async def _until_state(triton: Any, model: str, state: str, timeout_s: float = 30) -> None:
+async def _until_state(
+    triton: TritonUnderTest, model: str, state: str, timeout_s: float = 30
+) -> None:
     """Wait until the index gives ``state`` for ``model`` (an unload finishes in the background)."""
     deadline = time.monotonic() + timeout_s
     while (states := await _index_state(triton, model)) != {state}:
@@ -114,7 +118,7 @@ async def _until_state(triton: Any, model: str, state: str, timeout_s: float = 3
 
 
 @contextlib.asynccontextmanager
-async def _loaded_afterwards(triton: Any, model: str) -> AsyncIterator[None]:
+async def _loaded_afterwards(triton: TritonUnderTest, model: str) -> AsyncIterator[None]:
     """Whatever happens inside, ``model`` is loaded (and ready) again on exit."""
     try:
         yield
@@ -200,7 +204,7 @@ async def _until(condition: Callable[[], bool], timeout_s: float, what: str) -> 
 
 
 async def test_rollout_holds_the_model_while_others_flow(
-    kafka: Any, triton: Any, unique: str
+    kafka: KafkaUnderTest, triton: TritonUnderTest, unique: str
 ) -> None:
     """mlp unloaded for 4 s and loaded again mid-stream: every request answered, none lost."""
     topics = Topics.fresh(unique)
@@ -283,7 +287,7 @@ async def test_rollout_holds_the_model_while_others_flow(
 
 
 async def test_model_unloaded_before_first_request_is_held_until_loaded(
-    kafka: Any, triton: Any, unique: str
+    kafka: KafkaUnderTest, triton: TritonUnderTest, unique: str
 ) -> None:
     """mlp unloaded before a fresh worker ever saw it ready: its requests wait, then answer."""
     topics = Topics.fresh(unique)
@@ -320,7 +324,7 @@ async def test_model_unloaded_before_first_request_is_held_until_loaded(
 
 
 async def test_model_that_failed_to_load_stops_no_other_model(
-    kafka: Any, triton: Any, unique: str
+    kafka: KafkaUnderTest, triton: TritonUnderTest, unique: str
 ) -> None:
     """mlp's load fails (Triton not ready from then on): double flows, the worker stays ready."""
     topics = Topics.fresh(unique)

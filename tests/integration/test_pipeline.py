@@ -12,7 +12,9 @@ from aiokafka.structs import TopicPartition
 from devtools import samples
 from devtools.samples import ENCODINGS, SampleRequest, encode_request, faulty_request
 from tests.support import (
+    KafkaUnderTest,
     Topics,
+    TritonUnderTest,
     collect,
     create,
     headers_dict,
@@ -37,7 +39,7 @@ def _expected(request_tensors: list[samples.Tensor], model: str) -> tuple[str, A
 
 
 async def test_every_model_every_encoding_gets_correct_results(
-    kafka: Any, triton: Any, unique: str
+    kafka: KafkaUnderTest, triton: TritonUnderTest, unique: str
 ) -> None:
     """Each model in JSON, binary and protobuf: right values, key, pass-through headers."""
     topics = Topics.fresh(unique)
@@ -79,7 +81,7 @@ async def test_every_model_every_encoding_gets_correct_results(
 
 
 async def test_bad_inputs_get_one_dead_letter_each_and_good_ones_flow(
-    kafka: Any, triton: Any, unique: str
+    kafka: KafkaUnderTest, triton: TritonUnderTest, unique: str
 ) -> None:
     """Each bad input: one dead letter, right code, original bytes; good ones flow around."""
     topics = Topics.fresh(unique)
@@ -124,7 +126,7 @@ def _slow_and_fast(rng: np.random.Generator, slow_ms: int, fast: int) -> list[Sa
 
 
 async def test_commit_never_passes_an_unfinished_record(
-    kafka: Any, triton: Any, unique: str
+    kafka: KafkaUnderTest, triton: TritonUnderTest, unique: str
 ) -> None:
     """Later offsets finish first; the committed offset stays at the slow one until it is done."""
     topics = Topics.fresh(unique)
@@ -163,7 +165,7 @@ class _SpyWindow(Window):
 
 
 async def test_window_bounds_in_flight_and_pauses_fetching(
-    kafka: Any, triton: Any, unique: str, monkeypatch: pytest.MonkeyPatch
+    kafka: KafkaUnderTest, triton: TritonUnderTest, unique: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """With WORKER_MAX_IN_FLIGHT=8 no more than 8 are in flight; fetching pauses and resumes."""
     topics = Topics.fresh(unique)

@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from typing import Any
 
 import pytest
 from aiokafka import AIOKafkaConsumer
 from aiokafka.structs import ConsumerRecord, TopicPartition
 
-from tests.support import Topics
+from tests.support import KafkaUnderTest, Topics
 from tests.support.worker import kafka_client_under_test
 from worker import errors
 from worker.kafka.aiokafka import clients
@@ -56,7 +55,7 @@ async def _read_partition(
         await consumer.stop()
 
 
-def _publisher(kafka: Any, topics: Topics, unique: str) -> Publisher:
+def _publisher(kafka: KafkaUnderTest, topics: Topics, unique: str) -> Publisher:
     """The publisher of the client under test (WORKER_TEST_KAFKA_CLIENT)."""
     client = kafka_client_under_test()
     settings = load_settings(
@@ -80,7 +79,7 @@ def _publisher(kafka: Any, topics: Topics, unique: str) -> Publisher:
 
 
 async def test_writes_to_a_partition_go_on_after_the_broker_refuses_one_for_its_size(
-    kafka: Any, unique: str
+    kafka: KafkaUnderTest, unique: str
 ) -> None:
     """A result and a dead letter over max.message.bytes: refused alone, every later write lands."""
     topics = Topics.fresh(unique)
@@ -121,7 +120,7 @@ async def test_writes_to_a_partition_go_on_after_the_broker_refuses_one_for_its_
 
 
 async def test_several_results_of_one_record_land_in_order_and_a_refused_one_stops_them(
-    kafka: Any, unique: str
+    kafka: KafkaUnderTest, unique: str
 ) -> None:
     """publish_results: 20 results in order; in [a, too big, b], a lands, then OUTPUT_TOO_LARGE."""
     topics = Topics.fresh(unique)
@@ -143,7 +142,7 @@ async def test_several_results_of_one_record_land_in_order_and_a_refused_one_sto
 
 
 async def test_results_of_many_records_are_sent_together_and_a_refused_one_is_reported(
-    kafka: Any, unique: str
+    kafka: KafkaUnderTest, unique: str
 ) -> None:
     """publish_many: ten results acked together; the too-big one comes back as its error, and
     written again alone (as the fast path's fallback does) it is OUTPUT_TOO_LARGE, the rest land."""
@@ -181,7 +180,7 @@ async def test_results_of_many_records_are_sent_together_and_a_refused_one_is_re
 
 
 async def test_a_burst_of_results_over_the_limit_leaves_no_write_waiting(
-    kafka: Any, unique: str
+    kafka: KafkaUnderTest, unique: str
 ) -> None:
     """32 writers, one result in 40 over max.message.bytes, each result followed by a dead
     letter: each small result and every dead letter lands, each big result is

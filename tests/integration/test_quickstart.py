@@ -13,17 +13,17 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from tests.contract.test_readme import quickstart_block
+from tests.support import KafkaUnderTest, TritonUnderTest
 from tests.support.worker import env_without_settings
 
 pytestmark = pytest.mark.timeout(240)
 
 
-def _script(kafka: Any, triton: Any, unique: str) -> str:
+def _script(kafka: KafkaUnderTest, triton: TritonUnderTest, unique: str) -> str:
     block = quickstart_block()
     for placeholder, value in {
         "kafka.example.com:9092": kafka.bootstrap_servers,
@@ -38,7 +38,7 @@ def _script(kafka: Any, triton: Any, unique: str) -> str:
 
 
 def test_the_readme_quickstart_answers_one_request_and_dead_letters_another(
-    kafka: Any, triton: Any, unique: str, tmp_path: Path
+    kafka: KafkaUnderTest, triton: TritonUnderTest, unique: str, tmp_path: Path
 ) -> None:
     """topics, check, run, produce, tail: the good request's result and the bad one's dead
     letter are printed, and the worker exits 0."""

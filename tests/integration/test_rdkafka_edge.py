@@ -6,13 +6,13 @@ import asyncio
 import itertools
 import logging
 import time
-from typing import Any
 
 import confluent_kafka
 from aiokafka.structs import ConsumerRecord, TopicPartition
 
 from devtools import samples
 from devtools.devstack.process import free_port
+from tests.support import KafkaUnderTest, TritonUnderTest
 from tests.support.kafka import Topics, collect, create
 from tests.support.worker import running_worker, settings_for
 from worker.flow.breaker import CircuitBreaker
@@ -32,7 +32,7 @@ _MAX_PAUSE_S = 0.25
 
 
 async def test_header_keys_that_are_not_utf8_do_not_stop_the_partition(
-    kafka: Any, triton: Any, unique: str
+    kafka: KafkaUnderTest, triton: TritonUnderTest, unique: str
 ) -> None:
     """A header whose key is not UTF-8 is read with replacement characters: answered, and
     the records behind it too (the confluent client)."""
@@ -86,7 +86,7 @@ class _NoListener:
 
 
 async def test_a_backlog_drains_without_waiting_out_the_prefetch_backoff(
-    kafka: Any, triton: Any, unique: str
+    kafka: KafkaUnderTest, triton: TritonUnderTest, unique: str
 ) -> None:
     """8,000 records wait on one partition, each done as it is dispatched: the intake never
     goes 250 ms without handing records over (librdkafka's 1 s prefetch backoff stalled it)."""
@@ -128,7 +128,7 @@ async def test_a_backlog_drains_without_waiting_out_the_prefetch_backoff(
 
 
 async def test_a_broker_that_cannot_be_reached_is_reported_and_the_intake_goes_on(
-    kafka: Any, triton: Any, unique: str
+    kafka: KafkaUnderTest, triton: TritonUnderTest, unique: str
 ) -> None:
     """No broker at the bootstrap address: librdkafka's error report is logged, and the fetch
     loop carries on until asked to stop (each report raised TypeError out of consume)."""

@@ -23,7 +23,9 @@ from aiokafka.structs import ConsumerRecord
 
 from devtools.samples import SampleRequest, double_inputs, encode_request, faulty_request
 from tests.support import (
+    KafkaUnderTest,
     Topics,
+    TritonUnderTest,
     collect,
     create,
     request_id_of,
@@ -111,7 +113,7 @@ class _Run:
     stderr: str
 
 
-async def _cli(kafka: Any, dlq_topic: str, *args: str) -> _Run:
+async def _cli(kafka: KafkaUnderTest, dlq_topic: str, *args: str) -> _Run:
     """``python -m worker replay`` as its own process, with the worker's WORKER_* settings."""
     env = env_without_settings()
     env.update(
@@ -138,7 +140,7 @@ _EVERYTHING = Filters()
 
 
 async def _plan(
-    kafka: Any, dlq_topic: str, filters: Filters = _EVERYTHING, **kw: Any
+    kafka: KafkaUnderTest, dlq_topic: str, filters: Filters = _EVERYTHING, **kw: Any
 ) -> ReplayPlan:
     """The command's plan, in-process: a dry run unless told otherwise."""
     planner = Planner(filters, dlq_topic=dlq_topic, dry_run=kw.pop("dry_run", True), **kw)
@@ -163,13 +165,13 @@ def _assert_replay_of(record: Record, letter: Record, count: int) -> None:
     ]
 
 
-async def _dead_letters(kafka: Any, topics: Topics, count: int) -> dict[str, Record]:
+async def _dead_letters(kafka: KafkaUnderTest, topics: Topics, count: int) -> dict[str, Record]:
     got = await collect(kafka.bootstrap_servers, topics, count)
     return got.dead_letters
 
 
 async def test_dead_letters_replayed_after_the_fix_are_answered(
-    kafka: Any, triton: Any, unique: str
+    kafka: KafkaUnderTest, triton: TritonUnderTest, unique: str
 ) -> None:
     """FORBIDDEN under an allowlist without `double`; the allowlist fixed; the replay answered.
 
@@ -218,7 +220,7 @@ async def test_dead_letters_replayed_after_the_fix_are_answered(
 
 
 async def test_filters_select_by_code_model_source_request_id_and_time(
-    kafka: Any, triton: Any, unique: str
+    kafka: KafkaUnderTest, triton: TritonUnderTest, unique: str
 ) -> None:
     """Two source topics, two codes, two batches: each filter selects exactly what it names."""
     topics = Topics.fresh(unique)
@@ -285,7 +287,7 @@ async def test_filters_select_by_code_model_source_request_id_and_time(
 
 
 async def test_dry_run_prints_the_plan_and_sends_nothing(
-    kafka: Any, triton: Any, unique: str
+    kafka: KafkaUnderTest, triton: TritonUnderTest, unique: str
 ) -> None:
     """--dry-run: counts by code and model, two samples of each; the source topic does not grow."""
     topics = Topics.fresh(unique)
@@ -315,7 +317,9 @@ async def test_dry_run_prints_the_plan_and_sends_nothing(
     assert await _end(bootstrap, topics.dlq) == 9
 
 
-async def test_replays_stop_at_the_limit(kafka: Any, triton: Any, unique: str) -> None:
+async def test_replays_stop_at_the_limit(
+    kafka: KafkaUnderTest, triton: TritonUnderTest, unique: str
+) -> None:
     """The cause not fixed: replayed 3 times, failed 3 times; the 4th replay is refused."""
     topics = Topics.fresh(unique)
     await create(kafka, topics)
@@ -350,7 +354,7 @@ async def test_replays_stop_at_the_limit(kafka: Any, triton: Any, unique: str) -
 
 
 async def test_transactional_dead_letters_are_read_to_the_snapshots_end(
-    kafka: Any, triton: Any, unique: str
+    kafka: KafkaUnderTest, triton: TritonUnderTest, unique: str
 ) -> None:
     """Dead letters of an exactly_once worker sit between commit markers: all are sent once."""
     topics = Topics.fresh(unique)
@@ -380,7 +384,7 @@ async def test_transactional_dead_letters_are_read_to_the_snapshots_end(
 
 
 async def test_a_record_the_destination_refuses_fails_alone(
-    kafka: Any, triton: Any, unique: str
+    kafka: KafkaUnderTest, triton: TritonUnderTest, unique: str
 ) -> None:
     """--to a topic of 2 KiB records: tried again alone, the small one lands, the 3 KiB one fails.
 
@@ -410,7 +414,7 @@ async def test_a_record_the_destination_refuses_fails_alone(
     assert line.endswith(f": {refused}")
 
 
-async def test_an_empty_dead_letter_topic(kafka: Any, unique: str) -> None:
+async def test_an_empty_dead_letter_topic(kafka: KafkaUnderTest, unique: str) -> None:
     """Nothing to replay: an empty plan and exit 0; a missing topic is an error, not created."""
     dlq = f"dlq-{unique}"
     await kafka.create_topics([dlq], partitions=3)
@@ -428,7 +432,7 @@ async def test_an_empty_dead_letter_topic(kafka: Any, unique: str) -> None:
 
 
 async def test_a_dead_letter_without_its_value_is_reported_with_its_source(
-    kafka: Any, triton: Any, unique: str
+    kafka: KafkaUnderTest, triton: TritonUnderTest, unique: str
 ) -> None:
     """A dead letter the DLQ kept without its value: replay names its source, sends the rest."""
     topics = Topics.fresh(unique)

@@ -3,17 +3,17 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from devtools.bench.scaleout import measure_workers
+from tests.support import KafkaUnderTest, TritonUnderTest
 
 pytestmark = pytest.mark.timeout(120)
 
 
 async def test_three_workers_in_one_group_move_at_least_twice_the_records_of_one(
-    kafka: Any, triton: Any, tmp_path: Path
+    kafka: KafkaUnderTest, triton: TritonUnderTest, tmp_path: Path
 ) -> None:
     """Window-limited workers (1 in flight, 20 ms model sleep): three in a group give >= 2x one.
 

@@ -19,11 +19,14 @@ import pytest
 from aiokafka import AIOKafkaConsumer
 
 from devtools.devstack.certs import LocalPki
+from devtools.devstack.kafka import KafkaCluster
 from devtools.devstack.paths import models_dir
 from devtools.devstack.triton import TritonServer, ensure_triton
 from devtools.samples import SampleRequest, Tensor, double_inputs, encode_request
 from tests.support import (
+    KafkaUnderTest,
     Topics,
+    TritonUnderTest,
     collect,
     create,
     headers_dict,
@@ -48,7 +51,9 @@ REFUSAL_BOUND_S = 30.0
 
 
 @pytest.fixture(scope="module")
-def secure_triton(pki: LocalPki, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+def secure_triton(
+    pki: LocalPki, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[TritonServer]:
     """Triton serving ``double`` over mutual TLS, every gRPC protocol behind a token."""
     server = TritonServer(
         ensure_triton(lambda _: None),
@@ -70,7 +75,7 @@ def secure_triton(pki: LocalPki, tmp_path_factory: pytest.TempPathFactory) -> It
     server.stop()
 
 
-def _sasl_env(kafka: Any, pki: LocalPki, user: str, password: str) -> dict[str, str]:
+def _sasl_env(kafka: KafkaCluster, pki: LocalPki, user: str, password: str) -> dict[str, str]:
     return {
         "bootstrap_servers": kafka.sasl_bootstrap_servers,
         "security_protocol": "SASL_SSL",
@@ -81,7 +86,7 @@ def _sasl_env(kafka: Any, pki: LocalPki, user: str, password: str) -> dict[str, 
     }
 
 
-def _triton_env(server: Any, pki: LocalPki, token_file: Path) -> dict[str, str]:
+def _triton_env(server: TritonServer, pki: LocalPki, token_file: Path) -> dict[str, str]:
     return {
         "triton_url": server.grpc_address,
         "triton_ssl": "true",
@@ -107,7 +112,7 @@ def _double_requests(count: int, prefix: str) -> list[SampleRequest]:
 
 
 async def test_worker_round_trips_over_sasl_ssl_with_scram(
-    secure_kafka: Any, triton: Any, pki: LocalPki, unique: str
+    secure_kafka: KafkaCluster, triton: TritonUnderTest, pki: LocalPki, unique: str
 ) -> None:
     """A worker authenticated as alice over SASL_SSL answers every request."""
     topics = Topics.fresh(unique)
@@ -132,8 +137,8 @@ async def test_worker_round_trips_over_sasl_ssl_with_scram(
     ],
 )
 def test_worker_refuses_to_start_on_kafka_security_errors(
-    secure_kafka: Any,
-    triton: Any,
+    secure_kafka: KafkaCluster,
+    triton: TritonUnderTest,
     pki: LocalPki,
     unique: str,
     tmp_path: Path,
@@ -159,7 +164,7 @@ def test_worker_refuses_to_start_on_kafka_security_errors(
 
 
 async def test_worker_infers_over_mutual_tls_with_token(
-    kafka: Any, secure_triton: Any, pki: LocalPki, unique: str, tmp_path: Path
+    kafka: KafkaUnderTest, secure_triton: TritonServer, pki: LocalPki, unique: str, tmp_path: Path
 ) -> None:
     """With the CA, a client certificate and the right token, results come back over TLS."""
     token_file = tmp_path / "token"
@@ -188,8 +193,8 @@ async def test_worker_infers_over_mutual_tls_with_token(
     ],
 )
 def test_worker_refuses_to_start_on_triton_security_errors(
-    kafka: Any,
-    secure_triton: Any,
+    kafka: KafkaUnderTest,
+    secure_triton: TritonServer,
     pki: LocalPki,
     unique: str,
     tmp_path: Path,
@@ -212,7 +217,7 @@ def test_worker_refuses_to_start_on_triton_security_errors(
 
 
 async def test_rotated_token_file_is_used_without_restart(
-    secure_triton: Any, pki: LocalPki, tmp_path: Path
+    secure_triton: TritonServer, pki: LocalPki, tmp_path: Path
 ) -> None:
     """A pool started with a wrong token is refused, then works once the file holds the right."""
     token_file = tmp_path / "token"
@@ -286,7 +291,7 @@ def _limit_requests() -> list[SampleRequest]:
 
 
 async def test_one_audit_record_per_request_including_dead_letters(
-    kafka: Any, triton: Any, unique: str
+    kafka: KafkaUnderTest, triton: TritonUnderTest, unique: str
 ) -> None:
     """audit=topic: each request, result or dead letter, has exactly one record, without payload."""
     topics = Topics.fresh(unique)
@@ -328,7 +333,7 @@ async def test_one_audit_record_per_request_including_dead_letters(
 
 
 async def test_limits_dead_letter_forbidden_and_too_large_through_the_worker(
-    kafka: Any, triton: Any, unique: str
+    kafka: KafkaUnderTest, triton: TritonUnderTest, unique: str
 ) -> None:
     """Allowlist: FORBIDDEN; a 100-element tensor over a limit of 64: TOO_LARGE; others pass."""
     topics = Topics.fresh(unique)

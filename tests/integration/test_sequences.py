@@ -15,7 +15,9 @@ import pytest
 
 from devtools.samples import ENCODINGS, SampleRequest, running_sum_request
 from tests.support import (
+    KafkaUnderTest,
     Topics,
+    TritonUnderTest,
     collect_streams,
     create,
     headers_dict,
@@ -33,7 +35,7 @@ def _sum(record: Any) -> int:
 
 
 async def test_sums_are_right_per_key_with_many_keys_in_flight(
-    kafka: Any, triton: Any, unique: str
+    kafka: KafkaUnderTest, triton: TritonUnderTest, unique: str
 ) -> None:
     """12 keys (more than Triton's 8 sequence slots) interleaved on 2 partitions: every sum."""
     topics = Topics.fresh(unique)
@@ -64,7 +66,7 @@ async def test_sums_are_right_per_key_with_many_keys_in_flight(
 
 
 async def test_start_and_end_bound_a_sequence_and_a_key_can_start_again(
-    kafka: Any, triton: Any, unique: str
+    kafka: KafkaUnderTest, triton: TritonUnderTest, unique: str
 ) -> None:
     """One key, two sequences back to back: the sum restarts at x-sequence-start."""
     topics = Topics.fresh(unique)
@@ -86,7 +88,7 @@ async def test_start_and_end_bound_a_sequence_and_a_key_can_start_again(
 
 
 async def test_keyless_and_unstarted_sequences_are_dead_lettered_not_retried(
-    kafka: Any, triton: Any, unique: str
+    kafka: KafkaUnderTest, triton: TritonUnderTest, unique: str
 ) -> None:
     """No key: INVALID_REQUEST saying why; a key Triton has no sequence for: INFERENCE_ERROR."""
     topics = Topics.fresh(unique)

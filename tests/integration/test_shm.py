@@ -11,7 +11,9 @@ from tritonclient.grpc import service_pb2
 from devtools import samples
 from devtools.samples import ENCODINGS, SampleRequest, encode_request
 from tests.support import (
+    KafkaUnderTest,
     Topics,
+    TritonUnderTest,
     collect,
     create,
     result_outputs,
@@ -38,7 +40,9 @@ async def _doubled(pool: TritonPool, values: np.ndarray[Any, Any]) -> np.ndarray
     return np.frombuffer(response.raw_output_contents[0], dtype="<f4")
 
 
-async def test_large_tensor_through_shared_memory_gives_the_grpc_result(triton: Any) -> None:
+async def test_large_tensor_through_shared_memory_gives_the_grpc_result(
+    triton: TritonUnderTest,
+) -> None:
     """A 2 MiB tensor sent via a registered region equals the same tensor sent over gRPC."""
     values = np.random.default_rng(3).standard_normal(_ELEMENTS).astype(np.float32)
     plain = TritonPool(triton.grpc_address, 1)
@@ -63,7 +67,7 @@ async def test_large_tensor_through_shared_memory_gives_the_grpc_result(triton: 
     assert shm.shm.allocated_bytes == 0
 
 
-async def test_small_tensors_and_a_full_pool_stay_on_grpc(triton: Any) -> None:
+async def test_small_tensors_and_a_full_pool_stay_on_grpc(triton: TritonUnderTest) -> None:
     """Tensors under the threshold, or beyond the pool's room, travel as raw gRPC bytes."""
     values = np.arange(_ELEMENTS, dtype=np.float32)
     pool = TritonPool(triton.grpc_address, 1, shm_min_bytes=4 << 20, shm_pool_bytes=4 << 20)
@@ -83,7 +87,7 @@ async def test_small_tensors_and_a_full_pool_stay_on_grpc(triton: Any) -> None:
 
 
 async def test_worker_with_system_shm_answers_every_encoding_correctly(
-    kafka: Any, triton: Any, unique: str
+    kafka: KafkaUnderTest, triton: TritonUnderTest, unique: str
 ) -> None:
     """WORKER_TRITON_SHM=system with a 1-byte threshold: every input via shm, same results."""
     topics = Topics.fresh(unique)

@@ -19,9 +19,12 @@ from typing import Any
 import pytest
 
 from devtools.devstack.certs import LocalPki
+from devtools.devstack.kafka import KafkaCluster
 from devtools.devstack.process import free_port
 from tests.support import (
+    KafkaUnderTest,
     Topics,
+    TritonUnderTest,
     create,
     run_to_exit,
     settings_for,
@@ -80,7 +83,13 @@ def _carol_grants(topics: Topics) -> list[Grant]:
     ],
 )
 async def test_missing_topic_is_refused_at_start(
-    kafka: Any, triton: Any, unique: str, tmp_path: Path, missing: str, row: str, setting: str
+    kafka: KafkaUnderTest,
+    triton: TritonUnderTest,
+    unique: str,
+    tmp_path: Path,
+    missing: str,
+    row: str,
+    setting: str,
 ) -> None:
     """A topic not created (auto-creation is off): exit 2, one line naming it and its setting."""
     topics = Topics.fresh(unique)
@@ -104,7 +113,12 @@ async def test_missing_topic_is_refused_at_start(
     [("closed port", "connection refused"), ("unresolvable host", "host name not resolved")],
 )
 async def test_unreachable_kafka_exits_5_after_the_bounded_wait(
-    kafka: Any, triton: Any, unique: str, tmp_path: Path, case: str, reason: str
+    kafka: KafkaUnderTest,
+    triton: TritonUnderTest,
+    unique: str,
+    tmp_path: Path,
+    case: str,
+    reason: str,
 ) -> None:
     """Nothing answers at the bootstrap address: tried again for the bounded wait, then exit 5
     and one line naming the address and the setting."""
@@ -136,8 +150,8 @@ async def test_unreachable_kafka_exits_5_after_the_bounded_wait(
     ],
 )
 async def test_security_protocol_the_listener_does_not_speak(
-    secure_kafka: Any,
-    triton: Any,
+    secure_kafka: KafkaCluster,
+    triton: TritonUnderTest,
     pki: LocalPki,
     unique: str,
     tmp_path: Path,
@@ -183,8 +197,8 @@ async def test_security_protocol_the_listener_does_not_speak(
     ],
 )
 async def test_permission_the_worker_lacks_is_refused_at_start(
-    secure_kafka: Any,
-    triton: Any,
+    secure_kafka: KafkaCluster,
+    triton: TritonUnderTest,
     pki: LocalPki,
     unique: str,
     tmp_path: Path,
@@ -215,7 +229,7 @@ async def test_permission_the_worker_lacks_is_refused_at_start(
 
 
 async def test_group_refused_while_running_ends_the_worker(
-    secure_kafka: Any, triton: Any, pki: LocalPki, unique: str, tmp_path: Path
+    secure_kafka: KafkaCluster, triton: TritonUnderTest, pki: LocalPki, unique: str, tmp_path: Path
 ) -> None:
     """The group's Read ACL is withdrawn from a running worker: it ends with one line and
     exit 2 instead of trying to join forever."""
@@ -261,7 +275,7 @@ def _librdkafka_threads() -> set[int]:
     return found
 
 
-def _refusals(kafka: Any, pki: LocalPki) -> dict[str, tuple[dict[str, str], str]]:
+def _refusals(kafka: KafkaCluster, pki: LocalPki) -> dict[str, tuple[dict[str, str], str]]:
     """Settings the secure Kafka refuses at start-up, each with what its line says."""
     alice = sasl_settings(kafka, pki, "alice")
     return {
@@ -272,7 +286,7 @@ def _refusals(kafka: Any, pki: LocalPki) -> dict[str, tuple[dict[str, str], str]
 
 
 async def test_a_refused_start_leaves_no_librdkafka_client_behind(
-    secure_kafka: Any, triton: Any, pki: LocalPki, unique: str
+    secure_kafka: KafkaCluster, triton: TritonUnderTest, pki: LocalPki, unique: str
 ) -> None:
     """A wrong password refused by the start-up gate on librdkafka: once the worker's run has
     ended, none of its librdkafka clients' threads is left (the admin client's went on
@@ -289,7 +303,7 @@ async def test_a_refused_start_leaves_no_librdkafka_client_behind(
 
 
 async def test_refused_starts_on_librdkafka_exit_with_their_code_every_time(
-    secure_kafka: Any, triton: Any, pki: LocalPki, unique: str, tmp_path: Path
+    secure_kafka: KafkaCluster, triton: TritonUnderTest, pki: LocalPki, unique: str, tmp_path: Path
 ) -> None:
     """21 starts refused on librdkafka (wrong password, untrusted CA, missing ACL), four at a
     time: each exits 2 with its one line, none by a signal (1 in 50-150 ended by SIGSEGV)."""

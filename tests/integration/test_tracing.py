@@ -23,7 +23,17 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from devtools.devstack.paths import models_dir
 from devtools.devstack.triton import TritonServer, ensure_triton
 from devtools.samples import SampleRequest, double_inputs, encode_request
-from tests.support import Topics, collect, create, headers_dict, running_worker, send, settings_for
+from tests.support import (
+    KafkaUnderTest,
+    Topics,
+    TritonUnderTest,
+    collect,
+    create,
+    headers_dict,
+    running_worker,
+    send,
+    settings_for,
+)
 from worker.app import Worker
 from worker.observability._otel import OtelTracing
 
@@ -54,7 +64,7 @@ def broken(request_id: str, trace_id: str) -> SampleRequest:
 
 
 async def test_result_and_dead_letter_keep_the_context_and_each_record_has_its_spans(
-    kafka: Any, triton: Any, unique: str
+    kafka: KafkaUnderTest, triton: TritonUnderTest, unique: str
 ) -> None:
     """A good and a bad traced record: both outcomes keep traceparent/tracestate; two trees."""
     topics = Topics.fresh(unique)
@@ -165,7 +175,9 @@ def collector() -> Iterator[Collector]:
 
 
 @pytest.fixture(scope="module")
-def traced_triton(collector: Collector, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+def traced_triton(
+    collector: Collector, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[TritonServer]:
     """Triton serving ``double``, tracing (OpenTelemetry) exactly the requests with a context."""
     server = TritonServer(
         ensure_triton(lambda _: None),
@@ -187,7 +199,7 @@ def traced_triton(collector: Collector, tmp_path_factory: pytest.TempPathFactory
 
 
 async def test_triton_continues_the_trace_of_a_record_sent_unary(
-    kafka: Any, traced_triton: Any, collector: Collector, unique: str
+    kafka: KafkaUnderTest, traced_triton: TritonServer, collector: Collector, unique: str
 ) -> None:
     """WORKER_TRITON_TRACE=unary: Triton's spans carry the record's trace; on a stream, not."""
     on_stream, unary = "6bf92f3577b34da6a3ce929d0e0e4738", "7bf92f3577b34da6a3ce929d0e0e4739"

@@ -20,7 +20,16 @@ from aiokafka.structs import TopicPartition
 from devtools import samples
 from devtools.devstack.paths import PROJECT_ROOT
 from devtools.devstack.process import free_port
-from tests.support import Topics, create, request_id_of, rss_bytes, spawn_worker, worker_env
+from tests.support import (
+    KafkaUnderTest,
+    Topics,
+    TritonUnderTest,
+    create,
+    request_id_of,
+    rss_bytes,
+    spawn_worker,
+    worker_env,
+)
 from tests.support.worker import env_without_settings
 
 pytestmark = pytest.mark.timeout(240)
@@ -104,7 +113,7 @@ async def _produce_fast(
 
 
 @pytest.fixture
-async def answers(kafka: Any, unique: str) -> AsyncIterator[tuple[Topics, Answers]]:
+async def answers(kafka: KafkaUnderTest, unique: str) -> AsyncIterator[tuple[Topics, Answers]]:
     topics = Topics.fresh(unique)
     await create(kafka, topics, partitions=4)
     async with Answers(kafka.bootstrap_servers, topics) as got:
@@ -112,7 +121,7 @@ async def answers(kafka: Any, unique: str) -> AsyncIterator[tuple[Topics, Answer
 
 
 async def test_sigterm_drains_commits_and_exits_zero(
-    kafka: Any, triton: Any, answers: tuple[Topics, Answers], tmp_path: Path
+    kafka: KafkaUnderTest, triton: TritonUnderTest, answers: tuple[Topics, Answers], tmp_path: Path
 ) -> None:
     """SIGTERM mid-stream: exit 0; every offset below the commit point has its answer."""
     topics, got = answers
@@ -182,7 +191,7 @@ async def _all_answers(bootstrap: str, topics: Topics) -> set[str]:
 
 
 async def test_backlog_of_100k_keeps_memory_bounded(
-    kafka: Any, triton: Any, answers: tuple[Topics, Answers], tmp_path: Path
+    kafka: KafkaUnderTest, triton: TritonUnderTest, answers: tuple[Topics, Answers], tmp_path: Path
 ) -> None:
     """A 100,000-record backlog: fetched-not-done stays within the window, RSS stays flat."""
     topics, got = answers
@@ -219,7 +228,7 @@ async def test_backlog_of_100k_keeps_memory_bounded(
 
 
 async def test_produce_command_sends_generated_and_bad_requests(
-    kafka: Any, answers: tuple[Topics, Answers]
+    kafka: KafkaUnderTest, answers: tuple[Topics, Answers]
 ) -> None:
     """`devtools produce --generate N --bad` puts N good requests plus every bad kind on a topic."""
     topics, _ = answers
@@ -273,7 +282,7 @@ def test_demo_answers_every_request_and_exits_zero() -> None:
     assert "tokens (decoupled) stream: 11 responses joined into one result" in done.stdout
 
 
-async def test_worker_produce_sends_ndjson_from_stdin(kafka: Any, unique: str) -> None:
+async def test_worker_produce_sends_ndjson_from_stdin(kafka: KafkaUnderTest, unique: str) -> None:
     """`kafka-triton-worker produce --file -` sends each NDJSON request keyed by its id."""
     topic = f"produce-{unique}"
     await kafka.create_topics([topic])

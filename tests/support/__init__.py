@@ -16,6 +16,12 @@ from tests.support.kafka import (
     silent_broker,
 )
 from tests.support.models import decode_sample, mlp_reference, result_outputs
+from tests.support.servers import (
+    KafkaUnderTest,
+    StackUnderTest,
+    TritonAddress,
+    TritonUnderTest,
+)
 from tests.support.worker import (
     COMMIT_SLACK_MS,
     Exited,
@@ -39,9 +45,13 @@ __all__ = [
     "COMMIT_SLACK_MS",
     "Collected",
     "Exited",
+    "KafkaUnderTest",
     "SilentBroker",
+    "StackUnderTest",
     "Streams",
     "Topics",
+    "TritonAddress",
+    "TritonUnderTest",
     "collect",
     "collect_streams",
     "create",

@@ -14,6 +14,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from devtools.devstack.certs import LocalPki
+from devtools.devstack.kafka import KafkaCluster
+from tests.support.servers import KafkaUnderTest
 
 ALICE_PASSWORD = "alice-Secret-7f3"
 BOB_PASSWORD = "bob-Secret-91c"
@@ -27,7 +29,7 @@ Grant = tuple[str, str, str]
 _VISIBLE_S = 30.0
 
 
-def sasl_settings(kafka: Any, pki: LocalPki, user: str) -> dict[str, str]:
+def sasl_settings(kafka: KafkaCluster, pki: LocalPki, user: str) -> dict[str, str]:
     """Settings (for ``worker_env``) of a worker signed in as ``user`` over SASL_SSL."""
     return {
         "bootstrap_servers": kafka.sasl_bootstrap_servers,
@@ -92,7 +94,7 @@ def _wait_listed(admin: Any, user: str, done: Callable[[set[Any]], bool]) -> Non
         time.sleep(0.2)  # polling the broker's ACL cache: nothing to await
 
 
-def grant(kafka: Any, user: str, grants: Sequence[Grant]) -> None:
+def grant(kafka: KafkaUnderTest, user: str, grants: Sequence[Grant]) -> None:
     """Allow ``user`` these operations, and wait until the broker lists them."""
     from confluent_kafka.admin import AdminClient
 
@@ -103,7 +105,7 @@ def grant(kafka: Any, user: str, grants: Sequence[Grant]) -> None:
     _wait_listed(admin, user, lambda listed: set(bindings) <= listed)
 
 
-def revoke(kafka: Any, user: str, grants: Sequence[Grant]) -> None:
+def revoke(kafka: KafkaUnderTest, user: str, grants: Sequence[Grant]) -> None:
     """Take these operations from ``user``, and wait until the broker no longer lists them."""
     from confluent_kafka.admin import AdminClient
 

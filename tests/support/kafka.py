@@ -11,13 +11,13 @@ import time
 from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.structs import ConsumerRecord, TopicPartition
 
 from devtools.devstack.kafka import KafkaCluster, ensure_kafka_jars
 from devtools.samples import SampleRequest
+from tests.support.servers import KafkaUnderTest
 from worker.wire import header_value
 
 
@@ -83,7 +83,7 @@ class Topics:
         return cls(f"req-{unique}", f"res-{unique}", f"dlq-{unique}", f"grp-{unique}")
 
 
-async def create(kafka: Any, topics: Topics, partitions: int = 1) -> None:
+async def create(kafka: KafkaUnderTest, topics: Topics, partitions: int = 1) -> None:
     await kafka.create_topics([topics.input], partitions=partitions)
     await kafka.create_topics([topics.output, topics.dlq], partitions=1)
 

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from tests.support.kafka import Collected, Topics
+from tests.support.servers import KafkaUnderTest, TritonAddress
 from worker.app import Worker
 from worker.settings import Settings, load_settings
 
@@ -40,7 +41,9 @@ def clear_settings(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.delenv(name)
 
 
-def worker_env(kafka: Any, triton: Any, topics: Topics, **extra: str) -> dict[str, str]:
+def worker_env(
+    kafka: KafkaUnderTest, triton: TritonAddress, topics: Topics, **extra: str
+) -> dict[str, str]:
     """WORKER_* settings for a worker on these topics (extra: SETTING_NAME=value)."""
     env = {
         "WORKER_BOOTSTRAP_SERVERS": kafka.bootstrap_servers,
@@ -64,7 +67,9 @@ def kafka_client_under_test() -> str:
     return os.environ.get("WORKER_TEST_KAFKA_CLIENT", "aiokafka")
 
 
-def settings_for(kafka: Any, triton: Any, topics: Topics, **extra: str) -> Settings:
+def settings_for(
+    kafka: KafkaUnderTest, triton: TritonAddress, topics: Topics, **extra: str
+) -> Settings:
     return load_settings(worker_env(kafka, triton, topics, **extra))
 
 
