@@ -39,7 +39,7 @@ MKDOCS = ROOT / "mkdocs.yml"
 DASHBOARD = ROOT / "deploy" / "grafana" / "dashboards" / "worker.json"
 
 
-class _MkdocsLoader(yaml.SafeLoader):
+class _MkdocsLoader(yaml.SafeLoader):  # type: ignore[misc, unused-ignore]  # yaml: no stubs
     """mkdocs.yml as data: its ``!!python/name:`` tags read as plain strings."""
 
 

@@ -27,7 +27,7 @@ import jsonschema
 import pytest
 import yaml
 from aiokafka.structs import ConsumerRecord
-from google.protobuf import text_format
+from google.protobuf import text_format  # type: ignore[import-untyped, unused-ignore]
 from tritonclient.grpc import model_config_pb2, service_pb2
 
 from devtools.__main__ import build_parser as devtools_parser

@@ -128,7 +128,7 @@ def test_the_mirror_check_names_what_a_test_file_tests() -> None:
 
 #: What only ``records/steps.py`` may do to a record's outcome (besides where each thing
 #: is defined): (what, the text that does it, the modules that define it).
-_BOOKKEEPING = (
+_BOOKKEEPING: tuple[tuple[str, str, set[str]], ...] = (
     ("the circuit breaker's success", ".record_success(", {"worker/flow/breaker.py"}),
     ("a model's health success", ".succeeded(", set()),
     ("a model's health successes", ".succeeded_many(", set()),
@@ -218,7 +218,7 @@ def test_the_module_table_is_generated_from_the_tree() -> None:
     assert _between("module-table") == module_table_markdown()
 
 
-def _diagram_modules() -> list[str]:
+def _diagram_modules() -> list[tuple[str, str]]:
     """``package/module`` and ``package/`` names in the flow diagram, in order of mention."""
     diagram = _between("flow-diagram")
     assert diagram.startswith("```mermaid\nflowchart")

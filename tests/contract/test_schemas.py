@@ -141,7 +141,7 @@ def test_json_results_match_result_schema(datatype: str) -> None:
 
 def test_binary_result_header_matches_result_schema() -> None:
     """The JSON header of a binary result validates against result.schema.json."""
-    binary_input = {"name": "X", "shape": [1], "datatype": "FP32"}
+    binary_input: dict[str, object] = {"name": "X", "shape": [1], "datatype": "FP32"}
     binary_input["parameters"] = {"binary_data_size": 4}
     head = orjson.dumps({"inputs": [binary_input]})
     headers = [
@@ -165,7 +165,10 @@ def test_dead_letter_headers_match_schema(error: WorkerError) -> None:
         group_id="g",
         failed_at=datetime(2024, 5, 1, tzinfo=UTC),
     )
-    as_json = {name: value.decode() for name, value in built}
+    as_json: dict[str, str] = {}
+    for name, value in built:
+        assert value is not None, name
+        as_json[name] = value.decode()
     validator("dead-letter.schema.json").validate(as_json)
     as_json["x-error-code"] = "TRITON_UNAVAILABLE"
     assert list(validator("dead-letter.schema.json").iter_errors(as_json))

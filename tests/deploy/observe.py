@@ -74,7 +74,8 @@ def committed_and_end_offsets() -> tuple[dict[int, int], dict[int, int]]:
     offsets = future.result(timeout=30).topic_partitions
     committed = {tp.partition: tp.offset for tp in offsets if tp.topic == INPUT_TOPIC}
     topic = admin.list_topics(INPUT_TOPIC, timeout=10).topics[INPUT_TOPIC]
-    asks = {TopicPartition(INPUT_TOPIC, p): OffsetSpec.latest() for p in topic.partitions}
+    # OffsetSpec.latest is unannotated in confluent_kafka.
+    asks = {TopicPartition(INPUT_TOPIC, p): OffsetSpec.latest() for p in topic.partitions}  # type: ignore[no-untyped-call]
     answers = admin.list_offsets(asks, request_timeout=10)
     ends = {tp.partition: f.result(timeout=30).offset for tp, f in answers.items()}
     return committed, ends

@@ -42,7 +42,7 @@ INTERVAL_MS = KafkaSettings().commit_interval_ms
 
 def _throughput(got: Collected) -> float:
     """Results per second between the first and the last result read so far (broker time)."""
-    stamps = sorted(r.timestamp for r in got.results.values())
+    stamps: list[int] = sorted(r.timestamp for r in got.results.values())
     if len(stamps) < 2 or stamps[-1] == stamps[0]:
         return float(len(stamps))
     return (len(stamps) - 1) / ((stamps[-1] - stamps[0]) / 1000)

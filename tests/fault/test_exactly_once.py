@@ -255,12 +255,13 @@ def _grant(
     ]
     for future in admin.create_acls(bindings).values():
         future.result(timeout=30)
+    # None matches any name and any host; confluent_kafka's annotations say str.
     every = AclBindingFilter(
         ResourceType.ANY,
-        None,
+        None,  # type: ignore[arg-type]
         ResourcePatternType.ANY,
         "User:carol",
-        None,
+        None,  # type: ignore[arg-type]
         AclOperation.ANY,
         AclPermissionType.ANY,
     )

@@ -82,18 +82,20 @@ def _dead_letters(bootstrap: str, topics: Topics) -> dict[str, int]:
     )
     consumer.assign([confluent_kafka.TopicPartition(topics.dlq, 0, 0)])
     codes: dict[str, int] = {}
-    keys: set[bytes] = set()
+    keys: set[bytes | None] = set()
     try:
         while True:
             records = consumer.consume(10_000, timeout=10)
             assert records, "the dead-letter topic was not read to its end in time"
             for record in records:
-                if record.error() is not None:
-                    if record.error().code() == confluent_kafka.KafkaError._PARTITION_EOF:
+                if (error := record.error()) is not None:
+                    if error.code() == confluent_kafka.KafkaError._PARTITION_EOF:
                         codes["keys"] = len(keys)
                         return codes
-                    raise AssertionError(record.error())
-                code = dict(record.headers() or [])["x-error-code"].decode()
+                    raise AssertionError(error)
+                code_header = dict(record.headers() or [])["x-error-code"]
+                assert isinstance(code_header, bytes), code_header
+                code = code_header.decode()
                 codes[code] = codes.get(code, 0) + 1
                 keys.add(record.key())
     finally:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -185,10 +186,10 @@ async def test_window_full_past_max_poll_interval_keeps_membership(
     revocations: list[set[TopicPartition]] = []
     real_revoked = worker.on_revoked
 
-    async def spy_revoked(revoked: set[TopicPartition]) -> None:
-        if revoked:  # the first join reports an empty revocation
-            revocations.append(set(revoked))
-        await real_revoked(revoked)
+    async def spy_revoked(partitions: set[TopicPartition]) -> None:
+        if partitions:  # the first join reports an empty revocation
+            revocations.append(set(partitions))
+        await real_revoked(partitions)
 
     worker.on_revoked = spy_revoked  # type: ignore[method-assign]
     async with running_worker(settings, worker):
@@ -314,7 +315,9 @@ async def test_ordering_holds_under_concurrency(
         got = await collect(kafka.bootstrap_servers, topics, 120)
     report(f"ordering={ordering} under concurrency", 120, got)
     order = await _output_order(kafka.bootstrap_servers, topics.output)
-    group_of = (lambda h: h["key"]) if ordering == "key" else (lambda h: h["x-source-partition"])
+    group_of: Callable[[dict[str, bytes]], bytes] = (
+        (lambda h: h["key"]) if ordering == "key" else (lambda h: h["x-source-partition"])
+    )
     seen: dict[bytes, list[int]] = {}
     for headers in order:
         seen.setdefault(group_of(headers), []).append(int(headers["x-source-offset"]))

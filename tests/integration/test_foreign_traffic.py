@@ -68,8 +68,10 @@ def _delivery_collector(offsets: list[int], failures: list[str], index: int) -> 
     def delivered(err: KafkaError | None, msg: Message) -> None:
         if err is not None:
             failures.append(f"record {index}: {err}")
+        elif (offset := msg.offset()) is None:
+            failures.append(f"record {index}: delivered without an offset")
         else:
-            offsets[index] = msg.offset()
+            offsets[index] = offset
 
     return delivered
 
@@ -87,7 +89,7 @@ def _produce_sync(
             topic,
             value=record.value,
             key=record.key,
-            headers=record.headers or None,
+            headers=list(record.headers) or None,
             partition=0,
             on_delivery=_delivery_collector(offsets, failures, i),
         )
@@ -121,7 +123,7 @@ def _transactions_sync(
                 topic,
                 value=record.value,
                 key=record.key,
-                headers=record.headers or None,
+                headers=list(record.headers) or None,
                 partition=0,
                 on_delivery=_delivery_collector(offsets, failures, i),
             )
@@ -352,8 +354,8 @@ async def stored_batches(bootstrap: str, topic: str) -> list[Batch]:
                     Batch(
                         batch.compression_type,
                         batch.base_offset,
-                        batch.base_offset + batch.last_offset_delta,  # type: ignore[union-attr]
-                        bool(batch.is_control_batch),  # type: ignore[union-attr]
+                        batch.base_offset + batch.last_offset_delta,
+                        bool(batch.is_control_batch),
                     )
                 )
             if not batches or batches[-1].last_offset + 1 >= highwater:
@@ -578,7 +580,7 @@ async def test_worker_zstd_output_is_zstd_and_readable_by_both_clients(
 
 def _consume_all(
     bootstrap: str, topic_names: list[str], group: str
-) -> dict[tuple[str, int], tuple[bytes | None, bytes | None]]:
+) -> dict[tuple[str | None, int | None], tuple[bytes | None, bytes | None]]:
     from confluent_kafka import TopicPartition as ConfluentTopicPartition
 
     consumer = Consumer(
@@ -595,7 +597,7 @@ def _consume_all(
             for t in topic_names
         }
         consumer.assign([ConfluentTopicPartition(t, 0, 0) for t in topic_names])
-        seen: dict[tuple[str, int], tuple[bytes | None, bytes | None]] = {}
+        seen: dict[tuple[str | None, int | None], tuple[bytes | None, bytes | None]] = {}
         deadline = time.monotonic() + 30
         while any(sum(1 for (t, _) in seen if t == name) < end for name, end in ends.items()):
             assert time.monotonic() < deadline, f"librdkafka read {len(seen)} of {ends}"

@@ -134,7 +134,8 @@ async def test_inflight_lists_slow_records_with_their_partitions_and_commit_poin
             assert len(answers.results) == 5
 
             async def all_done() -> bool:
-                return (await _inflight(port))["in_flight"] == 0
+                in_flight: int = (await _inflight(port))["in_flight"]
+                return in_flight == 0
 
             await _until("nothing in flight", all_done)
             after = await _inflight(port)

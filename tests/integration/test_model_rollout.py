@@ -216,8 +216,8 @@ async def test_rollout_holds_the_model_while_others_flow(
     )
     flow = Flow(kafka.bootstrap_servers, topics.input)
     tensors = MODEL_INPUTS["double"](np.random.default_rng(3))
-    value, headers = encode_request("no_such_model", tensors, "json", "unknown-model")
-    unknown = SampleRequest(value, headers, "no_such_model", "json", "unknown-model")
+    value, unknown_headers = encode_request("no_such_model", tensors, "json", "unknown-model")
+    unknown = SampleRequest(value, unknown_headers, "no_such_model", "json", "unknown-model")
     seen: dict[str, Any] = {}
     async with _loaded_afterwards(triton, "mlp"), running_worker(settings) as worker:
         producing = asyncio.create_task(flow.run(_RUN_S))

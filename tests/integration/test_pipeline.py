@@ -51,9 +51,9 @@ async def test_every_model_every_encoding_gets_correct_results(
         for encoding in ENCODINGS:
             rid = f"{model}-{encoding}"
             tensors = make(rng)
-            value, headers = encode_request(model, tensors, encoding, rid)
-            headers.append(("trace-id", rid.encode()))
-            requests.append(SampleRequest(value, headers, model, encoding, rid))
+            value, request_headers = encode_request(model, tensors, encoding, rid)
+            request_headers.append(("trace-id", rid.encode()))
+            requests.append(SampleRequest(value, request_headers, model, encoding, rid))
             cases[rid] = (model, tensors, encoding)
 
     async with running_worker(settings_for(kafka, triton, topics)):

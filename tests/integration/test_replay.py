@@ -14,14 +14,14 @@ import sys
 import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, TypeAlias
 
 import numpy as np
 import pytest
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.structs import ConsumerRecord
 
-from devtools.samples import SampleRequest, double_inputs, encode_request, faulty_request
+from devtools.samples import Encoding, SampleRequest, double_inputs, encode_request, faulty_request
 from tests.support import (
     KafkaUnderTest,
     Topics,
@@ -42,7 +42,7 @@ from worker.wire import header_value
 
 pytestmark = pytest.mark.timeout(180)
 
-Record = ConsumerRecord[bytes, bytes]
+Record: TypeAlias = ConsumerRecord[bytes, bytes]
 #: The headers a worker adds to a dead letter; none may come back with a replay.
 _WORKER_HEADERS = ("x-error-", "x-attempts", "x-source-", "x-consumer-group", "x-failed-at")
 
@@ -60,7 +60,7 @@ def _doubles(prefix: str, count: int, seed: int) -> list[_Double]:
     out = []
     for i in range(count):
         tensors = double_inputs(rng, width=4)
-        encoding = ("json", "binary", "protobuf")[i % 3]
+        encoding: Encoding = ("json", "binary", "protobuf")[i % 3]
         request_id = f"{prefix}-{i}"
         value, headers = encode_request("double", tensors, encoding, request_id)
         headers = [*headers, ("trace", f"t-{i}".encode())]

@@ -75,12 +75,13 @@ def _listed(admin: Any, user: str) -> set[Any]:
         ResourceType,
     )
 
+    # None matches any name and any host; confluent_kafka's annotations say str.
     every = AclBindingFilter(
         ResourceType.ANY,
-        None,
+        None,  # type: ignore[arg-type]
         ResourcePatternType.ANY,
         f"User:{user}",
-        None,
+        None,  # type: ignore[arg-type]
         AclOperation.ANY,
         AclPermissionType.ANY,
     )

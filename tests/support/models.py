@@ -38,7 +38,10 @@ def mlp_reference(rows: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
     hidden = np.maximum(rows @ w1 + b1, 0.0)
     logits = hidden @ w2 + b2
     exp = np.exp(logits - logits.max(axis=1, keepdims=True))
-    return (exp / exp.sum(axis=1, keepdims=True)).astype(np.float32)
+    probabilities: npt.NDArray[np.float32] = (exp / exp.sum(axis=1, keepdims=True)).astype(
+        np.float32
+    )
+    return probabilities
 
 
 def result_outputs(record: ConsumerRecord[bytes, bytes]) -> dict[str, Any]:

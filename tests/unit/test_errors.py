@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import grpc
+import grpc  # type: ignore[import-untyped, unused-ignore]
 import pytest
 from tritonclient.utils import InferenceServerException
 

@@ -15,7 +15,8 @@ from tritonclient.grpc import service_pb2
 
 from devtools.devstack.certs import LocalPki, make_pki
 from worker import errors, wire
-from worker.checks.startup import StartupCheckFailed, _raise_if_fatal, _scrub
+from worker.checks.kafka import scrub as _scrub
+from worker.checks.startup import StartupCheckFailed, _raise_if_fatal
 from worker.kafka.options import OAuthTokenProvider, kafka_client_kwargs
 from worker.records import RecordRules
 from worker.settings import ConfigError, KafkaAuthSettings, Settings, load_settings
@@ -323,7 +324,7 @@ def _json(shape: list[int], data: list[Any], datatype: str = "FP32") -> bytes:
 
 
 def _binary(shape: list[int], raw: bytes) -> tuple[bytes, list[tuple[str, bytes]]]:
-    tensor = {"name": "x", "shape": shape, "datatype": "FP32"}
+    tensor: dict[str, object] = {"name": "x", "shape": shape, "datatype": "FP32"}
     tensor["parameters"] = {"binary_data_size": len(raw)}
     header = json.dumps({"inputs": [tensor]}).encode()
     headers = [
@@ -352,6 +353,7 @@ def test_tensor_within_limits_decodes() -> None:
 def test_too_many_elements_is_too_large_in_every_encoding(encoding: str) -> None:
     """A 5-element tensor against max_tensor_elements=4 is TOO_LARGE, whatever the encoding."""
     raw = b"\0" * 20
+    headers: list[tuple[str, bytes]]
     if encoding == "json":
         value, headers = _json([5], [0.0] * 5), []
     elif encoding == "binary":
@@ -366,6 +368,7 @@ def test_too_many_elements_is_too_large_in_every_encoding(encoding: str) -> None
 def test_too_many_bytes_is_too_large_in_every_encoding(encoding: str) -> None:
     """A 64-byte FP32 tensor against max_tensor_bytes=63 is TOO_LARGE."""
     raw = b"\0" * 64
+    headers: list[tuple[str, bytes]]
     if encoding == "json":
         value, headers = _json([16], [0.0] * 16), []
     elif encoding == "binary":
@@ -387,6 +390,7 @@ def test_bytes_tensor_is_held_to_its_serialized_size() -> None:
 def test_huge_shape_with_little_data_is_refused_before_allocating(encoding: str) -> None:
     """shape [10**12] with 4 bytes of data: TOO_LARGE, with no large allocation on the way."""
     shape = [10**12]
+    headers: list[tuple[str, bytes]]
     if encoding == "json":
         value, headers = _json(shape, [1.0]), []
     elif encoding == "binary":

@@ -45,10 +45,11 @@ async def test_the_first_signal_stops_the_second_forces_and_arms_the_watchdog(
     monkeypatch.setattr(shutdown, "WATCHDOG_S", 0.05)
     target, exits = _Target(), asyncio.Queue[tuple[int, str]]()
     loop = asyncio.get_running_loop()
-    signals = shutdown.TwoStageSignals(
-        target,
-        exit_process=lambda code, why: loop.call_soon_threadsafe(exits.put_nowait, (code, why)),
-    )
+
+    def exit_process(code: int, why: str) -> None:
+        loop.call_soon_threadsafe(exits.put_nowait, (code, why))
+
+    signals = shutdown.TwoStageSignals(target, exit_process=exit_process)
     saved = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT)}
     signals.install()
     try:

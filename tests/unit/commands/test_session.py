@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import argparse
-from collections.abc import Coroutine
 from pathlib import Path
+from types import CoroutineType
 from typing import Any
 
 import pytest
@@ -106,7 +106,7 @@ def test_topic_problem_says_what_is_wrong() -> None:
     assert "does not exist" in str(topic_problem(metadata, "gone", 3))
 
 
-def _record(value: bytes | None, headers: list[tuple[str, bytes | None]]) -> ConsumerRecord:  # type: ignore[type-arg]
+def _record(value: bytes | None, headers: list[tuple[str, bytes | None]]) -> ConsumerRecord:
     return ConsumerRecord(
         "t",
         0,
@@ -118,7 +118,7 @@ def _record(value: bytes | None, headers: list[tuple[str, bytes | None]]) -> Con
         None,
         1,
         1,
-        headers,  # type: ignore[arg-type]
+        headers,
     )
 
 
@@ -141,7 +141,7 @@ def test_produce_with_a_topic_does_not_judge_the_input_topics(
 
     started: list[str] = []
 
-    def run_command(work: Coroutine[Any, Any, int]) -> int:
+    def run_command(work: CoroutineType[Any, Any, int]) -> int:
         started.append(work.cr_code.co_name)  # the Kafka side is not this test's concern
         work.close()
         return 0

@@ -42,7 +42,7 @@ async def _started(factory: Factory) -> ExactlyOnce:
         OffsetTracker(),
         Edge(transactions_only=True),
         Metrics(version="test"),
-        new_producer=factory,  # type: ignore[arg-type]  # a fake at the factory seam
+        new_producer=factory,  # a fake at the factory seam
     )
     await delivery.assigned({TP})
     return delivery
@@ -144,7 +144,7 @@ async def test_no_partition_commits_before_the_offsets_of_every_assigned_one_are
         OffsetTracker(),
         _TwoPartitions(producers),
         Metrics(version="test"),
-        new_producer=factory,  # type: ignore[arg-type]  # a fake at the factory seam
+        new_producer=factory,  # a fake at the factory seam
     )
     assigning = asyncio.create_task(delivery.assigned({TP, TP1}))
     await reached.wait()  # partition 0's producer has started; partition 1's has not

@@ -87,7 +87,9 @@ def test_a_retrying_record_shows_its_attempt_and_next_try() -> None:
     reg, clock = registry()
     entry = reg.add(rec(0, 1))
     entry.state, entry.attempt, entry.next_try_at = "retrying", 3, clock.now + 0.25
-    (listed,) = reg.snapshot()["oldest"]  # type: ignore[misc]
+    oldest = reg.snapshot()["oldest"]
+    assert isinstance(oldest, list)
+    (listed,) = oldest
     assert listed["state"] == "retrying" and listed["attempt"] == 3
     assert listed["next_try_in_s"] == 0.25
 

@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
+from typing import TypedDict
+
 from worker.observability.readiness import readiness_of
+
+
+class _Parts(TypedDict):
+    consumer_running: bool
+    triton_up: bool
+    breaker_open: bool
 
 
 def test_ready_when_consuming_with_triton_up_and_the_breaker_closed() -> None:
@@ -14,7 +22,7 @@ def test_ready_when_consuming_with_triton_up_and_the_breaker_closed() -> None:
 
 def test_each_part_down_makes_the_worker_unready() -> None:
     """Consumer stopped, Triton down, breaker open, a partition not ready: each alone is 503."""
-    cases = [
+    cases: list[_Parts] = [
         {"consumer_running": False, "triton_up": True, "breaker_open": False},
         {"consumer_running": True, "triton_up": False, "breaker_open": False},
         {"consumer_running": True, "triton_up": True, "breaker_open": True},

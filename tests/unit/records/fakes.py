@@ -95,7 +95,7 @@ class FakeTriton:
         *,
         not_ready_tries: int = 0,
         raise_on_infer: BaseException | None = None,
-        failures: list[errors.WorkerError] | None = None,
+        failures: Sequence[errors.WorkerError] | None = None,
     ):
         self.not_ready_tries = not_ready_tries
         self.raise_on_infer = raise_on_infer
@@ -223,7 +223,8 @@ def single_path(
         pool=triton,  # type: ignore[arg-type]
         batcher=triton,  # type: ignore[arg-type]
         streams=StreamCalls(StreamRules.from_settings(s), triton, steps),  # type: ignore[arg-type]
-        delivery=delivery if delivery is not None else AckedDelivery(),
+        # AckedDelivery: a fake of what the single path asks of a delivery mode.
+        delivery=delivery if delivery is not None else AckedDelivery(),  # type: ignore[arg-type]
         window=window if window is not None else Window(64, 64),
         inflight=inflight if inflight is not None else InFlightRegistry(30),
         tracing=tracing if tracing is not None else Tracing(),

@@ -345,7 +345,7 @@ async def test_a_bug_in_the_groups_bookkeeping_hands_the_records_over_and_is_cou
     bug is logged and counted once, and the run of bugs grows."""
     h = Harness()
 
-    async def broken(*_: Any) -> list[Any]:
+    async def broken(*_: Any, **__: Any) -> list[BaseException | None]:
         raise KeyError("partition")
 
     h.delivery.complete_many = broken  # type: ignore[method-assign]
@@ -372,7 +372,7 @@ async def test_an_overloaded_micro_batch_lowers_the_adaptive_limit_once() -> Non
 def test_the_batch_path_needs_a_delivery_mode_that_takes_batches() -> None:
     """Built over a mode that completes one record at a time, the batch path refuses."""
     h = Harness()
-    h.delivery.takes_batches = False  # type: ignore[misc]
+    h.delivery.takes_batches = False
     with pytest.raises(AssertionError, match="takes batches"):
         BatchPath(
             h.steps,

@@ -98,7 +98,7 @@ def dispatcher(
     s = s or settings()
     single, window = FakeSingle(), Window(64, 64)
     built = Dispatcher(
-        delivery=delivery or AckedDelivery(),
+        delivery=delivery or AckedDelivery(),  # type: ignore[arg-type]  # a fake of its seam
         window=window,
         single=single,  # type: ignore[arg-type]
         batch=batch,  # type: ignore[arg-type]
@@ -218,7 +218,7 @@ def test_the_delivery_mode_says_whether_there_is_a_batch_path(mode: str, batches
     """build_dispatcher asks the delivery mode (takes_batches), not the setting's name."""
     s = settings(delivery=mode)
     h = Harness()
-    transactions = PerPartition(new_producer=lambda _id: None)  # type: ignore[arg-type,return-value]
+    transactions = PerPartition(new_producer=lambda _id: None)
     delivery = build_delivery(s, h.sink, h.delivery._edge, h.metrics, transactions=transactions)  # type: ignore[arg-type]
     built = build_dispatcher(
         s,
@@ -270,7 +270,9 @@ async def test_a_record_handed_to_the_per_record_path_keeps_its_age() -> None:
         d.run(group)([batch_record(0)])
         clock.now += 5
         await triton.inferring.wait()
-        (listed,) = h.inflight.snapshot()["oldest"]  # type: ignore[misc]
+        oldest = h.inflight.snapshot()["oldest"]
+        assert isinstance(oldest, list)
+        (listed,) = oldest
         assert listed["offset"] == 0 and listed["age_s"] == 5.0
         assert listed["state"] == "sent"  # it started over: decoded again, now at Triton
         triton.release.set()

@@ -185,7 +185,7 @@ async def test_each_mode_relays_what_arrived_while_an_ack_was_awaited() -> None:
     sink = FakeSink(release)
     calls, metrics = _calls(pool, stream_output="each")
     streamed = await _evaluate(calls)
-    publishing = asyncio.create_task(calls.publish(streamed, _record(), sink))  # type: ignore[arg-type]
+    publishing = asyncio.create_task(calls.publish(streamed, _record(), sink))
     await sink.holding.wait()
     cue.set()
     await asyncio.gather(*pool._tasks)  # every step pushed while the ack is held
@@ -212,7 +212,7 @@ async def test_each_mode_stops_after_a_failure_saying_what_was_published() -> No
     calls, _ = _calls(pool, stream_output="each")
     streamed = await _evaluate(calls)
     with pytest.raises(errors.InferenceError) as caught:
-        await calls.publish(streamed, _record(), sink)  # type: ignore[arg-type]
+        await calls.publish(streamed, _record(), sink)
     assert _texts([r for call in sink.calls for r in call]) == [["a"], [" b"]]
     facts = dict(caught.value.facts)
     assert (facts["x-responses-published"], facts["x-responses-received"]) == (b"2", b"2")
@@ -227,7 +227,7 @@ async def test_each_mode_checks_every_response_on_its_own() -> None:
     calls, _ = _calls(pool, stream_output="each", max_output_bytes="300")
     streamed = await _evaluate(calls)
     with pytest.raises(errors.OutputTooLarge) as caught:
-        await calls.publish(streamed, _record(), sink)  # type: ignore[arg-type]
+        await calls.publish(streamed, _record(), sink)
     assert _texts([r for call in sink.calls for r in call]) == [["a"]]
     assert dict(caught.value.facts)["x-responses-published"] == b"1"
 
@@ -240,7 +240,7 @@ async def test_each_mode_under_exactly_once_hands_over_the_whole_stream_at_once(
     calls, _ = _calls(pool, stream_output="each", delivery="exactly_once")
     streamed = await _evaluate(calls)
     assert streamed.live is None
-    await calls.publish(streamed, _record(), sink)  # type: ignore[arg-type]
+    await calls.publish(streamed, _record(), sink)
     [call] = sink.calls
     assert _texts(call) == [["a"], [" b"]]
     assert [dict(h)["x-response-final"] for _, h in call] == [b"false", b"true"]

@@ -19,7 +19,9 @@ from devtools.samples import Tensor
 from tests.support import decode_sample
 from worker import errors, wire
 from worker.observability.inflight import InFlight
-from worker.triton.batching import MicroBatcher, _merge, _split, batchable
+from worker.triton.batching import MicroBatcher, batchable
+from worker.triton.merging import merge as _merge
+from worker.triton.merging import split as _split
 from worker.wire.tensors import deserialize_bytes_tensor, serialize_bytes_tensor
 from worker.wire.validation import ModelSpec, TensorSpec
 

@@ -137,7 +137,7 @@ async def test_many_distinct_unknown_models_keep_memory_flat() -> None:
     await pool.endpoints.refresh()  # the endpoints, without streams: lookups only
     clients = [UnknownModels(), UnknownModels()]
     for endpoint, client in zip(pool.endpoints, clients, strict=True):
-        endpoint.pool._client = client  # type: ignore[assignment]
+        endpoint.pool._client = client
     tracemalloc.start()
     try:
         await _unknown(pool, range(2_000))  # the caches fill up
@@ -161,7 +161,7 @@ async def test_an_unknown_model_asked_again_soon_is_answered_from_memory() -> No
     await pool.endpoints.refresh()
     (endpoint,) = pool.endpoints
     client = UnknownModels()
-    endpoint.pool._client = client  # type: ignore[assignment]
+    endpoint.pool._client = client
     try:
         caught = []
         for _ in range(2):

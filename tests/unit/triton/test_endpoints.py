@@ -18,7 +18,7 @@ from tritonclient.grpc import service_pb2
 from worker import errors
 from worker.observability.metrics import Metrics
 from worker.triton import pool as pool_module
-from worker.triton.endpoints import EndpointSet, Target, parse_targets, system_resolver
+from worker.triton.endpoints import Endpoint, EndpointSet, Target, parse_targets, system_resolver
 from worker.wire.validation import ModelSpec, TensorSpec
 
 MODEL = ("double", "")
@@ -96,7 +96,7 @@ def fake_servers(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _servers(pool: pool_module.TritonPool) -> dict[str, FakeServer]:
-    return {e.address: e.pool for e in pool.endpoints}  # type: ignore[misc]
+    return {e.address: e.pool for e in pool.endpoints}
 
 
 def _request(n: int) -> service_pb2.ModelInferRequest:
@@ -117,7 +117,8 @@ async def test_least_outstanding_endpoint_is_chosen_and_ties_rotate() -> None:
         parse_targets("10.0.0.1:1,10.0.0.2:1,10.0.0.3:1"), lambda a, t: object()
     )
     await endpoints.refresh()
-    first, second, third = list(endpoints)
+    ordered: list[Endpoint[object]] = list(endpoints)
+    first, second, third = ordered
     first.outstanding, second.outstanding, third.outstanding = 3, 1, 2
     assert endpoints.choose(MODEL) is second
     second.outstanding = 5

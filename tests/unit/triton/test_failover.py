@@ -63,7 +63,7 @@ async def _pool(metrics: Metrics, monkeypatch: pytest.MonkeyPatch) -> pool_modul
 
 
 def _servers(pool: pool_module.TritonPool) -> dict[str, StreamingServer]:
-    return {e.address: e.pool for e in pool.endpoints}  # type: ignore[misc]
+    return {e.address: e.pool for e in pool.endpoints}
 
 
 def _request() -> service_pb2.ModelInferRequest:
@@ -85,17 +85,17 @@ async def test_lost_before_any_response_it_is_answered_by_another_endpoint(
     metrics = Metrics()
     pool = await _pool(metrics, monkeypatch)
     responses = pool.infer_stream(_request())
-    first = next(e for e in pool.endpoints if e.pool.streams)  # type: ignore[attr-defined]
+    first = next(e for e in pool.endpoints if e.pool.streams)
     other = next(e for e in pool.endpoints if e is not first)
-    other.pool.script = [False, True]  # type: ignore[attr-defined]  # a token, then the final
-    first.pool.lose()  # type: ignore[attr-defined]
+    other.pool.script = [False, True]  # a token, then the final
+    first.pool.lose()
     deadline = time.monotonic() + SOON
     token, final = await responses.next(deadline), await responses.next(deadline)
     responses.close()
     assert token is not None and not is_final(token)
     assert final is not None and is_final(final)
-    (sent_again,) = other.pool.requests  # type: ignore[attr-defined]
-    assert sent_again.model_name == "tokens" and sent_again is not first.pool.requests[0]  # type: ignore[attr-defined]
+    (sent_again,) = other.pool.requests
+    assert sent_again.model_name == "tokens" and sent_again is not first.pool.requests[0]
     assert not first.up and other.up
     assert _count(metrics, first.address, "unavailable") == 1
     assert _count(metrics, other.address, "ok") == 1
@@ -145,8 +145,8 @@ async def test_an_error_response_is_the_answer_and_the_endpoint_stays_up(
     metrics = Metrics()
     pool = await _pool(metrics, monkeypatch)
     responses = pool.infer_stream(_request())
-    serving = next(e for e in pool.endpoints if e.pool.streams)  # type: ignore[attr-defined]
-    serving.pool.answer(final=True, error="tokens: failure requested")  # type: ignore[attr-defined]
+    serving = next(e for e in pool.endpoints if e.pool.streams)
+    serving.pool.answer(final=True, error="tokens: failure requested")
     with pytest.raises(errors.InferenceError):
         await responses.next(time.monotonic() + SOON)
     responses.close()

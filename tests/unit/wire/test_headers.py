@@ -51,6 +51,7 @@ def test_dead_letter_message_truncated_on_utf8_boundary() -> None:
     )
     assert dict(built)["x-error-retryable"] == b"false"
     message = dict(built)["x-error-message"]
+    assert message is not None
     assert len(message) <= 1024
     text = message.decode("utf-8")
     assert text.endswith("...")

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from devtools.samples import encode_request, mlp_inputs
+from devtools.samples import Encoding, encode_request, mlp_inputs
 from worker import errors, wire
 from worker.wire.validation import ModelSpec, TensorSpec, check_request
 
@@ -147,7 +147,7 @@ def test_fuzz_oip_like_json_never_crashes(doc: dict[str, Any]) -> None:
     encoding=st.sampled_from(["json", "binary", "protobuf"]),
 )
 def test_fuzz_mutated_valid_requests_never_crash(
-    cut: int, flip: int, byte: int, encoding: str
+    cut: int, flip: int, byte: int, encoding: Encoding
 ) -> None:
     """A valid request truncated and with one byte changed: decoded, or a coded WorkerError."""
     import numpy as np

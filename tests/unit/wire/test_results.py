@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import orjson
 import pytest
@@ -55,7 +57,7 @@ def test_json_round_trip_every_datatype(datatype: str) -> None:
 def test_binary_round_trip_every_datatype(datatype: str) -> None:
     """Binary-extension request and result carry the raw bytes unchanged."""
     raw = raw_of(datatype, SAMPLES[datatype])
-    header = {
+    header: dict[str, Any] = {
         "inputs": [
             {"name": "IN", "shape": [4], "datatype": datatype},
             {"name": "J", "shape": [1], "datatype": "INT32", "data": [5]},

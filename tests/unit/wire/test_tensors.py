@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import struct
 import tracemalloc
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import pytest
@@ -239,7 +239,8 @@ def _elements(datatype: str) -> st.SearchStrategy[Any]:
     if datatype == "BYTES":
         return st.text(max_size=8)
     if datatype.startswith("FP"):
-        width = {"FP16": 16, "FP32": 32, "FP64": 64}[datatype]
+        widths: dict[str, Literal[16, 32, 64]] = {"FP16": 16, "FP32": 32, "FP64": 64}
+        width = widths[datatype]
         return st.floats(width=width, allow_nan=False, allow_infinity=False)
     assert dt.dtype is not None
     info = np.iinfo(dt.dtype)

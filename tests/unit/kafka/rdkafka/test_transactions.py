@@ -24,6 +24,7 @@ from tests.unit.kafka.rdkafka.fakes import Broker, KafkaError, rd_error
 from worker.delivery.exactly_once_group import GroupFencedExactlyOnce
 from worker.delivery.offsets import OffsetTracker
 from worker.errors import OutputTooLarge
+from worker.flow.retry import Backoff
 from worker.kafka.edge import GroupFenced
 from worker.kafka.rdkafka import transactions as rdkafka_transactions
 from worker.observability import Metrics
@@ -65,7 +66,7 @@ COMMIT_BOUND_S = 2.0
 def quick_retries(monkeypatch: pytest.MonkeyPatch) -> None:
     """Commit retries without waiting (the backoff itself is tested in flow/), and offsets
     given up on 0.2 s after they were sent."""
-    quick = rdkafka_transactions.Backoff(first_s=0.001, max_s=0.001)
+    quick = Backoff(first_s=0.001, max_s=0.001)
     monkeypatch.setattr(rdkafka_transactions, "_COMMIT_RETRY_BACKOFF", quick)
     monkeypatch.setattr(rdkafka_transactions, "_OFFSETS_TIMEOUT_S", 0.1)
     monkeypatch.setattr(rdkafka_transactions, "_OFFSETS_GRACE_S", 0.1)
