@@ -22,8 +22,7 @@ from aiokafka import AIOKafkaConsumer
 
 from devtools import samples
 from devtools.bench.extras import _python, _scrape, produce_backlog
-from devtools.bench.measure import create_topics
-from devtools.bench.runner import _spawn, _stop
+from devtools.bench.measure import create_topics, spawn, stop
 from devtools.devstack.process import free_port
 from worker.wire import header_value
 
@@ -90,7 +89,7 @@ async def _one(
         "WORKER_COMMIT_INTERVAL_MS": str(interval_ms),
         **{f"WORKER_{k}": v for k, v in settings.items()},
     }
-    first = _spawn([_python(), "-m", "worker", "run"], env, out_dir / f"{run}-first.log")
+    first = spawn([_python(), "-m", "worker", "run"], env, out_dir / f"{run}-first.log")
     started, metrics, done = time.monotonic(), {}, 0
     try:
         while done < records // 2:
@@ -109,11 +108,11 @@ async def _one(
         if first.poll() is None:
             first.kill()
     env["WORKER_METRICS_PORT"] = "0"
-    second = _spawn([_python(), "-m", "worker", "run"], env, out_dir / f"{run}-second.log")
+    second = spawn([_python(), "-m", "worker", "run"], env, out_dir / f"{run}-second.log")
     try:
         seen = await _count_outcomes(bootstrap, topics[1], records, timeout_s=300)
     finally:
-        await _stop(second)
+        await stop(second)
     return CommitPoint(
         interval_ms=interval_ms,
         records=records,

@@ -26,8 +26,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from tritonclient.grpc import service_pb2
 
 from devtools import samples
-from devtools.bench.measure import cpu_s, create_topics, peak_rss_bytes
-from devtools.bench.runner import _spawn, _stop
+from devtools.bench.measure import cpu_s, create_topics, peak_rss_bytes, spawn, stop
 from devtools.devstack.process import free_port
 from worker.triton.pool import TritonPool
 
@@ -174,7 +173,7 @@ async def drain(
         "WORKER_LOG_LEVEL": "warning",
         **{f"WORKER_{k}": v for k, v in settings.items()},
     }
-    child = _spawn([_python(), "-m", "worker", "run"], env, out_dir / f"{label}.log")
+    child = spawn([_python(), "-m", "worker", "run"], env, out_dir / f"{label}.log")
     target = until_results or backlog
     points: list[tuple[float, int, float]] = []
     started = time.monotonic()
@@ -203,7 +202,7 @@ async def drain(
         peak = peak_rss_bytes(child.pid) / (1 << 20)
         cpu = cpu_s(child.pid)
     finally:
-        await _stop(child)
+        await stop(child)
     results = points[-1][1] if points else 0
     return Drain(
         label,

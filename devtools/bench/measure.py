@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import os
+import subprocess
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
@@ -191,3 +193,22 @@ class Collector:
             if advance is not None and new:
                 advance(new)
         return Collected(found)
+
+
+def spawn(command: list[str], env: Mapping[str, str], log_path: Path) -> subprocess.Popen[bytes]:
+    """Start a worker process (or a loop) with ``env`` over an environment without the
+    caller's WORKER_* variables, its output to ``log_path``."""
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("WORKER_")}
+    full_env.update(env)
+    with log_path.open("wb") as log:
+        return subprocess.Popen(command, env=full_env, stdout=log, stderr=subprocess.STDOUT)
+
+
+async def stop(child: subprocess.Popen[bytes], timeout_s: float = 20.0) -> None:
+    """SIGTERM (the worker drains and commits), then SIGKILL after the timeout."""
+    child.terminate()
+    try:
+        await asyncio.to_thread(child.wait, timeout_s)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        await asyncio.to_thread(child.wait)

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
-import subprocess
 import sys
 import uuid
 from collections.abc import Mapping
@@ -24,6 +22,8 @@ from devtools.bench.measure import (
     create_topics,
     peak_rss_bytes,
     percentiles_ms,
+    spawn,
+    stop,
 )
 from devtools.bench.report import LoadPoint, VariantResult
 
@@ -94,7 +94,7 @@ class Runner:
         progress.remove_task(sending)
         collector = Collector(bootstrap, topic_out)
         await collector.start()
-        child = _spawn(command, env, self.out / f"{key}.log")
+        child = spawn(command, env, self.out / f"{key}.log")
         try:
             task = progress.add_task(name, total=count)
             marks: dict[str, tuple[float, float, float]] = {}
@@ -142,7 +142,7 @@ class Runner:
             return result
         finally:
             await collector.stop()
-            await _stop(child)
+            await stop(child)
 
     async def _prepare(
         self, key: str, command: list[str], settings: Mapping[str, str]
@@ -180,7 +180,7 @@ class Runner:
         topic_in, topic_out, command, env = await self._prepare(f"{key}-common", command, settings)
         collector = Collector(self.servers.bootstrap, topic_out)
         await collector.start()
-        child = _spawn(command, env, self.out / f"{key}-common.log")
+        child = spawn(command, env, self.out / f"{key}-common.log")
         try:
             # Warm-up: a few requests answered end to end before the clock matters.
             warm = loops.samples_for(self.args.model, 50, seed=7)
@@ -196,7 +196,7 @@ class Runner:
             return await self._load_point(topic_in, collector, rate, progress, 2.0)
         finally:
             await collector.stop()
-            await _stop(child)
+            await stop(child)
 
     @staticmethod
     def _per_1k(seconds: float, records: int, pid: object) -> float | None:
@@ -314,20 +314,3 @@ def _client_settings(tuned: Mapping[str, str] | None) -> dict[str, str]:
         "batch": tuned.get("BATCH_MAX_SIZE", "32"),
         "batch delay ms": tuned.get("BATCH_DELAY_MS", "2"),
     }
-
-
-def _spawn(command: list[str], env: Mapping[str, str], log_path: Path) -> subprocess.Popen[bytes]:
-    full_env = {k: v for k, v in os.environ.items() if not k.startswith("WORKER_")}
-    full_env.update(env)
-    with log_path.open("wb") as log:
-        return subprocess.Popen(command, env=full_env, stdout=log, stderr=subprocess.STDOUT)
-
-
-async def _stop(child: subprocess.Popen[bytes], timeout_s: float = 20.0) -> None:
-    """SIGTERM (the worker drains and commits), then SIGKILL after the timeout."""
-    child.terminate()
-    try:
-        await asyncio.to_thread(child.wait, timeout_s)
-    except subprocess.TimeoutExpired:
-        child.kill()
-        await asyncio.to_thread(child.wait)

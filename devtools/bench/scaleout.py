@@ -29,8 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from devtools import samples
-from devtools.bench.measure import Collector, Producer, create_topics
-from devtools.bench.runner import _spawn, _stop
+from devtools.bench.measure import Collector, Producer, create_topics, spawn, stop
 
 __all__ = ["ScaleOutPoint", "measure_workers"]
 
@@ -119,7 +118,7 @@ async def measure_workers(
         **(extra_env or {}),
     }
     logs = _log_paths(out_dir, run, workers)
-    procs = [_spawn([sys.executable, "-m", "worker", "run"], env, log) for log in logs]
+    procs = [spawn([sys.executable, "-m", "worker", "run"], env, log) for log in logs]
     collector = Collector(bootstrap, topic_out)
     producer = Producer(bootstrap)
     await collector.start()
@@ -142,7 +141,7 @@ async def measure_workers(
         await collector.stop()
         for proc in procs:
             proc.send_signal(signal.SIGTERM)
-        await asyncio.gather(*(_stop(proc) for proc in procs))
+        await asyncio.gather(*(stop(proc) for proc in procs))
 
 
 def _log_paths(out_dir: Path, run: str, workers: int) -> list[Path]:

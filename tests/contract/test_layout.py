@@ -46,6 +46,11 @@ def test_no_import_cycle_in_the_worker() -> None:
     assert find_cycle(import_graph()) is None
 
 
+def test_no_import_cycle_in_devtools() -> None:
+    """Nor has the import graph of worker/ and devtools/ together."""
+    assert find_cycle(import_graph(project_modules())) is None
+
+
 def test_the_cycle_finder_finds_one() -> None:
     """The check above can fail: a graph with a cycle is reported with its path."""
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}
