@@ -119,6 +119,17 @@ def _kafka_ssl_context(auth: KafkaAuthSettings) -> ssl.SSLContext:
     return context
 
 
+def refuse_tls_files_without_tls(auth: KafkaAuthSettings) -> None:
+    """ConfigError for a CA or certificate file given to a listener without TLS (both
+    clients would ignore it, and the user meant TLS)."""
+    for name, value in (
+        ("WORKER_SSL_CAFILE", auth.ssl_cafile),
+        ("WORKER_SSL_CERTFILE", auth.ssl_certfile),
+    ):
+        if value is not None:
+            raise ConfigError(name, f"{name}: needs WORKER_SECURITY_PROTOCOL SSL or SASL_SSL")
+
+
 def kafka_client_kwargs(auth: KafkaAuthSettings) -> dict[str, Any]:
     """Keyword arguments for every aiokafka client (consumer, producers, admin).
 
@@ -131,12 +142,7 @@ def kafka_client_kwargs(auth: KafkaAuthSettings) -> dict[str, Any]:
     if uses_tls:
         kwargs["ssl_context"] = _kafka_ssl_context(auth)
     else:
-        for name, value in (
-            ("WORKER_SSL_CAFILE", auth.ssl_cafile),
-            ("WORKER_SSL_CERTFILE", auth.ssl_certfile),
-        ):
-            if value is not None:
-                raise ConfigError(name, f"{name}: needs WORKER_SECURITY_PROTOCOL SSL or SASL_SSL")
+        refuse_tls_files_without_tls(auth)
     if not protocol.startswith("SASL_"):
         return kwargs
     mechanism = auth.sasl_mechanism

@@ -24,10 +24,15 @@ from aiokafka.errors import (
 )
 from aiokafka.structs import OffsetAndMetadata, TopicPartition
 
-from worker.flow.retry import Backoff
 from worker.kafka.aiokafka import clients
 from worker.kafka.aiokafka._compat import in_transaction
-from worker.kafka.transactions import Message, ProducerStartFailed, TransactionOutcome
+from worker.kafka.transactions import (
+    START_ATTEMPTS,
+    START_BACKOFF,
+    Message,
+    ProducerStartFailed,
+    TransactionOutcome,
+)
 from worker.settings import KafkaSettings
 
 __all__ = ["PartitionProducer", "ProducerFactory", "transactional_producer"]
@@ -36,13 +41,6 @@ log = structlog.get_logger(__name__)
 
 #: Makes a partition's transactional producer (not started) for a transactional id.
 ProducerFactory = Callable[[str], AIOKafkaProducer]
-
-#: Tries of starting a partition's producer before the worker gives up on it: with the
-#: backoff, a broker out of reach for about a minute. Five tries (7.5 s) were outlasted by
-#: a broker restart that began as a failed transaction's producer was replaced (exit 3,
-#: chaos soak, exactly_once on aiokafka, seed 1222039730).
-_START_ATTEMPTS = 20
-_START_BACKOFF = Backoff(first_s=0.5, max_s=4.0)
 
 
 class PartitionProducer:
@@ -67,9 +65,9 @@ class PartitionProducer:
         """Start (initialising the id fences any previous owner); retry a broker out of reach.
 
         Raises ProducerStartFailed at once when the broker refuses the transactional id
-        (an ACL), and after ``_START_ATTEMPTS`` tries otherwise.
+        (an ACL), and after ``START_ATTEMPTS`` tries otherwise.
         """
-        for attempt in range(1, _START_ATTEMPTS + 1):
+        for attempt in range(1, START_ATTEMPTS + 1):
             producer = self._factory(self.transactional_id)
             try:
                 await producer.start()
@@ -88,12 +86,12 @@ class PartitionProducer:
                     attempt=attempt,
                     error=f"{type(exc).__name__}: {exc}",
                 )
-                if attempt == _START_ATTEMPTS:
+                if attempt == START_ATTEMPTS:
                     raise ProducerStartFailed(
                         f"exactly_once: the transactional producer of partition {self.tp} did "
                         f"not start after {attempt} tries: {type(exc).__name__}: {exc}"
                     ) from exc
-                await asyncio.sleep(_START_BACKOFF.delay_s(attempt))
+                await asyncio.sleep(START_BACKOFF.delay_s(attempt))
                 continue
             self._producer = producer
             return

@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from worker.kafka.options import sasl_credentials
+from worker.kafka.options import refuse_tls_files_without_tls, sasl_credentials
 from worker.kafka.rdkafka import log as rdkafka_log
 from worker.settings import ConfigError, KafkaAuthSettings, KafkaSettings
 from worker.settings.secrets import check_file, read_secret
@@ -138,12 +138,7 @@ def security_config(auth: KafkaAuthSettings) -> dict[str, Any]:
                 check_file(path, setting)
                 config[prop] = path
     else:
-        for name, value in (
-            ("WORKER_SSL_CAFILE", auth.ssl_cafile),
-            ("WORKER_SSL_CERTFILE", auth.ssl_certfile),
-        ):
-            if value is not None:
-                raise ConfigError(name, f"{name}: needs WORKER_SECURITY_PROTOCOL SSL or SASL_SSL")
+        refuse_tls_files_without_tls(auth)
     if not protocol.startswith("SASL_"):
         return config
     mechanism = auth.sasl_mechanism

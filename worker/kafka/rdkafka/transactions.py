@@ -36,16 +36,18 @@ from aiokafka.structs import TopicPartition
 from worker.flow.retry import Backoff
 from worker.kafka.rdkafka.publisher import RdProducer
 from worker.kafka.rdkafka.threads import in_thread
-from worker.kafka.transactions import Message, ProducerStartFailed, TransactionOutcome
+from worker.kafka.transactions import (
+    START_ATTEMPTS,
+    START_BACKOFF,
+    Message,
+    ProducerStartFailed,
+    TransactionOutcome,
+)
 
 __all__ = ["GroupTransactions"]
 
 log = structlog.get_logger(__name__)
 
-#: Tries of starting the producer: with the backoff, a broker out of reach for about a
-#: minute (a broker restart must not end the worker; see kafka/aiokafka/transactions.py).
-_START_ATTEMPTS = 20
-_START_BACKOFF = Backoff(first_s=0.5, max_s=4.0)
 #: Bound on one transactional call (init, offsets, commit, abort).
 _CALL_TIMEOUT_S = 30.0
 #: Wait before a commit that failed with a retriable error is made again.
@@ -88,7 +90,7 @@ class GroupTransactions:
     async def start(self) -> None:
         """Start and initialise the transactional id (which aborts what a previous producer
         of the same id left open); retry a broker out of reach, not a refused id."""
-        for attempt in range(1, _START_ATTEMPTS + 1):
+        for attempt in range(1, START_ATTEMPTS + 1):
             rd = RdProducer(self._config)
             try:
                 await rd.start()
@@ -104,12 +106,12 @@ class GroupTransactions:
                         "transactional ids (WORKER_TRANSACTIONAL_ID_PREFIX*)"
                     ) from None
                 log.warning("transactional_producer_start_failed", attempt=attempt, error=str(exc))
-                if attempt == _START_ATTEMPTS:
+                if attempt == START_ATTEMPTS:
                     raise ProducerStartFailed(
                         f"exactly_once: the transactional producer did not start after "
                         f"{attempt} tries: {exc}"
                     ) from None
-                await asyncio.sleep(_START_BACKOFF.delay_s(attempt))
+                await asyncio.sleep(START_BACKOFF.delay_s(attempt))
                 continue
             self._rd = rd
             return

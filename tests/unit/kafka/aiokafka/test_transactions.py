@@ -32,7 +32,7 @@ TXN_ID = "prefix-group-in-3"
 @pytest.fixture(autouse=True)
 def quick_backoff(monkeypatch: pytest.MonkeyPatch) -> None:
     """Start retries without waiting (the backoff itself is tested in flow/)."""
-    monkeypatch.setattr(transactions, "_START_BACKOFF", Backoff(first_s=0.001, max_s=0.001))
+    monkeypatch.setattr(transactions, "START_BACKOFF", Backoff(first_s=0.001, max_s=0.001))
 
 
 def _partition_producer(factory: Factory) -> PartitionProducer:

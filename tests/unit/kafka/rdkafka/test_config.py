@@ -149,6 +149,16 @@ def test_tls_files_are_checked_and_passed_as_locations(tmp_path: Path) -> None:
     assert error.setting == "WORKER_SSL_CAFILE"
 
 
+def test_a_tls_file_without_tls_is_refused(tmp_path: Path) -> None:
+    """A CA or certificate file with PLAINTEXT would be ignored: refused, as on aiokafka."""
+    pem = tmp_path / "ca.pem"
+    pem.write_text("not read by this test")
+    for name in ("SSL_CAFILE", "SSL_CERTFILE"):
+        error = _error(**{name: str(pem)})
+        assert error.setting == f"WORKER_{name}"
+        assert "needs WORKER_SECURITY_PROTOCOL SSL or SASL_SSL" in str(error)
+
+
 def test_sasl_scram_takes_the_password_file(tmp_path: Path) -> None:
     """SCRAM: user name and the password read from its file; a missing user is named."""
     secret = tmp_path / "password"
