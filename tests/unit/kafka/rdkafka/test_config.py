@@ -153,8 +153,12 @@ def test_a_tls_file_without_tls_is_refused(tmp_path: Path) -> None:
     """A CA or certificate file with PLAINTEXT would be ignored: refused, as on aiokafka."""
     pem = tmp_path / "ca.pem"
     pem.write_text("not read by this test")
-    for name in ("SSL_CAFILE", "SSL_CERTFILE"):
-        error = _error(**{name: str(pem)})
+    given: list[dict[str, str]] = [
+        {"SSL_CAFILE": str(pem)},
+        {"SSL_CERTFILE": str(pem), "SSL_KEYFILE": str(pem)},  # a certificate needs its key
+    ]
+    for extra, name in zip(given, ("SSL_CAFILE", "SSL_CERTFILE"), strict=True):
+        error = _error(**extra)
         assert error.setting == f"WORKER_{name}"
         assert "needs WORKER_SECURITY_PROTOCOL SSL or SASL_SSL" in str(error)
 
