@@ -7,11 +7,14 @@ fails the test, as each test's settings say.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import asyncio
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any
 
 from aiokafka.errors import CommitFailedError
 from aiokafka.structs import ConsumerRecord, OffsetAndMetadata, TopicPartition
+
+from worker.delivery.base import Delivery
 
 TP = TopicPartition("in", 0)
 
@@ -81,3 +84,20 @@ class Edge:
 
 def record(offset: int, tp: TopicPartition = TP) -> ConsumerRecord[bytes, bytes]:
     return ConsumerRecord(tp.topic, tp.partition, offset, 0, 0, b"k", b"v", None, 1, 1, [])
+
+
+async def completing(
+    delivery: Delivery, rec: ConsumerRecord[bytes, bytes], deliver: Callable[[], Awaitable[None]]
+) -> asyncio.Task[None]:
+    """Dispatch the record and complete it through ``deliver``; returns once its outcome
+    is staged (the task ends when the transaction carrying it commits), or raises what
+    ended the record before that."""
+    ticket = delivery.track(rec)
+    staged = asyncio.Event()
+    task = asyncio.create_task(delivery.complete(rec, ticket, deliver, staged.set))
+    waiting = asyncio.create_task(staged.wait())
+    await asyncio.wait({task, waiting}, return_when=asyncio.FIRST_COMPLETED)
+    waiting.cancel()
+    if task.done():
+        task.result()  # raises what ended the record before it was staged
+    return task

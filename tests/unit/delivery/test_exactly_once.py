@@ -16,7 +16,7 @@ import pytest
 from aiokafka.errors import KafkaConnectionError, RebalanceInProgressError
 from aiokafka.structs import OffsetAndMetadata, TopicPartition
 
-from tests.unit.delivery.fakes import TP, Edge, record
+from tests.unit.delivery.fakes import TP, Edge, completing, record
 from tests.unit.kafka.aiokafka.fakes import Factory, FakeProducer
 from worker.delivery import ExactlyOnce
 from worker.delivery.offsets import OffsetTracker
@@ -52,19 +52,11 @@ async def _complete(delivery: ExactlyOnce, offset: int) -> asyncio.Task[None]:
     """Dispatch the record and complete it with a result; returns once it is staged (the
     task ends when its transaction commits)."""
     rec = record(offset)
-    ticket = delivery.track(rec)
-    staged = asyncio.Event()
 
     async def deliver() -> None:
         await delivery.publish_result(rec, b"r%d" % offset, [])
 
-    task = asyncio.create_task(delivery.complete(rec, ticket, deliver, staged.set))
-    waiting = asyncio.create_task(staged.wait())
-    await asyncio.wait({task, waiting}, return_when=asyncio.FIRST_COMPLETED)
-    waiting.cancel()
-    if task.done():
-        task.result()  # raises what ended the record before it was staged
-    return task
+    return await completing(delivery, rec, deliver)
 
 
 def _values(producer: FakeProducer) -> list[bytes | None]:

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from aiokafka.structs import TopicPartition
 
-from tests.unit.delivery.fakes import Edge, record
+from tests.unit.delivery.fakes import Edge, completing, record
 from worker import errors
 from worker.delivery.exactly_once_group import GroupFencedExactlyOnce
 from worker.delivery.offsets import OffsetTracker
@@ -93,15 +93,11 @@ async def staged(delivery: GroupFencedExactlyOnce, tp: TopicPartition, offset: i
     """Complete the record with a result; returns its task once the result is staged (the
     task ends when the transaction carrying it commits)."""
     rec = record(offset, tp)
-    ticket = delivery.track(rec)
-    safe = asyncio.Event()
 
     async def deliver() -> None:
         await delivery.publish_result(rec, b"%s-%d" % (tp.topic.encode(), offset), [])
 
-    task = asyncio.create_task(delivery.complete(rec, ticket, deliver, safe.set))
-    await safe.wait()
-    return task
+    return await completing(delivery, rec, deliver)
 
 
 def values(messages: list[Message]) -> list[bytes | None]:

@@ -170,12 +170,18 @@ def test_admission_decodes_allows_and_checks() -> None:
     steps.allow("elsewhere", "double")
 
 
-def test_a_response_is_encoded_with_the_result_headers_and_bounded() -> None:
-    """encode: the value and the result headers (request id, source); over the limit,
-    OUTPUT_TOO_LARGE."""
+def double_response() -> service_pb2.ModelInferResponse:
+    """Model double's answer of one FP32 value, version 3."""
     response = service_pb2.ModelInferResponse(model_name="double", model_version="3")
     response.outputs.add(name="OUTPUT0", datatype="FP32", shape=[1])
     response.raw_output_contents.append(b"\x00\x00\x80\x3f")
+    return response
+
+
+def test_a_response_is_encoded_with_the_result_headers_and_bounded() -> None:
+    """encode: the value and the result headers (request id, source); over the limit,
+    OUTPUT_TOO_LARGE."""
+    response = double_response()
     rec = good_record()
     steps = steps_for()
     request = steps.decode(rec.value, rec.headers, Source.of(rec))
@@ -193,9 +199,7 @@ def test_a_result_as_large_as_one_the_topic_refused_lately_is_not_sent() -> None
     """encode: once the output topic refused a result for its size, a result at least as
     large is OUTPUT_TOO_LARGE at once, naming the refused size and what to raise; a smaller
     one is encoded."""
-    response = service_pb2.ModelInferResponse(model_name="double", model_version="3")
-    response.outputs.add(name="OUTPUT0", datatype="FP32", shape=[1])
-    response.raw_output_contents.append(b"\x00\x00\x80\x3f")
+    response = double_response()
     rec = good_record()
     steps = steps_for()
     request = steps.decode(rec.value, rec.headers, Source.of(rec))

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 from aiokafka.structs import ConsumerRecord, TopicPartition
 
-from tests.unit.delivery.fakes import Edge, record
+from tests.unit.delivery.fakes import Edge, completing, record
 from tests.unit.kafka.rdkafka.fakes import Broker, KafkaError, rd_error
 from worker.delivery.exactly_once_group import GroupFencedExactlyOnce
 from worker.delivery.offsets import OffsetTracker
@@ -95,8 +95,6 @@ async def _complete(
     """Dispatch the record and complete it with its result (value ``P:O``), or its dead
     letter; returns once it is staged (the task ends when its transaction commits).
     ``dead_lettered`` is set once a result refused for size has its dead letter staged."""
-    ticket = delivery.track(rec)
-    staged = asyncio.Event()
 
     async def deliver() -> None:
         # As the record's own path does: a result refused for size becomes a dead letter.
@@ -109,13 +107,7 @@ async def _complete(
                 dead_lettered.set()
             await delivery.publish_dead_letter(rec, [("x-error-code", b"OUTPUT_TOO_LARGE")])
 
-    task = asyncio.create_task(delivery.complete(rec, ticket, deliver, staged.set))
-    waiting = asyncio.create_task(staged.wait())
-    await asyncio.wait({task, waiting}, return_when=asyncio.FIRST_COMPLETED)
-    waiting.cancel()
-    if task.done():
-        task.result()  # raises what ended the record before it was staged
-    return task
+    return await completing(delivery, rec, deliver)
 
 
 async def _commit(delivery: GroupFencedExactlyOnce) -> None:
