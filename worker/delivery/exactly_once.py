@@ -93,6 +93,10 @@ class ExactlyOnce(TrackingDelivery):
         self._owns = owns
         self._partitions: dict[TopicPartition, _Partition] = {}
         self._on_staged: dict[tuple[TopicPartition, int], OnSafe] = {}
+        #: Partitions dropped while still assigned (fenced): the generation and the reason.
+        #: Their records end at once instead of waiting for the revocation, which itself
+        #: waits for them. One entry per assigned partition at most, gone when forgotten.
+        self._released: dict[TopicPartition, tuple[int, str]] = {}
         # Set (and replaced) when a partition is added or dropped, or its tracking forgotten.
         self._changed = asyncio.Event()
 
@@ -137,6 +141,9 @@ class ExactlyOnce(TrackingDelivery):
         they wait for it (never for a partition that has moved away meanwhile).
         """
         while tp not in self._partitions and self.offsets.generation(tp) == ticket:
+            released = self._released.get(tp)
+            if released is not None and released[0] == ticket:
+                raise PartitionRevoked(f"{tp}: {released[1]}")
             await self._changed.wait()
         part = self._partitions.get(tp)
         if part is None or self.offsets.generation(tp) != ticket:
@@ -348,6 +355,9 @@ class ExactlyOnce(TrackingDelivery):
         """Forget the partition: waiters see it gone, staged outcomes are redone elsewhere."""
         if self._partitions.get(tp) is part:
             del self._partitions[tp]
+            generation = self.offsets.generation(tp)
+            if generation is not None:
+                self._released[tp] = (generation, why)
         part.ready.set()
         for staged in part.staged.values():
             if not staged.committed.done():
@@ -355,6 +365,12 @@ class ExactlyOnce(TrackingDelivery):
         part.staged.clear()
         self._notify()
         log.info("exactly_once_partition_released", partition=str(tp), reason=why)
+
+    def forget(self, partitions: Iterable[TopicPartition]) -> None:
+        partitions = set(partitions)
+        super().forget(partitions)
+        for tp in partitions:
+            self._released.pop(tp, None)
 
     async def close(self) -> None:
         for tp, part in list(self._partitions.items()):

@@ -72,6 +72,7 @@ class Chaos:
         self.progress: Progress | None = None
         self._codecs = random.Random(f"{seed}-worker-codecs")
         self.t0 = time.monotonic()
+        self.t0_wall_ms = int(time.time() * 1000)
         #: The current worker's records in flight when the worst stall was last noted.
         self.worst_inflight = ""
         self._noted_at = 0.0

@@ -265,7 +265,19 @@ def _cut_short_problems(run: Run) -> list[str]:
     if cut:
         print(f"SOAK seed {run.seed}: token streams cut short by a Triton crash: {len(cut)}")
     return [
-        f"{rid} (tokens): only the first tokens, with no Triton crash about"
-        for rid, appended_ms in cut
-        if not any(start <= appended_ms <= end for start, end in deaths)
+        f"{rid} (tokens): only the first tokens, answered at {_faults_about(run.chaos, ms)}"
+        for rid, ms in cut
+        if not any(start <= ms <= end for start, end in deaths)
     ]
+
+
+def _faults_about(chaos: Chaos, wall_ms: int, around_ms: int = 15_000) -> str:
+    """When (seconds into the run) and the faults applied within ``around_ms`` of it."""
+    near = [
+        f"{a.fault.kind}{' ' + a.fault.model if a.fault.kind == 'model_reload' else ''} "
+        f"t={(a.started_wall_ms - chaos.t0_wall_ms) / 1000:.1f}-"
+        f"{(a.ended_wall_ms - chaos.t0_wall_ms) / 1000:.1f}s"
+        for a in chaos.applied
+        if a.started_wall_ms - around_ms <= wall_ms <= a.ended_wall_ms + around_ms
+    ]
+    return f"t={(wall_ms - chaos.t0_wall_ms) / 1000:.1f}s; faults about then: {near or 'none'}"

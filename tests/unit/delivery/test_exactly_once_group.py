@@ -133,6 +133,35 @@ async def test_a_fenced_member_drops_its_partitions_and_their_records() -> None:
     await delivery.close()
 
 
+async def test_records_finishing_after_the_fencing_end_at_once() -> None:
+    """A record of a fenced partition that finishes after the fencing (its inference was
+    still running) ends revoked at once: it must not wait for the partition's revocation,
+    which itself waits for the partition's records (each waited out the other's bound,
+    and a stop meanwhile abandoned the record, exit 1)."""
+    delivery, txn = await started()
+    txn.outcomes = [TransactionOutcome(committed=False, fenced=True)]
+    task = await staged(delivery, TP0, 0)
+    late = record(1, TP0)
+    ticket = delivery.track(late)  # dispatched before the fencing, still at Triton
+    await delivery.commit()
+    with pytest.raises(errors.PartitionRevoked, match="fenced"):
+        await task
+
+    async def deliver() -> None:
+        await delivery.publish_result(late, b"late", [])
+
+    completion = delivery.complete(late, ticket, deliver, lambda: None)
+    with pytest.raises(errors.PartitionRevoked, match="fenced"):
+        await asyncio.wait_for(completion, 1)
+    # A later assignment of the partition takes records again.
+    delivery.forget({TP0})
+    await delivery.assigned({TP0})
+    task = await staged(delivery, TP0, 2)
+    await delivery.commit()
+    await task
+    await delivery.close()
+
+
 async def test_a_rebalance_beginning_defers_the_transaction() -> None:
     """No group metadata (a rebalance began): nothing sent; the next commit carries it."""
     edge = Edge({TP0, TP1}, transactions_only=True, fetches=False)
