@@ -181,15 +181,24 @@ async def test_exactly_once_hand_over_under_load_one_two_one(
     await create(kafka, topics, partitions=4)
     rng = np.random.default_rng(61)
 
+    straggler_next = False
+
     def make(i: int) -> SampleRequest:
         # Every 8th request takes 1.5 s, longer than the 1 s revoke bound (at 16/s the
-        # four model instances are busy about 80 % of the time).
+        # four model instances are busy about 80 % of the time). Whether one of them is in
+        # flight with more than 1 s to go when a revocation comes is chance; the straggler
+        # sent as the second member starts is not: it is still running when the first
+        # member's partitions are revoked, so that drain times out.
+        nonlocal straggler_next
+        if straggler_next:
+            straggler_next = False
+            return faulty_request(rng, f"h{i}", delay_ms=10_000)
         return faulty_request(rng, f"h{i}", delay_ms=1500 if i % 8 == 0 else 20)
 
     settings = {
         "delivery": "exactly_once",
         "revoke_timeout_s": "1",
-        "shutdown_timeout_s": "5",
+        "shutdown_timeout_s": "15",  # a stop waits for the straggler (10 s) too
         "max_in_flight": "16",
     }
     ports = [free_port(), free_port()]
@@ -203,6 +212,7 @@ async def test_exactly_once_hand_over_under_load_one_two_one(
             await wait_ready(ports[0], procs[0])
             got = await collect(kafka.bootstrap_servers, topics, 20, 60, into=got)
             # 1 → 2: the second member commits transactions of its own partitions.
+            straggler_next = True
             procs.append(spawn_worker(envs[1], logs[1]))
             await wait_ready(ports[1], procs[1])
 

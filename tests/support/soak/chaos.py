@@ -12,12 +12,14 @@ import contextlib
 import random
 import signal
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from devtools.devstack.process import free_port, tail
-from tests.support import Topics, metric_sum, worker_env
+from tests.support import Topics, metric_sum, metrics_text, worker_env
 from tests.support.soak.outcomes import Collector, Tripwire
 from tests.support.soak.processes import WorkerProcess
 from tests.support.soak.progress import OffsetReader, Progress
@@ -86,10 +88,27 @@ class Chaos:
         parts = []
         if self.workers:
             parts.append(f"last lines of {self.current.name}:\n{tail(self.current.log_path, 30)}")
+            parts.append(self._partition_state())
         for triton in self.stack.tritons:
             parts.append(triton.death_report() or f"triton {triton.grpc_address}: up or stopped")
         parts.append(f"broker nodes running: {self.stack.kafka.running_nodes()}")
         return "\n".join(parts)
+
+    def _partition_state(self) -> str:
+        """The current worker's readiness and per-partition gauges (a stall's context)."""
+        port = self.current.port
+        names = ("worker_consumer_lag", "worker_partitions_assigned", "worker_paused_partitions")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=5) as got:
+                ready = got.read().decode()
+        except urllib.error.HTTPError as refused:
+            ready = refused.read().decode()
+        except OSError as exc:
+            return f"{self.current.name}: no answer on its port ({exc})"
+        with contextlib.suppress(OSError):
+            gauges = [line for line in metrics_text(port).splitlines() if line.startswith(names)]
+            ready += "\n" + "\n".join(gauges)
+        return f"{self.current.name} /readyz and partition gauges:\n{ready}"
 
     def say(self, line: str) -> None:
         print(f"SOAK t={time.monotonic() - self.t0:6.1f}s {line}", flush=True)
