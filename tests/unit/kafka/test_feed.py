@@ -61,3 +61,20 @@ def test_a_slot_freed_goes_to_each_partition_in_turn() -> None:
     for p in range(4):
         offsets = [r.offset for r in dispatched if r.partition == p]
         assert offsets == list(range(len(offsets)))  # each partition in its own order
+
+
+def test_a_partition_with_nothing_fetched_is_starved_below_its_share() -> None:
+    """The window full with three partitions' records: the fourth, with nothing fetched
+    and nothing in flight, is starved (it must go on fetching); one with a backlog, or
+    with its share in flight, is not."""
+    window = Window(8, per_partition_limit=8)
+    dispatched: list[ConsumerRecord[bytes, bytes]] = []
+    feed = _feed(window, dispatched)
+    feed._backlog[PARTITIONS[0]].clear()
+    feed._dispatch_backlog()
+    assert window.in_flight == 8 and window.in_flight_for(PARTITIONS[0]) == 0
+    assert feed._starved(PARTITIONS[0], 4)
+    assert not feed._starved(PARTITIONS[1], 4)  # a backlog
+    feed._backlog[PARTITIONS[1]].clear()
+    assert window.in_flight_for(PARTITIONS[1]) >= 2
+    assert not feed._starved(PARTITIONS[1], 4)  # its share (8 / 4) in flight

@@ -82,12 +82,14 @@ class Intake(Feed, ConsumerRebalanceListener):  # type: ignore[misc]
             self._sync_pauses()
             assigned = consumer.assignment()
             all_paused = bool(assigned) and assigned <= consumer.paused()
-            if all_paused:
-                # Nothing may be fetched: sleep until a slot that some partition can use
+            no_room = bool(assigned) and not any(self._can_take(tp) for tp in assigned)
+            if all_paused or no_room:
+                # Nothing may be dispatched: sleep until a slot that some partition can use
                 # frees (or the breaker closes), for at most one poll interval, so that
-                # getmany below still runs often (it is what keeps us in the group).
+                # getmany below still runs often (it is what keeps us in the group), and
+                # then take only what was prefetched meanwhile (starved partitions fetch).
                 await self._wait_for_room(assigned)
-            batch = await self._fetch(0 if all_paused else _POLL_TIMEOUT_MS)
+            batch = await self._fetch(0 if all_paused or no_room else _POLL_TIMEOUT_MS)
             for tp, records in batch.items():
                 if tp not in consumer.assignment():
                     continue
@@ -121,7 +123,15 @@ class Intake(Feed, ConsumerRebalanceListener):  # type: ignore[misc]
         if self._breaker.is_open:
             full = set(assigned)
         else:
-            full = {tp for tp in assigned if self._backlog.get(tp) or not self._can_take(tp)}
+            # A partition fetches while it can take a record, or while it is starved.
+            count = len(assigned)
+            full = {
+                tp
+                for tp in assigned
+                if self._backlog.get(tp)
+                or not self._admits(tp)
+                or not (self._can_take(tp) or self._starved(tp, count))
+            }
         paused = consumer.paused()
         if to_pause := full - paused:
             consumer.pause(*to_pause)
