@@ -211,7 +211,10 @@ async def test_triton_continues_the_trace_of_a_record_sent_unary(
             await send(kafka.bootstrap_servers, topics.input, [double(request_id, trace_id)])
             got = await collect(kafka.bootstrap_servers, topics, expected=1)
         assert request_id in got.results
-    assert collector.wait_for(unary, timeout_s=30), "Triton exported no span of the unary record"
+    assert collector.wait_for(unary, timeout_s=30), (
+        f"Triton exported no span of the unary record; {len(collector.bodies)} exports came, "
+        f"with spans {collector.spans()}; see {traced_triton.log_path}"
+    )
     spans = collector.spans()
     # Spans are exported in the order they end; the stream record's would have come first.
     assert not [s for s in spans if s[1] == on_stream]
