@@ -51,6 +51,11 @@ class Servers:
     deaths: list[Death] = field(default_factory=list)
     #: Held by each fault and by each restart, so that they never overlap.
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    #: Endpoints a fault is killing or stopping on purpose right now.
+    _victims: set[str] = field(default_factory=set)
+    #: When the supervisor first saw each endpoint dead by itself (wall ms): a death during
+    #: a fault is seen then, though its restart waits for the fault to end.
+    _dead_since: dict[str, int] = field(default_factory=dict)
 
     async def on_tritons(
         self,
@@ -74,9 +79,14 @@ class Servers:
         """Stop (SIGTERM) or kill (SIGKILL) ``victims``, then start them again."""
         stop: Callable[[TritonServer], None] = TritonServer.kill if kill else TritonServer.stop
         async with self.lock:
-            await self.on_tritons(stop, victims)
-            await asyncio.sleep(down_s)  # the outage itself
-            await self.tripwire.guard(self.on_tritons(TritonServer.start, victims), 120, "Triton")
+            self._victims.update(t.grpc_address for t in victims)
+            try:
+                await self.on_tritons(stop, victims)
+                await asyncio.sleep(down_s)  # the outage itself
+                starting = self.on_tritons(TritonServer.start, victims)
+                await self.tripwire.guard(starting, 120, "Triton")
+            finally:
+                self._victims.difference_update(t.grpc_address for t in victims)
 
     async def reload_model(self, model: str, down_s: float) -> None:
         """Unload ``model`` on every endpoint, then load it again. A Triton that dies by
@@ -113,13 +123,15 @@ class Servers:
         """Restart a Triton that died by itself (``all_down(True)`` while none serves,
         ``all_down(False)`` once one does again); trip the soak if the broker dies."""
         while not stop.is_set():
-            async with self.lock:  # between faults: a stopped server is a dead one
-                for triton in self.stack.tritons:
-                    if (death := triton.death_report()) is not None:
-                        await self._restart(triton, death, all_down)
-                if not self.stack.kafka.running_nodes():
-                    log = self.stack.kafka.node(1).log_path
-                    self.tripwire.trip(f"the broker died by itself:\n{tail(log, 40)}")
+            self._note_deaths()
+            if not self.lock.locked():
+                async with self.lock:  # between faults: a stopped server is a dead one
+                    for triton in self.stack.tritons:
+                        if (death := triton.death_report()) is not None:
+                            await self._restart(triton, death, all_down)
+                    if not self.stack.kafka.running_nodes():
+                        log = self.stack.kafka.node(1).log_path
+                        self.tripwire.trip(f"the broker died by itself:\n{tail(log, 40)}")
             with contextlib.suppress(TimeoutError):
                 # Polling other processes' liveness: there is no event to await.
                 await asyncio.wait_for(stop.wait(), 0.5)
@@ -127,7 +139,7 @@ class Servers:
     async def _restart(
         self, triton: TritonServer, death: str, all_down: Callable[[bool], None]
     ) -> None:
-        seen_ms = int(time.time() * 1000)
+        seen_ms = self._dead_since.pop(triton.grpc_address, int(time.time() * 1000))
         how = death.splitlines()[0]
         self.say(f"supervisor: {how}; starting it again")
         none_up = not self.any_triton_up()
@@ -137,6 +149,18 @@ class Servers:
         if none_up:
             all_down(False)
         self.deaths.append(Death(triton.grpc_address, how, seen_ms, int(time.time() * 1000)))
+
+    def _note_deaths(self) -> None:
+        """When each endpoint not a fault's victim was first seen dead by itself (a fault
+        holds the restart back, not the noting: a stream cut short by such a death is
+        judged by when it died)."""
+        now_ms = int(time.time() * 1000)
+        for triton in self.stack.tritons:
+            address = triton.grpc_address
+            if address in self._victims or triton.death_report() is None:
+                self._dead_since.pop(address, None)
+            else:
+                self._dead_since.setdefault(address, now_ms)
 
 
 def _died(triton: TritonServer, within_s: float = 10.0) -> bool:
