@@ -31,6 +31,7 @@ from confluent_kafka.aio import AIOConsumer
 from worker.flow.breaker import CircuitBreaker
 from worker.flow.window import Window
 from worker.kafka.feed import REFUSED_CODES, Admits, Dispatch, Feed, Rebalance, refused
+from worker.kafka.rdkafka.fetch import fetch
 from worker.kafka.rdkafka.threads import DaemonExecutor, unless_stopped
 from worker.kafka.rdkafka.types import (
     committed_of,
@@ -48,8 +49,7 @@ log = structlog.get_logger(__name__)
 
 _T = TypeVar("_T")
 
-#: Wait in one consume while records come (librdkafka's consume waits for all of it
-#: unless max_poll_records arrive sooner); queued calls (a commit) wait behind it.
+#: Wait for a first record while records flow (``fetch``); queued calls wait behind it.
 _POLL_TIMEOUT_S = 0.02
 #: Each consume that finds nothing doubles the next wait, up to this: an idle worker
 #: polls about 10 times a second (as ``Intake`` does); a wait for room ends at a free slot.
@@ -128,9 +128,9 @@ class RdIntake(Feed):
                 self._sync_pauses()
                 assigned = self._assigned
                 all_paused = bool(assigned) and assigned <= self._paused
-                # Records held for room, and nothing new last time: wait for a slot here
-                # (woken by it, or by a queued call), not inside consume (woken by neither).
-                held = self._held_for_room() if quiet_s > _POLL_TIMEOUT_S else set()
+                # Records held for room: wait for a slot here (woken by it, or by a queued
+                # call), not inside librdkafka (woken by neither): then take what came.
+                held = self._held_for_room()
                 if all_paused or held:
                     await self._wait_for_room(assigned if all_paused else held, quiet_s)
                     await self._serve_requests()
@@ -139,8 +139,8 @@ class RdIntake(Feed):
                     timeout_s = quiet_s  # nothing to do but wait for records
                 else:
                     timeout_s = _POLL_TIMEOUT_S
-                consume = self.consumer.consume(self._max_poll_records, timeout_s)
-                if (messages := await unless_stopped(self._stopping, consume, _STUCK_S)) is None:
+                fetching = fetch(self.consumer, self._max_poll_records, timeout_s)
+                if (messages := await unless_stopped(self._stopping, fetching, _STUCK_S)) is None:
                     break  # stopping while librdkafka is stuck (a broker down): left behind
                 quiet_s = _POLL_TIMEOUT_S if messages else min(2 * quiet_s, _IDLE_POLL_TIMEOUT_S)
                 self._take(messages)
