@@ -124,6 +124,11 @@ def mlp_inputs(rng: np.random.Generator, batch: int = 1) -> list[Tensor]:
     return [Tensor("INPUT0", "FP32", (batch, 64), values)]
 
 
+def embedding_inputs(rng: np.random.Generator, batch: int = 1) -> list[Tensor]:
+    values = rng.standard_normal((batch, 768)).astype(np.float32)
+    return [Tensor("EMBEDDING", "FP32", (batch, 768), values)]
+
+
 _WORDS = ("straße", "café", "naïve", "kafka", "triton", "héllo wörld", "日本語", "ok")
 
 
@@ -210,6 +215,7 @@ MODEL_INPUTS: dict[str, Callable[[np.random.Generator], list[Tensor]]] = {
     "double": double_inputs,
     "mlp": mlp_inputs,
     "echo_bytes": echo_bytes_inputs,
+    "embedding": embedding_inputs,
 }
 
 

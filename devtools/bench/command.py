@@ -59,13 +59,14 @@ EXTRA_KEYS = (
     "windows",
     "defaults",
     "compression",
+    "payloads",
     "commits",
     "shm",
     "scale_out",
     "decoupled",
     "profile",
 )
-MODELS = ("double", "mlp", "echo_bytes")
+MODELS = ("double", "mlp", "echo_bytes", "embedding")
 
 #: Settings of the tuned worker, beyond the defaults.
 TUNED_SETTINGS = {
@@ -412,6 +413,18 @@ async def _extras(
                     servers.triton,
                     args.out,
                     model=args.model,
+                    records=args.drain_records,
+                    base=tuned,
+                ),
+            )
+    if "payloads" in wanted:
+        with console.status("payloads: 64 and 768 floats, as JSON and binary..."):
+            out["payloads"] = await guarded(
+                "payloads",
+                lambda: extras.payloads(
+                    servers.bootstrap,
+                    servers.triton,
+                    args.out,
                     records=args.drain_records,
                     base=tuned,
                 ),

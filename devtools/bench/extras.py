@@ -47,6 +47,8 @@ class Drain:
     peak_rss_mib: float = 0.0
     #: The worker's own CPU (user + system) per 1,000 results, from /proc.
     cpu_s_per_1k: float = 0.0
+    #: The same from the first tenth of the results on (its start-up left out).
+    cpu_s_per_1k_steady: float = 0.0
     #: Where the results went, for measurements that read them back.
     output_topic: str = ""
     #: Decoupled models: time to the first response, p50 and p99 ms (worker's histogram).
@@ -144,12 +146,12 @@ async def drain(
     sample_s: float = 1.0,
     timeout_s: float = 600.0,
     distinct: int = 1,
-    request: samples.SampleRequest | None = None,
+    request: samples.SampleRequest | Sequence[samples.SampleRequest] | None = None,
     on_sample: Callable[[int, int], Awaitable[None]] | None = None,
     stall_s: float = 60.0,
 ) -> Drain:
-    """Produce ``backlog`` records (copies of ``request``, else ``distinct`` samples for
-    ``model``), start one worker, sample it until ``until_results``.
+    """Produce ``backlog`` records (copies of ``request``, or of several, else ``distinct``
+    samples for ``model``), start one worker, sample it until ``until_results``.
 
     ``on_sample(pid, results)`` is awaited after every sample (the profiler attaches so).
     A drain with no new result for ``stall_s`` fails (Triton died under it, say).
@@ -158,7 +160,7 @@ async def drain(
     topic_in, topic_out, topic_dlq = f"{run}-in", f"{run}-out", f"{run}-dlq"
     await create_topics(bootstrap, [topic_in, topic_out, topic_dlq], partitions)
     # Copies of ``request``, or ``distinct`` different samples (for what compression saves).
-    requests = [request] if request else samples.good_requests(distinct, seed=5, models=(model,))
+    requests = request or samples.good_requests(distinct, seed=5, models=(model,))
     await produce_backlog(bootstrap, topic_in, requests, backlog, partitions)
     port = free_port()
     env = {
@@ -179,6 +181,7 @@ async def drain(
     started = time.monotonic()
     metrics: dict[str, float] = {}
     progressed, last_done = started, -1
+    steady_from: tuple[int, float] | None = None  # (results, CPU s) at a tenth of the target
     try:
         while time.monotonic() - started < timeout_s:
             await asyncio.sleep(sample_s)  # a fixed sampling period, not synchronisation
@@ -195,6 +198,8 @@ async def drain(
             elif now - progressed > stall_s:
                 raise RuntimeError(f"{label}: no new result for {stall_s:.0f} s ({label}.log)")
             points.append((now - started, done, _rss_mib(child.pid)))
+            if steady_from is None and done >= target // 10:
+                steady_from = (done, cpu_s(child.pid))
             if on_sample is not None:
                 await on_sample(child.pid, done)
             if done >= target:
@@ -204,6 +209,8 @@ async def drain(
     finally:
         await stop(child)
     results = points[-1][1] if points else 0
+    steady_results = results - steady_from[0] if steady_from else 0
+    steady_cpu = cpu - steady_from[1] if steady_from else 0.0
     return Drain(
         label,
         dict(settings),
@@ -213,6 +220,7 @@ async def drain(
         points,
         peak_rss_mib=peak,
         cpu_s_per_1k=cpu / results * 1000 if results else 0.0,
+        cpu_s_per_1k_steady=steady_cpu / steady_results * 1000 if steady_results else 0.0,
         output_topic=topic_out,
         first_response_ms=(
             _quantile_ms(metrics, _FIRST_RESPONSE, 0.5),
@@ -379,6 +387,45 @@ async def compression(
         "zstd": len(bytes(cramjam.zstd.compress(raw))) / max(1, len(raw)),
     }
     return {"runs": runs, "ratios": ratios, "sample_bytes": len(raw)}
+
+
+#: The payloads measured side by side: (model, encoding) of each drain.
+PAYLOADS: tuple[tuple[str, samples.Encoding], ...] = (
+    ("mlp", "json"),
+    ("mlp", "binary"),
+    ("embedding", "json"),
+    ("embedding", "binary"),
+)
+
+
+async def payloads(
+    bootstrap: str, triton_url: str, out_dir: Path, *, records: int, base: Mapping[str, str]
+) -> list[Drain]:
+    """The tuned worker draining ``records`` requests of each of ``PAYLOADS``: 64 floats
+    (``mlp``) and 768 (``embedding``), as OIP JSON and with the binary extension."""
+    runs = []
+    for model, encoding in PAYLOADS:
+        rng = np.random.default_rng(5)
+        make = samples.MODEL_INPUTS[model]
+        requests = []
+        for i in range(200):
+            rid = f"payload-{i}"
+            value, headers = samples.encode_request(model, make(rng), encoding, rid)
+            requests.append(samples.SampleRequest(value, headers, model, encoding, rid))
+        runs.append(
+            await drain(
+                bootstrap,
+                triton_url,
+                out_dir,
+                label=f"payloads-{model}-{encoding}",
+                model=model,
+                backlog=records,
+                settings=dict(base),
+                sample_s=0.5,
+                request=requests,
+            )
+        )
+    return runs
 
 
 async def _read_values(bootstrap: str, topic: str, limit: int) -> list[bytes]:

@@ -487,6 +487,25 @@ def machine() -> str:
 FLAT_RSS_GROWTH_MIB = 32.0
 
 
+def _payload_ratios(runs: list[Any] | None) -> list[Ratio]:
+    """The payload targets: binary against JSON, 768 floats against 64 (steady CPU)."""
+    if not runs:
+        return []
+    cpu = {tuple(r.label.split("-")[1:]): r.cpu_s_per_1k_steady for r in runs}
+    out = []
+    for model in ("mlp", "embedding"):
+        if cpu.get((model, "json")):
+            value = cpu[(model, "binary")] / cpu[(model, "json")]
+            name = f"`{model}`: CPU per record, binary / JSON"
+            out.append(Ratio(name, value, "<= 0.5", value <= 0.5))
+    for encoding in ("json", "binary"):
+        if cpu.get(("mlp", encoding)):
+            value = cpu[("embedding", encoding)] / cpu[("mlp", encoding)]
+            name = f"{encoding}: CPU per record, `embedding` / `mlp`"
+            out.append(Ratio(name, value, "<= 2.0", value <= 2.0))
+    return out
+
+
 def extra_ratios(extras: dict[str, Any]) -> list[Ratio]:
     """Targets of the extra measurements: batching, adaptive window, scale-out, memory."""
     out: list[Ratio] = []
@@ -519,6 +538,7 @@ def extra_ratios(extras: dict[str, Any]) -> list[Ratio]:
     if shm:
         value = shm["gain"]
         out.append(Ratio("system shm / gRPC, 4 MiB tensors", value, "> 1.0", value > 1.0))
+    out += _payload_ratios(extras.get("payloads"))
     scale = extras.get("scale_out")
     if scale and scale[0].records_per_s > 0:
         value = scale[1].records_per_s / scale[0].records_per_s
@@ -583,6 +603,23 @@ def extras_markdown(extras: dict[str, Any]) -> str:
             size = "100 %" if codec == "none" else f"{ratios[codec] * 100:.1f} %"
             lines.append(
                 f"| {codec} | {run.records_per_s:,.0f} | {run.cpu_s_per_1k:.3f} | {size} |"
+            )
+    payloads = extras.get("payloads")
+    if payloads:
+        lines += [
+            "",
+            "Payloads (tuned settings, one worker draining a backlog of one model and "
+            "encoding; CPU from a tenth of the results on, start-up left out):",
+            "",
+            "| model, encoding | floats per request | records/s | worker CPU s / 1k records |",
+            "| --- | ---: | ---: | ---: |",
+        ]
+        for run in payloads:
+            _, model, encoding = run.label.split("-")
+            floats = 768 if model == "embedding" else 64
+            lines.append(
+                f"| `{model}`, {encoding} | {floats} | {run.records_per_s:,.0f} "
+                f"| {run.cpu_s_per_1k_steady:.3f} |"
             )
     commits = extras.get("commits")
     if commits:

@@ -17,6 +17,7 @@ from tests.support import (
     TritonUnderTest,
     collect,
     create,
+    embedding_reference,
     headers_dict,
     mlp_reference,
     result_outputs,
@@ -35,6 +36,8 @@ def _expected(request_tensors: list[samples.Tensor], model: str) -> tuple[str, A
         return "OUTPUT0", np.asarray(values) * 2
     if model == "mlp":
         return "PROBS", mlp_reference(np.asarray(values, dtype=np.float32))
+    if model == "embedding":
+        return "PROBS", embedding_reference(np.asarray(values, dtype=np.float32))
     return "TEXT_UPPER", [str(v).upper() for v in values]
 
 

@@ -15,7 +15,7 @@ from tests.support.kafka import (
     send,
     silent_broker,
 )
-from tests.support.models import decode_sample, mlp_reference, result_outputs
+from tests.support.models import decode_sample, embedding_reference, mlp_reference, result_outputs
 from tests.support.servers import (
     KafkaUnderTest,
     StackUnderTest,
@@ -56,6 +56,7 @@ __all__ = [
     "collect_streams",
     "create",
     "decode_sample",
+    "embedding_reference",
     "headers_dict",
     "local_kafka",
     "log_events",

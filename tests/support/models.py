@@ -44,6 +44,19 @@ def mlp_reference(rows: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
     return probabilities
 
 
+def embedding_reference(rows: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
+    """The ``embedding`` model's PROBS computed here, from the same seeded weights."""
+    rng = np.random.default_rng(4321)
+    w = (rng.standard_normal((768, 4)) / np.sqrt(768.0)).astype(np.float32)
+    b = (rng.standard_normal(4) * 0.1).astype(np.float32)
+    logits = rows @ w + b
+    exp = np.exp(logits - logits.max(axis=1, keepdims=True))
+    probabilities: npt.NDArray[np.float32] = (exp / exp.sum(axis=1, keepdims=True)).astype(
+        np.float32
+    )
+    return probabilities
+
+
 def result_outputs(record: ConsumerRecord[bytes, bytes]) -> dict[str, Any]:
     """Decode a result value, whatever its encoding, into {output name: numpy array or list}."""
     import json
