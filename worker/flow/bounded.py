@@ -76,7 +76,15 @@ async def within(waiting: Awaitable[Any], forced: Forced, timeout_s: float | Non
     if task in done:
         return True
     task.cancel()
+    # Given up: how it ends is nobody's concern (a gathering of records ends with the
+    # CancelledError of its own set as its exception, logged when collected otherwise).
+    task.add_done_callback(_disregard)
     return False
+
+
+def _disregard(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()
 
 
 async def bounded_step(

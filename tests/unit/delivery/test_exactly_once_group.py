@@ -193,6 +193,8 @@ async def test_a_batch_refused_for_size_is_sent_one_by_one_to_find_the_culprit()
     assert [sent[3] for sent in txn.sent] == [False, True]
     assert not innocent.done()  # held until the culprit's dead letter is staged
     await delivery.close()
+    with pytest.raises(errors.PartitionRevoked, match="closing"):
+        await innocent  # ended by the close (a task left unawaited is logged when collected)
 
 
 async def test_a_revocation_commits_what_is_done_and_keeps_the_producer() -> None:
