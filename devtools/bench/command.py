@@ -167,8 +167,8 @@ def run_bench(args: argparse.Namespace) -> int:
         shutil.rmtree(workdir, ignore_errors=True)
         with console.status("starting a local Kafka broker and Triton server..."):
             # double: the shared-memory measurement; faulty: the scale-out one;
-            # tokens: the decoupled one.
-            models = sorted({args.model, "double", "faulty", "tokens"})
+            # tokens: the decoupled one; mlp and embedding: the payloads.
+            models = sorted({args.model, "double", "faulty", "tokens", "mlp", "embedding"})
             stack = LocalStack.create(workdir, models=models, log=console.print)
             stack.start()
         kafka_pids = tuple(n["pid"] for n in stack.kafka.to_state()["nodes"] if n["pid"])
