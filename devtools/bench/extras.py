@@ -26,6 +26,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from tritonclient.grpc import service_pb2
 
 from devtools import samples
+from devtools.bench.loops import samples_for
 from devtools.bench.measure import cpu_s, create_topics, peak_rss_bytes, spawn, stop
 from devtools.devstack.process import free_port
 from worker.triton.pool import TritonPool
@@ -396,6 +397,14 @@ PAYLOADS: tuple[tuple[str, samples.Encoding], ...] = (
     ("embedding", "json"),
     ("embedding", "binary"),
 )
+#: Floats per request of the payloads' models.
+PAYLOAD_FLOATS = {"mlp": 64, "embedding": 768}
+
+
+def payload_of(run: Drain) -> tuple[str, str]:
+    """(model, encoding) of a drain of ``payloads``, from its label."""
+    _, model, encoding = run.label.split("-")
+    return model, encoding
 
 
 async def payloads(
@@ -405,13 +414,7 @@ async def payloads(
     (``mlp``) and 768 (``embedding``), as OIP JSON and with the binary extension."""
     runs = []
     for model, encoding in PAYLOADS:
-        rng = np.random.default_rng(5)
-        make = samples.MODEL_INPUTS[model]
-        requests = []
-        for i in range(200):
-            rid = f"payload-{i}"
-            value, headers = samples.encode_request(model, make(rng), encoding, rid)
-            requests.append(samples.SampleRequest(value, headers, model, encoding, rid))
+        requests = samples_for(model, 200, seed=5, encoding=encoding)
         runs.append(
             await drain(
                 bootstrap,

@@ -287,15 +287,18 @@ async def _drive(args: argparse.Namespace, calls: Sequence[Callable[[], Awaitabl
     sys.stdout.write(orjson.dumps(report).decode() + "\n")
 
 
-def samples_for(model: str, count: int, seed: int) -> list[samples.SampleRequest]:
-    """The benchmark's payloads: ``count`` JSON requests for ``model``, ids bench-<seed>-<i>."""
+def samples_for(
+    model: str, count: int, seed: int, encoding: samples.Encoding = "json"
+) -> list[samples.SampleRequest]:
+    """The benchmark's payloads: ``count`` requests for ``model`` (JSON unless told), ids
+    bench-<seed>-<i>."""
     rng = np.random.default_rng(seed)
     make = samples.MODEL_INPUTS[model]
     out = []
     for i in range(count):
         request_id = f"bench-{seed}-{i}"
-        value, headers = samples.encode_request(model, make(rng), "json", request_id)
-        out.append(samples.SampleRequest(value, headers, model, "json", request_id))
+        value, headers = samples.encode_request(model, make(rng), encoding, request_id)
+        out.append(samples.SampleRequest(value, headers, model, encoding, request_id))
     return out
 
 

@@ -491,7 +491,9 @@ def _payload_ratios(runs: list[Any] | None) -> list[Ratio]:
     """The payload targets: binary against JSON, 768 floats against 64 (steady CPU)."""
     if not runs:
         return []
-    cpu = {tuple(r.label.split("-")[1:]): r.cpu_s_per_1k_steady for r in runs}
+    from devtools.bench.extras import payload_of
+
+    cpu = {payload_of(r): r.cpu_s_per_1k_steady for r in runs}
     out = []
     for model in ("mlp", "embedding"):
         if cpu.get((model, "json")):
@@ -606,6 +608,8 @@ def extras_markdown(extras: dict[str, Any]) -> str:
             )
     payloads = extras.get("payloads")
     if payloads:
+        from devtools.bench.extras import PAYLOAD_FLOATS, payload_of
+
         lines += [
             "",
             "Payloads (tuned settings, one worker draining a backlog of one model and "
@@ -615,10 +619,9 @@ def extras_markdown(extras: dict[str, Any]) -> str:
             "| --- | ---: | ---: | ---: |",
         ]
         for run in payloads:
-            _, model, encoding = run.label.split("-")
-            floats = 768 if model == "embedding" else 64
+            model, encoding = payload_of(run)
             lines.append(
-                f"| `{model}`, {encoding} | {floats} | {run.records_per_s:,.0f} "
+                f"| `{model}`, {encoding} | {PAYLOAD_FLOATS[model]} | {run.records_per_s:,.0f} "
                 f"| {run.cpu_s_per_1k_steady:.3f} |"
             )
     commits = extras.get("commits")

@@ -36,12 +36,7 @@ def mlp_reference(rows: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
     w2 = (rng.standard_normal((128, 10)) / np.sqrt(128.0)).astype(np.float32)
     b2 = (rng.standard_normal(10) * 0.1).astype(np.float32)
     hidden = np.maximum(rows @ w1 + b1, 0.0)
-    logits = hidden @ w2 + b2
-    exp = np.exp(logits - logits.max(axis=1, keepdims=True))
-    probabilities: npt.NDArray[np.float32] = (exp / exp.sum(axis=1, keepdims=True)).astype(
-        np.float32
-    )
-    return probabilities
+    return _softmax(hidden @ w2 + b2)
 
 
 def embedding_reference(rows: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
@@ -49,7 +44,11 @@ def embedding_reference(rows: npt.NDArray[np.float32]) -> npt.NDArray[np.float32
     rng = np.random.default_rng(4321)
     w = (rng.standard_normal((768, 4)) / np.sqrt(768.0)).astype(np.float32)
     b = (rng.standard_normal(4) * 0.1).astype(np.float32)
-    logits = rows @ w + b
+    return _softmax(rows @ w + b)
+
+
+def _softmax(logits: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
+    """Row-wise softmax, as the models compute it (the row's maximum taken off first)."""
     exp = np.exp(logits - logits.max(axis=1, keepdims=True))
     probabilities: npt.NDArray[np.float32] = (exp / exp.sum(axis=1, keepdims=True)).astype(
         np.float32
