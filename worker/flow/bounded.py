@@ -15,7 +15,14 @@ from typing import Any
 
 import structlog
 
-__all__ = ["CLOSE_TIMEOUT_S", "FORCED_CLOSE_TIMEOUT_S", "Forced", "bounded_step", "within"]
+__all__ = [
+    "CLOSE_TIMEOUT_S",
+    "FORCED_CLOSE_TIMEOUT_S",
+    "Forced",
+    "abandon",
+    "bounded_step",
+    "within",
+]
 
 log = structlog.get_logger(__name__)
 
@@ -76,10 +83,15 @@ async def within(waiting: Awaitable[Any], forced: Forced, timeout_s: float | Non
     if task in done:
         return True
     task.cancel()
-    # Given up: how it ends is nobody's concern (a gathering of records ends with the
-    # CancelledError of its own set as its exception, logged when collected otherwise).
-    task.add_done_callback(_disregard)
+    abandon(task)
     return False
+
+
+def abandon(task: asyncio.Future[Any]) -> None:
+    """Give up on ``task``: how it ends is nobody's concern, and its exception is not
+    logged as never retrieved when it is collected (a gathering of records given up ends
+    with their CancelledError set as its exception)."""
+    task.add_done_callback(_disregard)
 
 
 def _disregard(future: asyncio.Future[Any]) -> None:

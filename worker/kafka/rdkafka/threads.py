@@ -23,6 +23,8 @@ from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor, Future
 from typing import Any, TypeVar
 
+from worker.flow.bounded import abandon
+
 __all__ = ["DaemonExecutor", "in_thread", "teardown", "unless_stopped"]
 
 _T = TypeVar("_T")
@@ -116,5 +118,6 @@ async def unless_stopped(stopping: asyncio.Event, call: Awaitable[_T], grace_s: 
     if not task.done():
         done, _ = await asyncio.wait({task}, timeout=grace_s)
         if not done:
+            abandon(task)  # its later failure (the client closed under it) is no news
             return None
     return task.result()

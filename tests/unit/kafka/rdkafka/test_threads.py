@@ -68,3 +68,31 @@ async def test_teardown_runs_on_a_thread_of_its_own_within_its_bound() -> None:
     release = threading.Event()
     assert await rdkafka_threads.teardown(release.wait, "stuck", 0.05) is False
     release.set()
+
+
+async def test_a_call_left_behind_at_a_stop_fails_without_a_report() -> None:
+    """A consumer call still running when the worker stops is left behind; when it fails
+    later (its client closed under it), nothing is logged as never retrieved."""
+    import asyncio
+    import gc
+
+    loop = asyncio.get_running_loop()
+    reported: list[dict[str, object]] = []
+    loop.set_exception_handler(lambda _loop, context: reported.append(context))
+    stopping, release = asyncio.Event(), asyncio.Event()
+
+    async def stuck() -> int:
+        await release.wait()
+        raise RuntimeError("Consumer closed")
+
+    stopping.set()
+    call = stuck()
+    assert await rdkafka_threads.unless_stopped(stopping, call, 0.01) is None
+    release.set()
+    for _ in range(3):
+        await asyncio.sleep(0)
+    del call
+    gc.collect()
+    await asyncio.sleep(0)
+    loop.set_exception_handler(None)
+    assert reported == []
