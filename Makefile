@@ -2,9 +2,10 @@
 # (virtualenvs, Python packages, Kafka jars, the Triton wheel) is installed here.
 #
 # `make test` runs the whole suite on the oldest supported Python (the default
-# virtualenv, .venv) on aiokafka; the whole suite but the dev stack's own tests on
-# 3.12 with the workers on librdkafka (WORKER_TEST_KAFKA_CLIENT=confluent): each
-# Kafka client runs every integration and fault test. The newest (.venv-3.13) runs
+# virtualenv, .venv) on aiokafka; the integration and fault tests on 3.12 with the
+# workers on librdkafka (WORKER_TEST_KAFKA_CLIENT=confluent): each Kafka client runs
+# every integration and fault test a worker's client takes part in (not those marked
+# one_client). The newest (.venv-3.13) runs
 # the unit, contract, dev stack and integration tests on aiokafka (the fault tests,
 # two thirds of a pass's time, already ran on both clients). The deploy tests
 # (tests/deploy: the image and the compose file really run, the Kubernetes
@@ -16,8 +17,10 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
+# Each pass ends with its slowest tests, to see where the time of `make test` goes.
+DURATIONS := --durations=25
 # Python versions beside the default one: the newest runs everything but the fault tests on
-# aiokafka, the librdkafka ones everything but tests/devtools on librdkafka, the unit ones
+# aiokafka, the librdkafka ones the integration and fault tests on librdkafka, the unit ones
 # unit tests.
 FULL_PYTHONS ?= 3.13
 CONFLUENT_PYTHONS ?= 3.12
@@ -90,7 +93,7 @@ docs: venv
 test: test-one matrix
 
 test-one: fetch lint deploy-tools
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest $(DURATIONS) $(PYTEST_ARGS)
 
 compose-test: venv deploy-tools
 	$(PY) -m pytest -p no:cacheprovider tests/deploy/test_compose_up.py $(PYTEST_ARGS)
@@ -99,13 +102,13 @@ matrix: $(foreach v,$(FULL_PYTHONS) $(CONFLUENT_PYTHONS) $(UNIT_PYTHONS),.venv-$
 	@for v in $(FULL_PYTHONS); do \
 		echo "== Python $$v: the whole suite but tests/fault (run on both clients) and tests/deploy"; \
 		.venv-$$v/bin/python -m devtools dev fetch && \
-		.venv-$$v/bin/python -m pytest -p no:cacheprovider -m "not deploy and not fault" $(PYTEST_ARGS) || exit 1; \
+		.venv-$$v/bin/python -m pytest -p no:cacheprovider -m "not deploy and not fault" $(DURATIONS) $(PYTEST_ARGS) || exit 1; \
 	done
 	@for v in $(CONFLUENT_PYTHONS); do \
-		echo "== Python $$v: the whole suite but tests/devtools and tests/deploy, the workers on librdkafka"; \
+		echo "== Python $$v: the integration and fault tests, the workers on librdkafka"; \
 		.venv-$$v/bin/python -m devtools dev fetch && \
 		WORKER_TEST_KAFKA_CLIENT=confluent .venv-$$v/bin/python -m pytest -p no:cacheprovider \
-			-m "not devtools and not deploy" $(PYTEST_ARGS) || exit 1; \
+			-m "not unit and not devtools and not deploy and not one_client" $(DURATIONS) $(PYTEST_ARGS) || exit 1; \
 	done
 	@for v in $(UNIT_PYTHONS); do \
 		echo "== Python $$v: unit tests"; \

@@ -15,7 +15,8 @@ from worker.triton.batching import MicroBatcher
 from worker.triton.pool import TritonPool
 from worker.wire.tensors import deserialize_bytes_tensor, raw_to_numpy, serialize_bytes_tensor
 
-pytestmark = pytest.mark.timeout(60)
+# The worker's Kafka client plays no part here: run in the aiokafka passes only.
+pytestmark = [pytest.mark.timeout(60), pytest.mark.one_client]
 
 
 def floats(model: str, rows: np.ndarray[Any, Any], rid: str) -> wire.DecodedRequest:

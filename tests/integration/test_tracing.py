@@ -21,6 +21,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from devtools.devstack.paths import models_dir
+from devtools.devstack.process import tail
 from devtools.devstack.triton import TritonServer, ensure_triton
 from devtools.samples import SampleRequest, double_inputs, encode_request
 from tests.support import (
@@ -190,7 +191,9 @@ def traced_triton(
             "--trace-config=count=-1",
             "--trace-config=level=TIMESTAMPS",
             f"--trace-config=opentelemetry,url={collector.url}",
-            "--trace-config=opentelemetry,bsp_schedule_delay=100",
+            # Exports wait for the stop (which ends and exports every span Triton
+            # holds), so the test never depends on when its batch exporter runs.
+            "--trace-config=opentelemetry,bsp_schedule_delay=600000",
         ],
     )
     server.start()
@@ -211,12 +214,13 @@ async def test_triton_continues_the_trace_of_a_record_sent_unary(
             await send(kafka.bootstrap_servers, topics.input, [double(request_id, trace_id)])
             got = await collect(kafka.bootstrap_servers, topics, expected=1)
         assert request_id in got.results
+    traced_triton.stop()
     assert collector.wait_for(unary, timeout_s=30), (
         f"Triton exported no span of the unary record; {len(collector.bodies)} exports came, "
-        f"with spans {collector.spans()}; see {traced_triton.log_path}"
+        f"with spans {collector.spans()}; its log ends:\n{tail(traced_triton.log_path, 40)}"
     )
     spans = collector.spans()
-    # Spans are exported in the order they end; the stream record's would have come first.
+    # The stop exported every span Triton held: none is of the stream record's trace.
     assert not [s for s in spans if s[1] == on_stream]
     ours = [s for s in spans if s[1] == unary]
     # Triton's top-level span is a child of the record's own parent span (no worker spans).

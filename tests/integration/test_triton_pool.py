@@ -14,7 +14,8 @@ from tests.support import decode_sample
 from worker import errors
 from worker.triton.pool import TritonPool
 
-pytestmark = pytest.mark.timeout(60)
+# The worker's Kafka client plays no part here: run in the aiokafka passes only.
+pytestmark = [pytest.mark.timeout(60), pytest.mark.one_client]
 
 
 def _faulty(rng: np.random.Generator, rid: str, delay_ms: int = 0, fail: bool = False) -> Any:
