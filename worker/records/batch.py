@@ -7,14 +7,15 @@ Triton request with others, the model is neither held (reloading) nor failing
 builds this path only when the delivery mode takes batches, ordering is
 ``unordered``, audit is off and no spans are asked for (see ``worker.records.dispatch``).
 
-The qualifying records of one dispatch pass are grouped by batch key into
-micro-batches of at most min(WORKER_BATCH_MAX_SIZE, the model's max_batch_size)
-rows; each is merged and sent with one ``TritonPool.infer`` (all concurrently,
-within the per-try timeout), the response split and each record's result
-encoded. The delivery mode completes the results together (``complete_many``: every
-send enqueued, then the acks awaited, then the acknowledged records marked done,
-per partition at once), and the steps count them once per group where the metric
-allows.
+The qualifying records of one dispatch pass are grouped by batch key into micro-batches
+of at most min(WORKER_BATCH_MAX_SIZE, the model's max_batch_size) rows; each is merged
+and sent with one ``TritonPool.infer`` (all concurrently, within the per-try timeout),
+and each record's result encoded from the batched response (JSON and binary results cut
+from it by rows, ``worker.wire.batch_results``; protobuf ones from it split into one
+response per record). The delivery mode completes the results together
+(``complete_many``: every send enqueued, then the acks awaited, then the acknowledged
+records marked done, per partition at once), and the steps count them once per group
+where the metric allows.
 
 Anything that goes wrong hands the record to the per-record path, which then
 handles it from the start with its retries, bisection, holds and breakers:
@@ -47,6 +48,7 @@ from worker.triton.batching import batch_key, batchable
 from worker.triton.merging import merge, split
 from worker.triton.pool import TritonPool
 from worker.wire import Source
+from worker.wire.batch_results import BatchResults
 from worker.wire.validation import ModelSpec
 
 __all__ = ["BatchPath", "Candidate", "HandOver"]
@@ -71,6 +73,8 @@ class Candidate:
 #: encoded outcome when only its publishing is left to do.
 HandOver = Callable[[ConsumerRecord[bytes, bytes], int, Outcome | None, InFlight], None]
 
+#: A record's result: its value and headers, the served version.
+_Result = tuple[bytes, list[tuple[str, bytes | None]], str]
 #: A result ready to go out: the candidate, its value and headers, the served version.
 _Ready = tuple[Candidate, bytes, list[tuple[str, bytes | None]], str]
 
@@ -162,21 +166,17 @@ class BatchPath:
         else:
             answers = await asyncio.gather(*(self._infer(batch) for batch in batches))
         ready: list[_Ready] = []
-        encode = self._steps.encode
-        for batch, parts in zip(batches, answers, strict=True):
-            if parts is None:
+        for batch, response in zip(batches, answers, strict=True):
+            results = None if response is None else self._results(batch, response)
+            if results is None:
                 self._hand_over(batch, "inference", hand_over)
                 continue
-            for candidate, response in zip(batch, parts, strict=True):
-                try:
-                    value, headers = encode(
-                        candidate.request, response, candidate.record.headers, candidate.source
-                    )
-                except Exception:  # OUTPUT_TOO_LARGE, or a bug: the per-record path says which
+            for candidate, result in zip(batch, results, strict=True):
+                if result is None:
                     self._hand_over([candidate], "encode", hand_over)
                     continue
                 candidate.entry.state = "publishing"
-                ready.append((candidate, value, headers, response.model_version))
+                ready.append((candidate, *result))
         if ready:
             acks = await self._delivery.complete_many(
                 [(c.record, v, h) for c, v, h, _ in ready], [item[0].generation for item in ready]
@@ -218,21 +218,15 @@ class BatchPath:
             open_batches[key] = (batch, candidate.rows)
         return batches
 
-    async def _infer(self, batch: list[Candidate]) -> list[Any] | None:
-        """The batch's responses, one per candidate; None when the batch failed."""
+    async def _infer(self, batch: list[Candidate]) -> Any | None:
+        """The batch's response (to its candidates merged); None when the batch failed."""
         for candidate in batch:
             candidate.entry.state = "sent"
         requests = [c.request.infer_request for c in batch]
         started = time.monotonic()
         try:
-            if len(batch) == 1:
-                parts = [await self._pool.infer(requests[0], self._timeout_s)]
-            else:
-                rows = [c.rows for c in batch]
-                response = await self._pool.infer(merge(requests), self._timeout_s)
-                parts = split(response, rows, sum(rows))
-                for part, request in zip(parts, requests, strict=True):
-                    part.id = request.id
+            merged = requests[0] if len(batch) == 1 else merge(requests)
+            response = await self._pool.infer(merged, self._timeout_s)
         except Exception as exc:
             # Outages and failures are seen by the breakers through the per-record path;
             # an overload lowers the limit once here (the per-record path tells the rest).
@@ -242,7 +236,42 @@ class BatchPath:
         self._steps.inferred_many(
             (request.model_name, request.model_version), time.monotonic() - started, len(batch)
         )
-        return parts
+        return response
+
+    def _results(self, batch: list[Candidate], response: Any) -> list[_Result | None] | None:
+        """Each candidate's result (value, headers, served version), None for one that does
+        not encode; None for all when the response does not split into the batch's rows.
+
+        A batch of JSON or binary requests is encoded from the batched response at once
+        (``BatchResults``); any other is split into one response per candidate first.
+        """
+        steps, rows = self._steps, [c.rows for c in batch]
+        together = None
+        if len(batch) > 1 and all(c.request.encoding != "protobuf" for c in batch):
+            together = BatchResults.of(response, rows)
+        results: list[_Result | None] = []
+        if together is not None:
+            served = together.model_version
+            for i, c in enumerate(batch):
+                try:
+                    value, headers = steps.encode_row(
+                        together, i, c.rows, c.request, c.record.headers, c.source
+                    )
+                    results.append((value, headers, served))
+                except Exception:  # OUTPUT_TOO_LARGE, or a bug: the per-record path says which
+                    results.append(None)
+            return results
+        try:
+            parts = [response] if len(batch) == 1 else split(response, rows, sum(rows))
+        except Exception:  # the response does not split: the per-record path says why
+            return None
+        for c, part in zip(batch, parts, strict=True):
+            try:
+                value, headers = steps.encode(c.request, part, c.record.headers, c.source)
+                results.append((value, headers, part.model_version))
+            except Exception:
+                results.append(None)
+        return results
 
     def _hand_over(
         self,

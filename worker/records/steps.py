@@ -30,6 +30,7 @@ from worker.observability import Metrics
 from worker.records.refusals import OutputRefusals
 from worker.settings import Settings
 from worker.wire import Headers, Source
+from worker.wire.batch_results import BatchResults
 from worker.wire.validation import check_request
 
 __all__ = ["FALLBACK_REASONS", "Answered", "RecordRules", "Steps"]
@@ -172,6 +173,36 @@ class Steps:
         value, encoding = wire.encode_result(
             request, response, max_result_bytes=self.rules.max_output_bytes
         )
+        served = response.model_version
+        return self._result(request, value, encoding, record_headers, source, served, extra=extra)
+
+    def encode_row(
+        self,
+        results: BatchResults,
+        index: int,
+        rows: int,
+        request: wire.DecodedRequest,
+        record_headers: Headers,
+        source: Source,
+    ) -> tuple[bytes, Written]:
+        """The ``index``-th record's part of a batched response as a result (as ``encode``
+        makes it of that part alone)."""
+        value, encoding = results.encode(index, rows, request, self.rules.max_output_bytes)
+        served = results.model_version
+        return self._result(request, value, encoding, record_headers, source, served)
+
+    def _result(
+        self,
+        request: wire.DecodedRequest,
+        value: bytes,
+        encoding: Sequence[tuple[str, bytes]],
+        record_headers: Headers,
+        source: Source,
+        served_version: str,
+        *,
+        extra: Sequence[tuple[str, bytes]] = (),
+    ) -> tuple[bytes, Written]:
+        """The value checked against the output topic's known ceiling, and its headers."""
         ceiling = self.refusals.ceiling()
         if ceiling is not None and len(value) >= ceiling:
             raise errors.OutputTooLarge(
@@ -184,7 +215,7 @@ class Steps:
             request,
             encoding,
             source,
-            served_model_version=response.model_version,
+            served_model_version=served_version,
             extra=extra,
         )
         return value, headers

@@ -28,14 +28,14 @@ from worker.wire.requests import DecodedRequest, Encoding
 
 __all__ = ["encode_result", "response_tensors", "result_headers"]
 
-_RESULT_CONTENT_TYPES: Final[dict[Encoding, bytes]] = {
+RESULT_CONTENT_TYPES: Final[dict[Encoding, bytes]] = {
     "json": CONTENT_TYPE_JSON.encode(),
     "binary": CONTENT_TYPE_BINARY.encode(),
     "protobuf": CONTENT_TYPE_PROTOBUF.encode(),
 }
 
 # Triton marks the last response of a stream with this; it is not part of a result.
-_STREAM_PARAMETERS: Final = frozenset({"triton_final_response"})
+STREAM_PARAMETERS: Final = frozenset({"triton_final_response"})
 
 
 def response_tensors(response: Any) -> list[tuple[Any, bytes]]:
@@ -64,7 +64,7 @@ def _encode_json(request: DecodedRequest, response: Any, pairs: list[tuple[Any, 
             "datatype": out.datatype,
             "data": data,
         }
-        params = parameters_to_json(out.parameters, _STREAM_PARAMETERS)
+        params = parameters_to_json(out.parameters, STREAM_PARAMETERS)
         if base64_used:
             params[BYTES_ENCODING] = "base64"
         if params:
@@ -83,7 +83,7 @@ def _result_document(
         "model_version": response.model_version or request.model_version,
         "outputs": outputs,
     }
-    params = parameters_to_json(response.parameters, _STREAM_PARAMETERS)
+    params = parameters_to_json(response.parameters, STREAM_PARAMETERS)
     if params:
         document["parameters"] = params
     return document
@@ -95,7 +95,7 @@ def _encode_binary(
     outputs = []
     for i, (out, raw) in enumerate(pairs):
         tensors.validate_raw(out.datatype, out.shape, raw, f"outputs[{i}]")
-        params = parameters_to_json(out.parameters, _STREAM_PARAMETERS)
+        params = parameters_to_json(out.parameters, STREAM_PARAMETERS)
         params[BINARY_DATA_SIZE] = len(raw)
         outputs.append(
             {
@@ -121,12 +121,12 @@ def encode_result(
     `max_result_bytes`.
     """
     encoding_headers: list[tuple[str, bytes]] = [
-        (CONTENT_TYPE, _RESULT_CONTENT_TYPES[request.encoding])
+        (CONTENT_TYPE, RESULT_CONTENT_TYPES[request.encoding])
     ]
     try:
         if request.encoding == "protobuf":
             response.id = request.request_id
-            for key in _STREAM_PARAMETERS:
+            for key in STREAM_PARAMETERS:
                 if key in response.parameters:
                     del response.parameters[key]
             value: bytes = response.SerializeToString()
