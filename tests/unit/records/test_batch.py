@@ -21,7 +21,7 @@ import structlog
 from aiokafka.structs import ConsumerRecord, TopicPartition
 from tritonclient.grpc import service_pb2
 
-from devtools.samples import Tensor, encode_request
+from devtools.samples import Encoding, Tensor, encode_request
 from worker import errors
 from worker.audit import Audit
 from worker.delivery import AtLeastOnce
@@ -59,11 +59,17 @@ def settings(**extra: str) -> Settings:
 
 
 def record(
-    offset: int, value: bytes | None = None, headers: Sequence[tuple[str, bytes]] = ()
+    offset: int,
+    value: bytes | None = None,
+    headers: Sequence[tuple[str, bytes]] = (),
+    *,
+    encoding: Encoding = "json",
+    request_id: str = "r",
 ) -> ConsumerRecord[bytes, bytes]:
     if value is None:
         rows = np.full((1, 4), offset, dtype=np.float32)
-        value, extra = encode_request("m", [Tensor("INPUT0", "FP32", (1, 4), rows)], "json", "r")
+        tensors = [Tensor("INPUT0", "FP32", (1, 4), rows)]
+        value, extra = encode_request("m", tensors, encoding, request_id)
         headers = [*extra, *headers]
     return ConsumerRecord(
         topic="in",
@@ -165,8 +171,10 @@ class Harness:
         *,
         clock: Callable[[], float] = time.monotonic,
         limiter: AdaptiveLimiter | None = None,
+        max_output_bytes: int | None = None,
     ) -> None:
-        self.settings = settings()
+        limit = {} if max_output_bytes is None else {"max_output_bytes": str(max_output_bytes)}
+        self.settings = settings(**limit)
         self.pool = pool or FakePool()
         self.sink = FakeSink()
         self.metrics = Metrics()
@@ -266,6 +274,32 @@ async def test_records_are_sent_in_micro_batches_and_published_together() -> Non
     assert h.sample("worker_results_published_total", model="m") == 6
     assert h.sample("worker_inference_latency_seconds_count", model="m") == 6
     assert h.sample("worker_end_to_end_latency_seconds_count") == 6
+
+
+async def test_a_micro_batch_of_protobuf_requests_gets_one_result_each() -> None:
+    """Protobuf results are the response split per record, each with its request's id."""
+    h = Harness()
+    records = [record(i, encoding="protobuf", request_id=f"p{i}") for i in range(3)]
+    await h.run(h.take(records))
+    assert h.pool.rows_sent == [3]
+    for i in range(3):
+        result = service_pb2.ModelInferResponse.FromString(h.sink.values[i])
+        assert result.id == f"p{i}"
+        assert np.frombuffer(result.raw_output_contents[0], dtype="<f4").tolist() == [2.0 * i] * 4
+    assert h.fallbacks == []
+
+
+async def test_a_result_over_the_output_limit_goes_alone_to_the_per_record_path() -> None:
+    """One record of a micro-batch whose result is over WORKER_MAX_OUTPUT_BYTES (its long
+    id) is handed over to say so; the others of its batch are published."""
+    h = Harness(max_output_bytes=1000)
+    records = [record(i, request_id="x" * 2000 if i == 1 else "r") for i in range(3)]
+    await h.run(h.take(records))
+    assert h.pool.rows_sent == [3]
+    assert h.sink.calls == [[0, 2]]
+    assert h.fallbacks == [(1, None)]
+    assert h.sample("worker_fast_path_fallbacks_total", reason="encode") == 1
+    assert h.offsets.done_beyond_commit(TP) == [2] and h.offsets.commit_point(TP) == 1
 
 
 async def test_offsets_are_done_only_after_the_acks() -> None:
