@@ -42,9 +42,10 @@ from worker.flow.window import Window
 from worker.kafka.types import ConsumerRecord, TopicPartition
 from worker.observability import InFlight, InFlightRegistry
 from worker.observability.tracing import Tracing
+from worker.records.admission import Admissions
 from worker.records.single import Outcome
 from worker.records.steps import Steps
-from worker.triton.batching import batch_key, batchable
+from worker.triton.batching import batch_key
 from worker.triton.merging import merge, split
 from worker.triton.pool import TritonPool
 from worker.wire import Source
@@ -105,6 +106,7 @@ class BatchPath:
         retry = steps.rules.retry
         self._timeout_s = min(retry.try_timeout_s, retry.record_deadline_s)
         self._fallbacks = steps.fallback_counters()
+        self._admissions = Admissions(steps.check)
 
     @property
     def open(self) -> bool:
@@ -132,8 +134,7 @@ class BatchPath:
             if self._pool.trace_unary and self._tracing.to_triton(record.headers):
                 return None  # its own unary call, carrying its trace context
             steps.allow(record.topic, name)
-            steps.check(spec, request)
-            if not batchable(spec, request):
+            if not self._admissions.admits(spec, request):
                 return None
         except Exception:
             return None

@@ -1,0 +1,69 @@
+"""Whether a decoded request fits its model and may share a batch, remembered per signature.
+
+``check_request`` (the request against the model's inputs and outputs) and ``batchable``
+(whether it may travel with others) read only what a request's signature holds: each
+input's name, datatype, shape and parameter count, the number of raw contents, the
+requested outputs' names, the request's parameter names. The records of a stream of
+requests mostly share one signature, so the batch path asks once per (model spec,
+signature) and remembers the answer; a new spec (the model reloaded) asks again.
+
+The memory is bounded (``MAX_SIGNATURES``, the oldest forgotten first): a producer can send
+any number of distinct shapes or names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Final
+
+from worker.triton.batching import batchable
+from worker.wire import DecodedRequest
+from worker.wire.validation import ModelSpec
+
+__all__ = ["MAX_SIGNATURES", "Admissions"]
+
+#: How many (model, signature) answers are kept.
+MAX_SIGNATURES: Final = 1024
+
+#: What a request's signature is made of (see the module docstring).
+_Signature = tuple[Any, ...]
+
+
+def signature(infer: Any) -> _Signature:
+    """What ``check_request`` and ``batchable`` read of a ``ModelInferRequest``."""
+    return (
+        tuple((t.name, t.datatype, tuple(t.shape), len(t.parameters)) for t in infer.inputs),
+        len(infer.raw_input_contents),
+        tuple(o.name for o in infer.outputs),
+        tuple(sorted(infer.parameters.keys())) if len(infer.parameters) else (),
+    )
+
+
+class Admissions:
+    """``admits(spec, request)``: True when the request passes ``check`` and ``batchable``."""
+
+    def __init__(self, check: Callable[[ModelSpec, DecodedRequest], None]) -> None:
+        """``check``: raises when the request does not fit the model (``check_request``)."""
+        self._check = check
+        #: (model, version, signature) -> (the spec answered for, the answer)
+        self._answers: dict[tuple[str, str, _Signature], tuple[ModelSpec, bool]] = {}
+
+    def __len__(self) -> int:
+        return len(self._answers)
+
+    def admits(self, spec: ModelSpec, request: DecodedRequest) -> bool:
+        """True when ``request`` fits ``spec`` and may share a batch (asked once per spec and
+        signature)."""
+        key = (spec.name, spec.version, signature(request.infer_request))
+        known = self._answers.get(key)
+        if known is not None and known[0] is spec:
+            return known[1]
+        try:
+            self._check(spec, request)
+            answer = batchable(spec, request)
+        except Exception:
+            answer = False  # the per-record path checks it again and says why
+        if key not in self._answers and len(self._answers) >= MAX_SIGNATURES:
+            del self._answers[next(iter(self._answers))]
+        self._answers[key] = (spec, answer)
+        return answer
