@@ -5,10 +5,13 @@
 input's name, datatype, shape and parameter count, the number of raw contents, the
 requested outputs' names, the request's parameter names. The records of a stream of
 requests mostly share one signature, so the batch path asks once per (model spec,
-signature) and remembers the answer; a new spec (the model reloaded) asks again.
+signature) and remembers a yes; a new spec (the model reloaded) asks again, and a no is
+asked again each time (the record goes to the per-record path, which says why).
 
-The memory is bounded (``MAX_SIGNATURES``, the oldest forgotten first): a producer can send
-any number of distinct shapes or names.
+The memory is bounded: at most ``MAX_SIGNATURES`` answers (the oldest forgotten first: a
+producer can send any number of distinct shapes), each as large as its model's inputs and
+outputs allow (a yes names only the model's inputs, each once; a request asking for more
+outputs than the model has, or with parameters of its own, is not remembered).
 """
 
 from __future__ import annotations
@@ -45,25 +48,27 @@ class Admissions:
     def __init__(self, check: Callable[[ModelSpec, DecodedRequest], None]) -> None:
         """``check``: raises when the request does not fit the model (``check_request``)."""
         self._check = check
-        #: (model, version, signature) -> (the spec answered for, the answer)
-        self._answers: dict[tuple[str, str, _Signature], tuple[ModelSpec, bool]] = {}
+        #: (model, version, signature) -> the spec it was admitted for
+        self._answers: dict[tuple[str, str, _Signature], ModelSpec] = {}
 
     def __len__(self) -> int:
         return len(self._answers)
 
     def admits(self, spec: ModelSpec, request: DecodedRequest) -> bool:
-        """True when ``request`` fits ``spec`` and may share a batch (asked once per spec and
-        signature)."""
-        key = (spec.name, spec.version, signature(request.infer_request))
-        known = self._answers.get(key)
-        if known is not None and known[0] is spec:
-            return known[1]
+        """True when ``request`` fits ``spec`` and may share a batch (a yes asked once per
+        spec and signature)."""
+        infer = request.infer_request
+        key = (spec.name, spec.version, signature(infer))
+        if self._answers.get(key) is spec:
+            return True
         try:
             self._check(spec, request)
-            answer = batchable(spec, request)
+            if not batchable(spec, request):
+                return False
         except Exception:
-            answer = False  # the per-record path checks it again and says why
-        if key not in self._answers and len(self._answers) >= MAX_SIGNATURES:
-            del self._answers[next(iter(self._answers))]
-        self._answers[key] = (spec, answer)
-        return answer
+            return False  # the per-record path checks it again and says why
+        if len(infer.outputs) <= len(spec.outputs) and not len(infer.parameters):
+            if key not in self._answers and len(self._answers) >= MAX_SIGNATURES:
+                del self._answers[next(iter(self._answers))]
+            self._answers[key] = spec
+        return True

@@ -57,8 +57,10 @@ def test_what_the_checks_read_is_part_of_the_signature() -> None:
     assert not admissions.admits(SPEC, request(rows=9))  # over max_batch_size
     assert not admissions.admits(SPEC, request(name="OTHER"))
     assert not admissions.admits(SPEC, request(width=3))
-    assert not admissions.admits(SPEC, request(width=3))  # a refusal is remembered too
     assert check.calls == 5
+    assert not admissions.admits(SPEC, request(width=3))  # a no is asked again
+    assert check.calls == 6
+    assert len(admissions) == 2  # the two yeses
 
 
 def test_a_new_spec_of_the_model_is_asked_again() -> None:
@@ -69,6 +71,22 @@ def test_a_new_spec_of_the_model_is_asked_again() -> None:
     narrower = dataclasses.replace(SPEC, inputs=(TensorSpec("INPUT0", "FP32", (3,)),))
     assert not admissions.admits(narrower, request())
     assert check.calls == 2
+
+
+def test_what_could_make_an_answer_large_is_not_remembered() -> None:
+    """Outputs asked for more often than the model has them, or parameters of the request's
+    own (any names, any number): admitted, not remembered."""
+    check = Counting()
+    admissions = Admissions(check)
+    repeated = request()
+    for _ in range(3):
+        repeated.infer_request.outputs.add(name="OUTPUT0")
+    with_parameters = request()
+    with_parameters.infer_request.parameters["x" * 1000].string_param = "y"
+    for asked in (repeated, with_parameters, repeated, with_parameters):
+        assert admissions.admits(SPEC, asked)
+    assert check.calls == 4
+    assert len(admissions) == 0
 
 
 def test_a_request_that_may_not_share_a_batch_is_refused() -> None:
@@ -84,9 +102,10 @@ def test_the_memory_is_bounded_by_the_oldest_forgotten() -> None:
     """A producer sending ever new signatures: at most MAX_SIGNATURES answers kept."""
     check = Counting()
     admissions = Admissions(check)
+    large = dataclasses.replace(SPEC, max_batch_size=4 * MAX_SIGNATURES)
     for rows in range(1, MAX_SIGNATURES + 50):
-        admissions.admits(SPEC, request(rows=rows))
+        assert admissions.admits(large, request(rows=rows))
     assert len(admissions) == MAX_SIGNATURES
     calls = check.calls
-    admissions.admits(SPEC, request(rows=1))  # among the oldest: forgotten, asked again
+    assert admissions.admits(large, request(rows=1))  # among the oldest: forgotten, asked again
     assert check.calls == calls + 1
