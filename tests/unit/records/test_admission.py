@@ -8,19 +8,12 @@ import numpy as np
 import pytest
 
 from devtools.samples import Tensor, encode_request
+from tests.unit.records.test_batch import SPEC
 from worker.records.admission import MAX_SIGNATURES, Admissions
 from worker.wire import DecodedRequest, DecodeLimits, Source, decode_request
 from worker.wire.validation import ModelSpec, TensorSpec, check_request
 
 pytestmark = pytest.mark.unit
-
-SPEC = ModelSpec(
-    name="m",
-    version="",
-    inputs=(TensorSpec("INPUT0", "FP32", (4,)),),
-    outputs=(TensorSpec("OUTPUT0", "FP32", (4,)),),
-    max_batch_size=8,
-)
 
 
 def request(rows: int = 1, name: str = "INPUT0", width: int = 4) -> DecodedRequest:
