@@ -23,11 +23,10 @@ from typing import Any, Final
 import numpy as np
 import orjson
 
-from worker.errors import OutputTooLarge
 from worker.wire.headers import CONTENT_TYPE, INFERENCE_HEADER_CONTENT_LENGTH
 from worker.wire.messages import BINARY_DATA_SIZE, ParameterValue, parameters_to_json
 from worker.wire.requests import DecodedRequest
-from worker.wire.results import RESULT_CONTENT_TYPES, STREAM_PARAMETERS
+from worker.wire.results import RESULT_CONTENT_TYPES, STREAM_PARAMETERS, check_result_size
 from worker.wire.tensors import DATATYPES
 
 __all__ = ["BatchResults"]
@@ -133,11 +132,7 @@ class BatchResults:
             value = b"".join([document, *pieces])
         else:
             value = document
-        if max_result_bytes is not None and len(value) > max_result_bytes:
-            raise OutputTooLarge(
-                f"result of model {request.model_name!r} is {len(value)} bytes, "
-                f"over the {max_result_bytes}-byte limit"
-            )
+        check_result_size(request, value, max_result_bytes)
         return value, headers
 
     def _names_of(self, request: DecodedRequest) -> bytes:

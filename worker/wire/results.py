@@ -26,7 +26,7 @@ from worker.wire.headers import (
 from worker.wire.messages import BINARY_DATA_SIZE, BYTES_ENCODING, parameters_to_json
 from worker.wire.requests import DecodedRequest, Encoding
 
-__all__ = ["encode_result", "response_tensors", "result_headers"]
+__all__ = ["check_result_size", "encode_result", "response_tensors", "result_headers"]
 
 RESULT_CONTENT_TYPES: Final[dict[Encoding, bytes]] = {
     "json": CONTENT_TYPE_JSON.encode(),
@@ -143,12 +143,17 @@ def encode_result(
         raise
     except WorkerError as error:
         raise InferenceError(f"Triton response {error.message}") from None
+    check_result_size(request, value, max_result_bytes)
+    return value, encoding_headers
+
+
+def check_result_size(request: DecodedRequest, value: bytes, max_result_bytes: int | None) -> None:
+    """OutputTooLarge when the result ``value`` is over ``max_result_bytes`` (None: no limit)."""
     if max_result_bytes is not None and len(value) > max_result_bytes:
         raise OutputTooLarge(
             f"result of model {request.model_name!r} is {len(value)} bytes, "
             f"over the {max_result_bytes}-byte limit"
         )
-    return value, encoding_headers
 
 
 def result_headers(
