@@ -26,6 +26,7 @@ FLOW = (
         "the path of a record between the stages: a path chosen per record, one set of steps",
     ),
     ("wire", "bytes and headers to inference requests and back; the schemas' types"),
+    ("events", "plain events in and out: a topic's mapping to a model's inputs and results"),
     ("triton", "the Triton edge: stream pool, micro-batching, shared memory, errors"),
     ("delivery", "when a record is done and what is committed"),
     ("observability", "logs, metrics, health endpoints, records in flight"),

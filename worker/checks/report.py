@@ -16,7 +16,8 @@ Nothing is written and no group is joined, so ``check`` is safe against a live s
   to make, ``run`` refuses to start on.
 - Triton: server ready, then every model the worker is told about
   (``WORKER_DEFAULT_MODEL`` and the models named in ``WORKER_MODEL_ALLOWLIST``)
-  ready, with metadata the worker's request validation can use.
+  ready, with metadata the worker's request validation can use; each mapped topic's
+  inputs beside its model's (``worker.checks.mappings``).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from rich.table import Table
 
 from worker.checks import probes
 from worker.checks.kafka import inspect_kafka
+from worker.checks.mappings import inspect_mappings, mapping_rows
 from worker.checks.rows import CheckResult, kafka_rows
 from worker.errors import CannotRun, ExitCode
 from worker.settings import ConfigError, Settings, add_run_arguments, load_settings
@@ -190,10 +192,13 @@ async def run_checks(settings: Settings, timeout_s: float = 10.0) -> list[CheckR
         f"Kafka {settings.kafka.bootstrap_servers} ({settings.kafka_auth.security_protocol}); "
         f"Triton {settings.triton.triton_url}"
     )
-    kafka, triton = await asyncio.gather(
-        kafka_checks(settings, timeout_s), triton_checks(settings, timeout_s)
+    kafka, triton, mapped = await asyncio.gather(
+        kafka_checks(settings, timeout_s),
+        triton_checks(settings, timeout_s),
+        inspect_mappings(settings, timeout_s),
     )
-    return [CheckResult("settings valid", "ok", detail), *kafka, *triton]
+    rows = [CheckResult("settings valid", "ok", detail), *kafka, *triton]
+    return rows + mapping_rows(mapped)
 
 
 def render(results: Sequence[CheckResult]) -> Table:

@@ -24,8 +24,10 @@ from tritonclient.grpc import InferenceServerException, service_pb2
 from worker.checks import probes
 from worker.checks.kafka import inspect_kafka
 from worker.checks.kafka import scrub as _scrub
+from worker.checks.mappings import inspect_mappings
 from worker.checks.rows import kafka_rows, refusal
 from worker.errors import CannotRun
+from worker.events.mapping import problems_message
 from worker.settings import Settings
 from worker.triton._compat import grpc_stub
 from worker.triton.auth import TritonAuth
@@ -126,10 +128,28 @@ def _raise_if_fatal(
     # Anything else (unknown model "", server unreachable) is not a credentials problem.
 
 
+async def check_mappings(settings: Settings, timeout_s: float = CHECK_TIMEOUT_S) -> None:
+    """The mapping file (WORKER_MAPPING_FILE) against the models it names: a model Triton
+    does not serve, or a mapping that does not fit it, refuses the start (one line per
+    problem); a Triton that does not answer lets it pass (logged)."""
+    findings = await inspect_mappings(settings, timeout_s)
+    if findings is None:
+        return
+    if findings.unreachable is not None:
+        log.warning("mapping_not_checked", reason=f"Triton {findings.unreachable}")
+    lines = findings.lines()
+    if lines:
+        assert settings.limits.mapping_file is not None
+        raise StartupCheckFailed(problems_message(settings.limits.mapping_file, lines))
+
+
 async def run_startup_checks(settings: Settings) -> None:
     """Every start-up check, Kafka and Triton side by side; the first failure is raised."""
     outcomes = await asyncio.gather(
-        check_kafka(settings), check_triton(settings), return_exceptions=True
+        check_kafka(settings),
+        check_triton(settings),
+        check_mappings(settings),
+        return_exceptions=True,
     )
     for outcome in outcomes:
         if isinstance(outcome, BaseException):

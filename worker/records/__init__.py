@@ -6,6 +6,7 @@ encode and keep the books of every outcome, for all of them.
 """
 
 from worker.records.dispatch import Dispatcher, build_dispatcher, fast_path_allowed
-from worker.records.steps import RecordRules, Steps
+from worker.records.rules import RecordRules
+from worker.records.steps import Steps
 
 __all__ = ["Dispatcher", "RecordRules", "Steps", "build_dispatcher", "fast_path_allowed"]

@@ -134,6 +134,7 @@ class BatchPath:
             if self._pool.trace_unary and self._tracing.to_triton(record.headers):
                 return None  # its own unary call, carrying its trace context
             steps.allow(record.topic, name)
+            steps.fit(spec, request)
             if not self._admissions.admits(spec, request):
                 return None
         except Exception:
@@ -248,7 +249,9 @@ class BatchPath:
         """
         steps, rows = self._steps, [c.rows for c in batch]
         together = None
-        if len(batch) > 1 and all(c.request.encoding != "protobuf" for c in batch):
+        if len(batch) > 1 and all(
+            c.request.encoding != "protobuf" and c.request.event is None for c in batch
+        ):
             together = BatchResults.of(response, rows)
         results: list[_Result | None] = []
         if together is not None:

@@ -188,6 +188,7 @@ class SinglePath:
             lambda _: self._pool.model_spec(request.model_name, request.model_version),
             inference=False,
         )
+        steps.fit(spec, request)
         steps.check(spec, request)
         sequenced = spec.sequence and steps.rules.sequence_from_key
         if sequenced:

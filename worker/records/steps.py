@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Protocol
 
@@ -19,71 +18,30 @@ import structlog
 
 from worker import errors, wire
 from worker.audit import Audit
+from worker.events import decode_event
 from worker.flow.breaker import CircuitBreaker
 from worker.flow.guard import InternalErrorGuard
 from worker.flow.holds import ModelGate
 from worker.flow.limiter import AdaptiveLimiter
 from worker.flow.model_health import ModelHealth
-from worker.flow.retry import Backoff, Retrier, RetryPolicy
+from worker.flow.retry import Retrier
 from worker.kafka.types import ConsumerRecord
 from worker.observability import Metrics
 from worker.records.refusals import OutputRefusals
-from worker.settings import Settings
+from worker.records.rules import RecordRules
 from worker.wire import Headers, Source
 from worker.wire.batch_results import BatchResults
-from worker.wire.validation import check_request
+from worker.wire.validation import ModelSpec, check_request
 
-__all__ = ["FALLBACK_REASONS", "Answered", "RecordRules", "Steps"]
+__all__ = ["FALLBACK_REASONS", "Answered", "Steps"]
 
 log = structlog.get_logger(__name__)
 
-Allowlist = tuple[tuple[str, tuple[str, ...]], ...]
 #: Headers the steps write (a result's, a dead letter's).
 Written = list[tuple[str, bytes | None]]
 
 #: Why the batch path hands a record to the per-record path.
 FALLBACK_REASONS = ("inference", "encode", "publish", "internal")
-
-
-@dataclass(frozen=True, slots=True)
-class RecordRules:
-    """What the settings say about handling one record."""
-
-    limits: wire.DecodeLimits
-    default_model: str | None
-    max_output_bytes: int
-    allowlist: Allowlist  # (topic, models) rules; "*" allows every model
-    group_id: str
-    retry: RetryPolicy
-    max_consecutive_internal_errors: int
-    sequence_from_key: bool
-
-    @classmethod
-    def from_settings(cls, settings: Settings) -> RecordRules:
-        limits, retry = settings.limits, settings.retry
-        return cls(
-            limits=wire.DecodeLimits(
-                limits.max_request_bytes, limits.max_tensor_elements, limits.max_tensor_bytes
-            ),
-            default_model=limits.default_model,
-            max_output_bytes=limits.max_output_bytes,
-            allowlist=limits.model_allowlist,
-            group_id=settings.kafka.group_id,
-            retry=RetryPolicy(
-                max_attempts=retry.max_attempts,
-                backoff=Backoff(retry.retry_backoff_ms / 1000, retry.retry_backoff_max_ms / 1000),
-                record_deadline_s=retry.record_deadline_ms / 1000,
-                try_timeout_s=settings.triton.request_timeout_ms / 1000,
-            ),
-            max_consecutive_internal_errors=retry.max_consecutive_internal_errors,
-            sequence_from_key=settings.delivery.sequence_from_key,
-        )
-
-    def check_model_allowed(self, topic: str, model: str) -> None:
-        """Raise Forbidden when the input topic may not use ``model``."""
-        for rule_topic, models in self.allowlist:
-            if rule_topic == topic and "*" not in models and model not in models:
-                raise errors.Forbidden(f"model {model!r} is not allowed for topic {topic!r}")
 
 
 class Answered(Protocol):
@@ -141,7 +99,17 @@ class Steps:
         model's inputs) complete the admission once the caller knows what they need.
         """
         rules = self.rules
+        mapping = rules.mappings.get(source.topic) if rules.mappings else None
+        if mapping is not None:
+            return decode_event(mapping, value, headers, source, rules.limits)
         return wire.decode_request(value, headers, source, rules.limits, rules.default_model)
+
+    @staticmethod
+    def fit(spec: ModelSpec, request: wire.DecodedRequest) -> None:
+        """Shape a mapped event's request for its model (a batch dimension when it batches);
+        an inference request is left as it is."""
+        if request.event is not None:
+            request.event.fit(spec, request.infer_request)
 
     def serving(self, name: str, version: str) -> bool:
         """False while the model is held (being reloaded) or failing (its breaker open)."""

@@ -309,6 +309,10 @@ class LimitSettings(_Section, frozen=True, kw_only=True):
     model_allowlist: Annotated[tuple[tuple[str, tuple[str, ...]], ...], allowlist(), Doc(
         "Models each input topic may use ('requests=double|mlp;other=*'); others get "
         "FORBIDDEN. Empty allows all.", default_doc="empty (all models allowed)")] = ()
+    mapping_file: Annotated[str | None, Doc(
+        "TOML or JSON file mapping input topics' plain events to a model's inputs and the "
+        "result event (see Events and mappings); the topics it does not name take inference "
+        "requests.")] = None
 
 
 class KafkaAuthSettings(_Section, frozen=True, kw_only=True):

@@ -83,6 +83,9 @@ class DecodedRequest:
     infer_request: Any  # service_pb2.ModelInferRequest
     binary_outputs: bool
     payload_bytes: int
+    #: A mapped topic's event (``worker.events.MappedEvent``): it shapes the request for the
+    #: model and makes the result event. None for an inference request.
+    event: Any = None
 
 
 def _encoding_of(headers: Headers) -> Encoding:

@@ -124,12 +124,14 @@ def encode_result(
         (CONTENT_TYPE, RESULT_CONTENT_TYPES[request.encoding])
     ]
     try:
-        if request.encoding == "protobuf":
+        if request.event is not None:
+            value: bytes = request.event.encode(response_tensors(response))
+        elif request.encoding == "protobuf":
             response.id = request.request_id
             for key in STREAM_PARAMETERS:
                 if key in response.parameters:
                     del response.parameters[key]
-            value: bytes = response.SerializeToString()
+            value = response.SerializeToString()
         else:
             pairs = response_tensors(response)
             if request.binary_outputs:

@@ -26,8 +26,9 @@ from worker.flow.model_health import ModelHealth
 from worker.flow.window import Window
 from worker.observability import InFlightRegistry, Metrics
 from worker.observability.trace_context import Tracing
+from worker.records.rules import RecordRules
 from worker.records.single import SinglePath
-from worker.records.steps import RecordRules, Steps
+from worker.records.steps import Steps
 from worker.records.stream import StreamCalls, StreamRules
 from worker.settings import Settings, load_settings
 from worker.wire.validation import ModelSpec, TensorSpec

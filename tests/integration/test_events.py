@@ -1,0 +1,254 @@
+"""Plain events in, events out: mapped topics against the real broker and Triton.
+
+Events are produced by librdkafka (``confluent-kafka``), as a pipeline's own producers
+would: compressed, keyed, some hostile. A topic of ``mlp`` events is answered by new events
+of chosen fields; a topic of ``double`` readings by the events themselves, enriched. Every
+hostile event gets a dead letter naming the field and what was expected, the good events
+around them get their results, in both delivery modes. A mapping that does not fit its
+model stops the worker before its first record, one line per problem.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import orjson
+import pytest
+
+from tests.integration.test_foreign_traffic import LARGE_PRODUCER, LARGE_TOPIC, Out, produce
+from tests.support import (
+    KafkaUnderTest,
+    Topics,
+    TritonUnderTest,
+    collect,
+    mlp_reference,
+    run_to_exit,
+    running_worker,
+    settings_for,
+    worker_env,
+)
+from worker.checks.report import run_checks
+from worker.wire import header_value
+
+pytestmark = pytest.mark.timeout(180)
+
+LABELS = [f"class-{i}" for i in range(10)]
+
+MAPPING = """
+[topics.{events}]
+model = "mlp"
+request_id = "/id"
+[topics.{events}.inputs.INPUT0]
+datatype = "FP32"
+from = "$.features"
+shape = [64]
+[topics.{events}.result.fields]
+id = "/id"
+score = "PROBS[1]"
+probs = "PROBS"
+label = {{ argmax = "PROBS", labels = {labels} }}
+
+[topics.{readings}]
+model = "double"
+request_id = "$.sensor.id"
+[topics.{readings}.inputs.INPUT0]
+datatype = "FP32"
+fields = ["/a", "/b", "$.sensor.c"]
+default = 0
+[topics.{readings}.result]
+into = "doubled"
+"""
+
+
+def write_mapping(tmp_path: Path, events: str, readings: str, text: str = MAPPING) -> str:
+    path = tmp_path / "mapping.toml"
+    path.write_text(text.format(events=events, readings=readings, labels=json.dumps(LABELS)))
+    return str(path)
+
+
+def event(name: str, **fields: Any) -> Out:
+    return Out(orjson.dumps({"id": name, **fields}), name.encode())
+
+
+def raw(name: str, value: bytes | None) -> Out:
+    return Out(value, name.encode())
+
+
+def features(rng: np.random.Generator) -> list[float]:
+    return [float(x) for x in rng.standard_normal(64).astype(np.float32)]
+
+
+@pytest.mark.parametrize("delivery", ["at_least_once", "exactly_once"])
+async def test_mapped_events_get_result_events_and_hostile_ones_dead_letters(
+    kafka: KafkaUnderTest, triton: TritonUnderTest, unique: str, tmp_path: Path, delivery: str
+) -> None:
+    topics = Topics.fresh(unique)
+    readings = f"readings-{unique}"
+    await kafka.create_topics([topics.input, topics.dlq], partitions=1, configs=LARGE_TOPIC)
+    await kafka.create_topics([readings, topics.output], partitions=1)
+    rng = np.random.default_rng(7)
+    good = {f"good-{i}": features(rng) for i in range(6)}
+    deep = b'{"id": "deep", "features": ' + b"[" * 3000 + b"]" * 3000 + b"}"
+    hostile = {
+        "no-features": ("INVALID_REQUEST", event("no-features", other=1)),
+        "not-a-number": (
+            "INVALID_REQUEST",
+            event("not-a-number", features=[1.0, 2.0, 3.0, "n/a", *[0.0] * 60]),
+        ),
+        "a-null": ("INVALID_REQUEST", event("a-null", features=[0.0] * 5 + [None] + [0.0] * 58)),
+        "short": ("INVALID_REQUEST", event("short", features=[0.0] * 63)),
+        "ragged": ("INVALID_REQUEST", event("ragged", features=[[0.0] * 64])),
+        "megabyte": ("INVALID_REQUEST", event("megabyte", features=["x" * 1024 * 1024])),
+        "tombstone": ("DECODE_ERROR", raw("tombstone", None)),
+        "not-json": ("DECODE_ERROR", raw("not-json", b"amount=12")),
+        "an-array": ("DECODE_ERROR", raw("an-array", b"[1, 2, 3]")),
+        "deep": ("DECODE_ERROR", raw("deep", deep)),
+    }
+    messages = {
+        "no-features": "$.features: missing; expected a number (FP32) for input INPUT0 of "
+        f"model 'mlp' (the mapping of topic '{topics.input}' gives no default)",
+        "not-a-number": '$.features[3]: expected a number (FP32), got "n/a"',
+        "a-null": "$.features[5]: expected a number (FP32), got null",
+        "short": "$.features: 63 elements, expected 64 (dimension 0 of shape [64])",
+        "ragged": "$.features[0]: expected a number (FP32), got [0.0,0.0,0.0,0.0,0.0,0.0,0.0,0",
+        "megabyte": '$.features[0]: expected a number (FP32), got "xxxxxxxxxxxxxxxxxxxxxxxx'
+        "xxxxxxxxxxxxxxx... (1048578 characters)",
+        "an-array": f"record value: topic '{topics.input}' expects a JSON object (an event), "
+        "got list",
+    }
+    events = [event(name, features=values) for name, values in list(good.items())[:3]]
+    events += [out for _, out in hostile.values()]
+    bom = Out(b"\xef\xbb\xbf" + orjson.dumps({"id": "bom", "features": good["good-3"]}), b"bom")
+    events += [bom, *(event(name, features=v) for name, v in list(good.items())[4:])]
+    good["bom"] = good.pop("good-3")
+    plain_readings = [
+        event("r-1", a=1.5, b=2, sensor={"id": "r-1", "c": -3}),
+        Out(orjson.dumps({"a": 1, "sensor": {"id": "r-2"}}), b"r-2"),  # b, c missing: 0
+        Out(orjson.dumps({"a": 1, "b": True, "sensor": {"id": "r-3"}}), b"r-3"),
+    ]
+    mapping = write_mapping(tmp_path, topics.input, readings)
+    settings = settings_for(
+        kafka,
+        triton,
+        topics,
+        input_topics=f"{topics.input},{readings}",
+        mapping_file=mapping,
+        delivery=delivery,
+    )
+    async with running_worker(settings) as worker:
+        await produce(
+            kafka.bootstrap_servers,
+            topics.input,
+            events,
+            {"compression.type": "lz4", "linger.ms": "50", **LARGE_PRODUCER},
+        )
+        await produce(kafka.bootstrap_servers, readings, plain_readings)
+        got = await collect(kafka.bootstrap_servers, topics, len(events) + len(plain_readings))
+        ready, detail = worker.readiness()
+        assert ready, detail
+
+    assert got.duplicates == 0
+    for name, values in good.items():
+        record = got.results[name]
+        body = orjson.loads(record.value)
+        expected = mlp_reference(np.asarray([values], dtype=np.float32))[0]
+        assert body["id"] == name and set(body) == {"id", "score", "probs", "label"}
+        np.testing.assert_allclose(body["probs"], expected, rtol=1e-5)
+        assert body["score"] == pytest.approx(float(expected[1]), rel=1e-5)
+        assert body["label"] == LABELS[int(np.argmax(expected))]
+        assert header_value(record.headers, "content-type") == b"application/json"
+        assert header_value(record.headers, "x-model-name") == b"mlp"
+        assert record.key == name.encode()
+    for name, (code, sent) in hostile.items():
+        letter = got.dead_letters[name]
+        assert header_value(letter.headers, "x-error-code") == code.encode(), name
+        message = (header_value(letter.headers, "x-error-message") or b"").decode()
+        assert message.startswith(messages.get(name, "")), (name, message)
+        if name != "megabyte":  # over the dead-letter topic's limit? it is not: 4 MiB
+            assert letter.value == sent.value, name
+    assert got.dead_letters["megabyte"].value == hostile["megabyte"][1].value
+
+    enriched = orjson.loads(got.results["r-1"].value)
+    assert enriched == {
+        "id": "r-1",
+        "a": 1.5,
+        "b": 2,
+        "sensor": {"id": "r-1", "c": -3},
+        "doubled": {"OUTPUT0": [3.0, 4.0, -6.0]},
+    }
+    assert orjson.loads(got.results["r-2"].value)["doubled"] == {"OUTPUT0": [2.0, 0.0, 0.0]}
+    letter = got.dead_letters["r-3"]
+    assert header_value(letter.headers, "x-error-message") == (
+        b"$.b: expected a number (FP32), got true"
+    )
+
+
+MISFIT = """
+[topics.{events}]
+model = "mlp"
+[topics.{events}.inputs.INPUT0]
+datatype = "FP64"
+from = "/features"
+shape = [32]
+[topics.{events}.result.fields]
+score = "PROBS[10]"
+
+[topics.{readings}]
+model = "no_such_model"
+[topics.{readings}.inputs.INPUT0]
+datatype = "FP32"
+fields = ["/a"]
+"""
+
+
+async def test_a_mapping_that_does_not_fit_its_model_stops_the_start_one_line_each(
+    kafka: KafkaUnderTest, triton: TritonUnderTest, unique: str, tmp_path: Path
+) -> None:
+    topics = Topics.fresh(unique)
+    readings = f"readings-{unique}"
+    await kafka.create_topics([topics.input, readings, topics.output, topics.dlq])
+    mapping = write_mapping(tmp_path, topics.input, readings, MISFIT)
+    extra = {"input_topics": f"{topics.input},{readings}", "mapping_file": mapping}
+
+    exited = run_to_exit(worker_env(kafka, triton, topics, **extra), tmp_path / "w.log", 60.0)
+
+    assert exited.code == 2, exited.lines[-20:]
+    plain = [line for line in exited.lines if not line.startswith("{")]
+    assert plain == [
+        f"error: WORKER_MAPPING_FILE: {mapping}: 4 problems:",
+        f"  topics.{topics.input}.inputs.INPUT0.datatype: FP64, model 'mlp' expects FP32",
+        f"  topics.{topics.input}.inputs.INPUT0.shape: [32], model 'mlp' expects [64] for one "
+        "event (-1: any size)",
+        f"  topics.{topics.input}.result.fields.score: PROBS[10] is past the end of PROBS "
+        "(10 elements)",
+        f"  topics.{readings}.model: Triton {triton.grpc_address} does not serve "
+        "'no_such_model'; load it, or map the topic to a model it serves",
+    ], exited.lines[-20:]
+    assert not any("Traceback" in line for line in exited.lines)
+
+    rows = await run_checks(settings_for(kafka, triton, topics, **extra), 10.0)
+    mapped = {row.check: (row.outcome, row.detail) for row in rows if "mapping" in row.check}
+    assert mapped == {
+        f"mapping {topics.input} INPUT0": (
+            "fail",
+            "FP64 [32] from $.features -> mlp FP32 [64]; "
+            f"topics.{topics.input}.inputs.INPUT0.datatype: FP64, model 'mlp' expects FP32; "
+            f"topics.{topics.input}.inputs.INPUT0.shape: [32], model 'mlp' expects [64] for "
+            "one event (-1: any size)",
+        ),
+        f"mapping {topics.input} result": (
+            "fail",
+            f"fields score; topics.{topics.input}.result.fields.score: PROBS[10] is past the "
+            "end of PROBS (10 elements)",
+        ),
+        f"mapping {readings} INPUT0": ("fail", "FP32 [1] from $.a -> no_such_model -"),
+        f"mapping {readings} result": (
+            "fail",
+            "the event, outputs under 'prediction'; "
+            f"topics.{readings}.model: Triton {triton.grpc_address} does not serve "
+            "'no_such_model'; load it, or map the topic to a model it serves",
+        ),
+    }

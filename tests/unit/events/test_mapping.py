@@ -1,0 +1,198 @@
+"""The mapping file: what it reads, and every problem reported at once, one per line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from worker.events.mapping import Argmax, OutputRef, load_mappings
+from worker.events.paths import MISSING, EventPath, parse_path
+from worker.settings import ConfigError
+
+PAYMENTS = """
+[topics.payments]
+model = "mlp"
+version = "01"
+request_id = "/payment_id"
+[topics.payments.inputs.INPUT0]
+datatype = "FP32"
+fields = ["amount", "$.customer.age", "/hour"]
+default = 0
+[topics.payments.result.fields]
+id = "/payment_id"
+score = "PROBS[1]"
+probs = "PROBS"
+label = { argmax = "PROBS", labels = ["ok", "fraud"] }
+"""
+
+
+def write(tmp_path: Path, text: str, name: str = "mapping.toml") -> str:
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+def problems_of(tmp_path: Path, text: str, topics: tuple[str, ...] = ("payments",)) -> list[str]:
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as caught:
+        load_mappings(path, topics)
+    assert caught.value.setting == "WORKER_MAPPING_FILE"
+    head, *lines = caught.value.message.splitlines()
+    count = f"{len(lines)} problem{'s' if len(lines) > 1 else ''}"
+    assert head == f"WORKER_MAPPING_FILE: {path}: {count}:"
+    return [line.strip() for line in lines]
+
+
+@pytest.mark.parametrize(
+    ("text", "steps"),
+    [
+        ("/features/3", ("features", 3)),
+        ("$.features[3]", ("features", 3)),
+        ("features[3]", ("features", 3)),
+        ("customer.age", ("customer", "age")),
+        ("/a~1b/c~0d", ("a/b", "c~d")),
+        ("/07", ("07",)),
+        ("$.a[0][1].b", ("a", 0, 1, "b")),
+    ],
+)
+def test_both_path_forms_read_the_same_steps(text: str, steps: tuple[str | int, ...]) -> None:
+    assert parse_path(text).steps == steps
+
+
+@pytest.mark.parametrize("text", ["", "  ", "$", "a[x]", "a..b"])
+def test_a_path_that_names_no_field_is_refused(text: str) -> None:
+    with pytest.raises(ValueError, match=r"path|expected"):
+        parse_path(text)
+
+
+def test_a_path_finds_what_is_there_and_missing_for_the_rest() -> None:
+    event = {"a": [{"b": 1}, {"b": None}], "3": "x"}
+    assert parse_path("$.a[0].b").find(event) == 1
+    assert parse_path("$.a[1].b").find(event) is None
+    assert parse_path("$.a[2].b").find(event) is MISSING
+    assert parse_path("$.a.b").find(event) is MISSING
+    assert parse_path("/3").find(event) == "x"
+    assert str(EventPath(("a", 0, "odd key"))) == "$.a[0]['odd key']"
+
+
+def test_a_mapping_is_read_with_each_part(tmp_path: Path) -> None:
+    mapping = load_mappings(write(tmp_path, PAYMENTS), ("payments", "other"))["payments"]
+    assert (mapping.model, mapping.version) == ("mlp", "1")
+    assert mapping.request_id == parse_path("/payment_id")
+    (tensor,) = mapping.inputs
+    assert (tensor.name, tensor.datatype, tensor.shape, tensor.default) == (
+        "INPUT0",
+        "FP32",
+        (3,),
+        0,
+    )
+    assert [str(path) for path in tensor.fields] == ["$.amount", "$.customer.age", "$.hour"]
+    assert mapping.result.into is None
+    assert dict(mapping.result.fields) == {
+        "id": parse_path("/payment_id"),
+        "score": OutputRef("PROBS", 1),
+        "probs": OutputRef("PROBS", None),
+        "label": Argmax("PROBS", ("ok", "fraud")),
+    }
+    assert mapping.outputs() == ("PROBS",)
+
+
+def test_json_is_read_as_toml_is_and_the_result_defaults_to_the_event_enriched(
+    tmp_path: Path,
+) -> None:
+    document = {
+        "topics": {
+            "clicks": {
+                "model": "mlp",
+                "inputs": {"INPUT0": {"datatype": "FP32", "from": "/features", "shape": [64]}},
+            }
+        }
+    }
+    mapping = load_mappings(write(tmp_path, json.dumps(document), "m.json"), ("clicks",))
+    assert mapping["clicks"].result.into == "prediction"
+    assert mapping["clicks"].inputs[0].source == parse_path("$.features")
+    assert mapping["clicks"].outputs() == ()
+
+
+def test_every_problem_of_a_file_is_one_line(tmp_path: Path) -> None:
+    text = """
+colour = "blue"
+[topics.payments]
+version = "one"
+[topics.payments.inputs.A]
+datatype = "FP33"
+from = "/a"
+[topics.payments.inputs.B]
+datatype = "FP32"
+from = "/b"
+fields = ["/c"]
+[topics.payments.inputs.C]
+datatype = "INT32"
+from = "/c"
+shape = [0]
+default = 1.5
+[topics.payments.result]
+into = "p"
+fields = { s = "P[1]" }
+[topics.unconsumed]
+model = "mlp"
+[topics.unconsumed.inputs.X]
+datatype = "BYTES"
+fields = ["/a", "a..b"]
+shape = [3]
+[topics.unconsumed.result.fields]
+x = { argmax = "P", labels = [] }
+y = "P[one]"
+"""
+    assert problems_of(tmp_path, text) == [
+        "colour: unknown key; expected topics",
+        "topics.payments.model: missing; name the model the events feed",
+        "topics.payments.version: expected a version number, got 'one'",
+        "topics.payments.inputs.A.datatype: expected one of BOOL, UINT8, UINT16, UINT32, "
+        "UINT64, INT8, INT16, INT32, INT64, FP16, FP32, FP64, BYTES, got 'FP33'",
+        "topics.payments.inputs.B: give either from (one path) or fields (paths gathered)",
+        "topics.payments.inputs.C.shape: expected a list of sizes (-1 for any), got [0]",
+        "topics.payments.inputs.C.default: 1.5 is not a INT32 value",
+        "topics.payments.result: give either into (the event, enriched) or fields (a new "
+        "event), not both",
+        "topics.unconsumed: not one of WORKER_INPUT_TOPICS (payments); map only the topics "
+        "the worker consumes",
+        "topics.unconsumed.inputs.X.fields[1]: path 'a..b': cannot read it from '..b' on",
+        "topics.unconsumed.inputs.X.shape: [3], but 1 fields are gathered; drop the shape or "
+        "make it [1]",
+        "topics.unconsumed.result.fields.x.labels: expected a list of strings, got []",
+        "topics.unconsumed.result.fields.y: 'P[one]' is neither an event path nor an output",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "message"),
+    [
+        ("m.yaml", "topics: {}", "name it .toml (TOML) or .json (JSON)"),
+        ("m.toml", "[topics", "not valid TOML"),
+        ("m.json", "[1]", "expected a table of topics"),
+        ("m.toml", "", "m.toml: 1 problem:\n  topics: expected a table of input topics"),
+    ],
+)
+def test_a_file_that_cannot_be_read_as_a_mapping_says_so(
+    tmp_path: Path, name: str, text: str, message: str
+) -> None:
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        load_mappings(write(tmp_path, text, name), ("payments",))
+
+
+def test_a_missing_file_is_named(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"cannot read .*nowhere.toml: No such file"):
+        load_mappings(str(tmp_path / "nowhere.toml"), ("payments",))
+
+
+@pytest.mark.parametrize(
+    ("name", "topic", "model"),
+    [("payments.toml", "payments", "mlp"), ("readings.json", "readings", "double")],
+)
+def test_the_examples_load(name: str, topic: str, model: str) -> None:
+    examples = Path(__file__).resolve().parents[3] / "examples"
+    mapping = load_mappings(str(examples / name), (topic,))[topic]
+    assert mapping.model == model

@@ -1,0 +1,117 @@
+"""The mapping file against the models Triton serves: for the start-up gate and ``check``.
+
+Each mapped model is asked of Triton once (ready? its metadata and config). A model Triton
+does not serve, or a mapping that does not fit its model, is a problem: ``run`` refuses to
+start with one line per problem (exit 2), ``check`` fails the mapping's rows. A Triton that
+does not answer is not: the records' own checks (INVALID_REQUEST) stand in once it does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from worker.checks import probes
+from worker.checks.rows import CheckResult, Outcome
+from worker.events import TopicMapping, load_mappings
+from worker.events.check import describe_input, mapping_problems
+from worker.settings import Settings
+from worker.triton.auth import TritonAuth
+from worker.wire.validation import ModelSpec
+
+__all__ = ["MappingFindings", "inspect_mappings", "mapping_rows"]
+
+
+@dataclass
+class MappingFindings:
+    """What Triton said of the mapped models: their specs, or why none came."""
+
+    mappings: dict[str, TopicMapping]
+    specs: dict[tuple[str, str], ModelSpec] = field(default_factory=dict)
+    #: The problems per topic: a model not served, or a mapping that does not fit it.
+    problems: dict[str, list[str]] = field(default_factory=dict)
+    #: Triton did not answer (the reason): nothing could be checked against the models.
+    unreachable: str | None = None
+
+    def lines(self) -> list[str]:
+        """Every problem, one line each, in the file's order."""
+        return [line for topic in self.mappings for line in self.problems.get(topic, [])]
+
+
+async def inspect_mappings(settings: Settings, timeout_s: float) -> MappingFindings | None:
+    """The mapped models asked of the first Triton endpoint; None without a mapping file."""
+    path = settings.limits.mapping_file
+    if path is None:
+        return None
+    findings = MappingFindings(load_mappings(path, settings.topics.input_topics))
+    address, target = (await probes.triton_addresses(settings))[0]
+    auth = TritonAuth(settings.triton)
+    client = probes.triton_client(settings, address, target)
+    try:
+        for topic, mapping in findings.mappings.items():
+            key = (mapping.model, mapping.version)
+            if key not in findings.specs:
+                try:
+                    spec = await _spec(client, auth, key, timeout_s)
+                except Exception as exc:
+                    findings.unreachable = f"{address}: {probes.reason(exc)}"
+                    return findings
+                if spec is None:
+                    version = f" version {mapping.version}" if mapping.version else ""
+                    findings.problems[topic] = [
+                        f"topics.{topic}.model: Triton {address} does not serve "
+                        f"{mapping.model!r}{version}; load it, or map the topic to a model "
+                        "it serves"
+                    ]
+                    continue
+                findings.specs[key] = spec
+            findings.problems[topic] = mapping_problems(mapping, findings.specs[key])
+    finally:
+        await client.close()
+    return findings
+
+
+async def _spec(
+    client: Any, auth: TritonAuth, key: tuple[str, str], timeout_s: float
+) -> ModelSpec | None:
+    name, version = key
+    headers = auth.headers()
+    if not await client.is_model_ready(name, version, headers=headers, client_timeout=timeout_s):
+        return None
+    metadata = await client.get_model_metadata(
+        name, version, headers=headers, client_timeout=timeout_s
+    )
+    config = await client.get_model_config(name, version, headers=headers, client_timeout=timeout_s)
+    return ModelSpec.from_triton(metadata, config)
+
+
+def mapping_rows(findings: MappingFindings | None) -> list[CheckResult]:
+    """``check``'s rows: each mapped input beside its model's, and each topic's result."""
+    if findings is None:
+        return []
+    rows: list[CheckResult] = []
+    skipped = findings.unreachable
+    for topic, mapping in findings.mappings.items():
+        spec = findings.specs.get((mapping.model, mapping.version))
+        left = list(findings.problems.get(topic, []))
+        for one in mapping.inputs:
+            tensor = spec.input(one.name) if spec is not None else None
+            model = f"{tensor.datatype} {list(tensor.shape)}" if tensor is not None else "-"
+            detail = f"{describe_input(one)} -> {mapping.model} {model}"
+            prefix = f"topics.{topic}.inputs.{one.name}"
+            mine = [p for p in left if p.startswith((f"{prefix}.", f"{prefix}:"))]
+            left = [p for p in left if p not in mine]
+            outcome: Outcome = "skip" if skipped else "fail" if mine or spec is None else "ok"
+            extra = [f"Triton {skipped}"] if skipped else mine
+            rows.append(
+                CheckResult(f"mapping {topic} {one.name}", outcome, "; ".join([detail, *extra]))
+            )
+        result = mapping.result
+        shown = (
+            f"the event, outputs under {result.into!r}"
+            if result.into is not None
+            else "fields " + ", ".join(name for name, _ in result.fields)
+        )
+        ending: Outcome = "skip" if skipped else "fail" if left else "ok"
+        rows.append(CheckResult(f"mapping {topic} result", ending, "; ".join([shown, *left])))
+    return rows

@@ -1,0 +1,315 @@
+"""A mapped topic's event to an inference request, and the response back to an event.
+
+``decode_event`` reads the fields the mapping names into one tensor per model input;
+a field that is missing, null without a default, of the wrong type, out of range or of
+the wrong length is refused with its path (``$.features[3]: expected a number, got
+"n/a"``). The request carries a ``MappedEvent``, which ``fit`` shapes for the model (a
+batching model gets a batch dimension of 1) and which encodes the result event.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final
+
+import msgspec
+import numpy as np
+import orjson
+from tritonclient.grpc import service_pb2
+
+from worker.errors import DecodeError, InferenceError, InvalidRequest, TooLarge
+from worker.events.mapping import Argmax, InputMap, OutputRef, TopicMapping
+from worker.events.paths import MISSING, EventPath
+from worker.wire import tensors
+from worker.wire.bytes_tensor import serialize_bytes_tensor
+from worker.wire.headers import X_REQUEST_ID, Headers, Source, header_text
+from worker.wire.requests import DecodedRequest, DecodeLimits
+from worker.wire.validation import ModelSpec
+
+__all__ = ["MappedEvent", "decode_event"]
+
+_UTF8_BOM: Final = b"\xef\xbb\xbf"
+#: How much of a wrong value a message shows.
+_SHOWN: Final = 40
+_EXPECTED: Final = {"BOOL": "true or false", "BYTES": "a string"}
+
+
+def _expected(datatype: str) -> str:
+    if datatype in _EXPECTED:
+        return _EXPECTED[datatype]
+    if datatype.startswith("FP"):
+        return f"a number ({datatype})"
+    info = np.iinfo(tensors.DATATYPES[datatype].dtype)
+    return f"an integer in {int(info.min)}..{int(info.max)} ({datatype})"
+
+
+def _show(value: Any) -> str:
+    text = orjson.dumps(value).decode() if value is not MISSING else "nothing"
+    return text if len(text) <= _SHOWN else f"{text[:_SHOWN]}... ({len(text)} characters)"
+
+
+class MappedEvent:
+    """The event a request was made of, and how to make its result event."""
+
+    __slots__ = ("batched", "event", "mapping")
+
+    def __init__(self, mapping: TopicMapping, event: dict[str, Any]) -> None:
+        self.mapping = mapping
+        self.event = event
+        #: The inputs were given a batch dimension (the model batches).
+        self.batched = False
+
+    def fit(self, spec: ModelSpec, infer_request: Any) -> None:
+        """Shape the request for ``spec``: a batching model's inputs get a batch of 1."""
+        if spec.max_batch_size > 0 and not self.batched:
+            self.batched = True
+            for tensor in infer_request.inputs:
+                tensor.shape.insert(0, 1)
+
+    def encode(self, pairs: list[tuple[Any, bytes]]) -> bytes:
+        """The result event of the response's (output, raw bytes) pairs."""
+        outputs: dict[str, Any] = {}
+        for i, (out, raw) in enumerate(pairs):
+            try:
+                array = tensors.raw_to_numpy(out.datatype, out.shape, raw)
+            except Exception as exc:
+                raise InferenceError(f"Triton response outputs[{i}]: {exc}") from None
+            if self.batched and array.ndim and array.shape[0] == 1:
+                array = array[0]
+            outputs[out.name] = array
+        result = self.mapping.result
+        if result.into is not None:
+            document = dict(self.event)
+            document[result.into] = {name: _json(array) for name, array in outputs.items()}
+        else:
+            document = {name: self._field(name, source, outputs) for name, source in result.fields}
+        return orjson.dumps(document)
+
+    def _field(self, name: str, source: Any, outputs: dict[str, Any]) -> Any:
+        if isinstance(source, EventPath):
+            value = source.find(self.event)
+            return None if value is MISSING else value
+        array = outputs.get(source.output)
+        if array is None:
+            raise InferenceError(
+                f"result field {name!r} reads output {source.output!r}, which Triton did not "
+                f"return (it returned {', '.join(outputs) or 'none'})"
+            )
+        flat = array.reshape(-1)
+        if isinstance(source, OutputRef):
+            if source.index is None:
+                return _json(array)
+            if source.index >= flat.size:
+                raise InferenceError(
+                    f"result field {name!r} reads {source}, but {source.output} has "
+                    f"{flat.size} elements"
+                )
+            return _json(flat[source.index])
+        assert isinstance(source, Argmax)
+        if not flat.size or flat.dtype == object:
+            raise InferenceError(
+                f"result field {name!r}: argmax of {source.output}, which has no numbers"
+            )
+        best = int(np.argmax(flat))
+        if best >= len(source.labels):
+            raise InferenceError(
+                f"result field {name!r}: {source.output}'s largest element is at {best}, "
+                f"past its {len(source.labels)} labels"
+            )
+        return source.labels[best]
+
+
+def _json(value: Any) -> Any:
+    """A numpy array or scalar as JSON values (BYTES as UTF-8 text)."""
+    if isinstance(value, np.ndarray):
+        if value.dtype == object:
+            return [_json(item) for item in value.tolist()]
+        return value.tolist()
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "replace")
+    return value.item() if isinstance(value, np.generic) else value
+
+
+def decode_event(
+    mapping: TopicMapping,
+    value: bytes | None,
+    headers: Headers,
+    source: Source,
+    limits: DecodeLimits,
+) -> DecodedRequest:
+    """The event's request for the mapping's model; a WorkerError naming what is wrong."""
+    if value is None:
+        raise DecodeError(
+            f"record value is null (a tombstone); topic {mapping.topic!r} expects an event"
+        )
+    value = bytes(value)
+    if len(value) > limits.max_request_bytes:
+        raise TooLarge(
+            f"record value is {len(value)} bytes, over the {limits.max_request_bytes}-byte limit"
+        )
+    try:
+        event = orjson.loads(value[3:] if value.startswith(_UTF8_BOM) else value)
+    except orjson.JSONDecodeError as exc:
+        raise DecodeError(f"record value is not valid JSON: {exc}") from None
+    if not isinstance(event, dict):
+        raise DecodeError(
+            f"record value: topic {mapping.topic!r} expects a JSON object (an event), "
+            f"got {type(event).__name__ if event is not None else 'null'}"
+        )
+    request = service_pb2.ModelInferRequest(model_name=mapping.model, model_version=mapping.version)
+    element_limits = tensors.TensorLimits(limits.max_tensor_elements, limits.max_tensor_bytes)
+    total = 0
+    for spec in mapping.inputs:
+        shape, raw = _tensor(spec, event, mapping)
+        element_limits.check(spec.datatype, shape, f"input {spec.name}", len(raw))
+        tensor = request.inputs.add()
+        tensor.name, tensor.datatype = spec.name, spec.datatype
+        tensor.shape.extend(shape)
+        request.raw_input_contents.append(raw)
+        total += len(raw)
+    if total > limits.max_request_bytes:
+        raise TooLarge(
+            f"decoded tensors are {total} bytes, over the {limits.max_request_bytes}-byte limit"
+        )
+    for name in mapping.outputs():
+        request.outputs.add().name = name
+    return DecodedRequest(
+        request_id=_request_id(mapping, event, headers, source),
+        model_name=mapping.model,
+        model_version=mapping.version,
+        encoding="json",
+        infer_request=request,
+        binary_outputs=False,
+        payload_bytes=len(value),
+        event=MappedEvent(mapping, event),
+    )
+
+
+def _request_id(
+    mapping: TopicMapping, event: dict[str, Any], headers: Headers, source: Source
+) -> str:
+    if mapping.request_id is not None:
+        found = mapping.request_id.find(event)
+        if isinstance(found, str) and found:
+            return found
+        if isinstance(found, int) and not isinstance(found, bool):
+            return str(found)
+        if found is not MISSING and found is not None:
+            raise InvalidRequest(
+                f"{mapping.request_id}: expected a string or an integer (the request id), "
+                f"got {_show(found)}"
+            )
+    return (
+        header_text(headers, X_REQUEST_ID) or f"{source.topic}-{source.partition}-{source.offset}"
+    )
+
+
+def _tensor(
+    spec: InputMap, event: dict[str, Any], mapping: TopicMapping
+) -> tuple[list[int], bytes]:
+    """One input's shape and raw bytes, read from the event."""
+    if spec.fields:
+        values, places = [], []
+        for path in spec.fields:
+            found = path.find(event)
+            if found is MISSING or found is None:
+                found = _default(spec, path, found, mapping)
+            values.append(found)
+            places.append(str(path))
+        return [len(values)], _raw(spec.datatype, values, places.__getitem__)
+    assert spec.source is not None
+    path = spec.source
+    found = path.find(event)
+    if found is MISSING or found is None:
+        default = _default(spec, path, found, mapping)
+        if -1 in spec.shape:
+            raise InvalidRequest(
+                f"{path}: missing; a default cannot fill shape "
+                f"{list(spec.shape)} (its size is the event's)"
+            )
+        count = int(np.prod(spec.shape)) if spec.shape else 1
+        return list(spec.shape), _raw(spec.datatype, [default] * count, lambda _: str(path))
+    if not isinstance(found, list) and spec.shape in ((), (1,)):
+        return list(spec.shape), _raw(spec.datatype, [found], lambda _: str(path))
+    shape, flat = _flatten(found, spec.shape, path)
+    return shape, _raw(spec.datatype, flat, lambda i: _place(path, i, shape))
+
+
+def _default(spec: InputMap, path: EventPath, found: Any, mapping: TopicMapping) -> Any:
+    if spec.default is not None:
+        return spec.default
+    what = "null" if found is None else "missing"
+    raise InvalidRequest(
+        f"{path}: {what}; expected {_expected(spec.datatype)} for input {spec.name} of model "
+        f"{mapping.model!r} (the mapping of topic {mapping.topic!r} gives no default)"
+    )
+
+
+def _flatten(value: Any, shape: tuple[int, ...], path: EventPath) -> tuple[list[int], list[Any]]:
+    """The nested lists' actual shape and elements, row-major; InvalidRequest where the
+    nesting does not match ``shape`` (-1: any size, the same for every sibling)."""
+    actual = list(shape)
+    flat: list[Any] = []
+    last = len(shape) - 1
+
+    def walk(node: Any, depth: int, where: str) -> None:
+        if not isinstance(node, list):
+            raise InvalidRequest(
+                f"{where}: expected a list (dimension {depth} of shape "
+                f"{list(shape)}), got {_show(node)}"
+            )
+        if actual[depth] == -1:
+            actual[depth] = len(node)
+        if len(node) != actual[depth]:
+            wanted = "as many as its siblings, " if shape[depth] == -1 else ""
+            raise InvalidRequest(
+                f"{where}: {len(node)} elements, expected {wanted}"
+                f"{actual[depth]} (dimension {depth} of shape {list(shape)})"
+            )
+        if depth == last:
+            flat.extend(node)
+            return
+        for i, child in enumerate(node):
+            walk(child, depth + 1, f"{where}[{i}]")
+
+    if not shape:
+        raise InvalidRequest(f"{path}: expected one value (shape []), got a list")
+    walk(value, 0, str(path))
+    return actual, flat
+
+
+def _place(path: EventPath, index: int, shape: list[int]) -> str:
+    if len(shape) <= 1:
+        return path.at(index)
+    return str(path) + "".join(f"[{int(i)}]" for i in np.unravel_index(index, tuple(shape)))
+
+
+def _raw(datatype: str, values: list[Any], place: Any) -> bytes:
+    """The values as the datatype's raw bytes; InvalidRequest naming the first wrong one."""
+    dt = tensors.DATATYPES[datatype]
+    try:
+        checked = msgspec.convert(values, list[dt.json_element])  # type: ignore[name-defined]
+    except msgspec.ValidationError as error:
+        index = _failed_index(str(error))
+        shown = _show(values[index]) if index is not None else ""
+        where = place(index) if index is not None else "value"
+        raise InvalidRequest(f"{where}: expected {_expected(datatype)}, got {shown}") from None
+    if dt.dtype is None:
+        try:
+            return serialize_bytes_tensor([text.encode() for text in checked])
+        except UnicodeEncodeError as error:
+            raise InvalidRequest(f"value: string is not valid UTF-8 ({error.reason})") from None
+    try:
+        return np.asarray(checked, dtype=dt.dtype).tobytes()
+    except OverflowError:
+        limit = int(np.iinfo(dt.dtype).max)
+        index = next(i for i, v in enumerate(checked) if v > limit)
+        raise InvalidRequest(
+            f"{place(index)}: expected {_expected(datatype)}, got {_show(checked[index])}"
+        ) from None
+
+
+def _failed_index(text: str) -> int | None:
+    """The element index in msgspec's "... - at `$[7]`"."""
+    _, _, at = text.partition(" - at `$[")
+    index = at.split("]", 1)[0]
+    return int(index) if index.isdigit() else None
