@@ -459,3 +459,51 @@ async def test_a_dead_letter_without_its_value_is_reported_with_its_source(
     plan = await _plan(kafka, topics.dlq)
     (omitted,) = plan.having(Outcome.VALUE_OMITTED)
     assert (omitted.letter.request_id, omitted.detail) == ("big", f"original at {big_source}")
+
+
+async def test_connect_style_dead_letters_are_replayed_by_code(
+    kafka: KafkaUnderTest, triton: TritonUnderTest, unique: str
+) -> None:
+    """WORKER_DLQ_HEADER_STYLE=connect: dead letters carry Kafka Connect's headers, none of
+    the worker's; replay reads the code and the source from them and sends the FORBIDDEN
+    ones back without Connect's headers."""
+    topics = Topics.fresh(unique)
+    await create(kafka, topics)
+    bootstrap = kafka.bootstrap_servers
+    doubles = _doubles("c", 3, seed=5)
+    faulty = _faulty("cf", 1)
+    forbidding = settings_for(
+        kafka,
+        triton,
+        topics,
+        model_allowlist=f"{topics.input}=faulty",
+        dlq_header_style="connect",
+    )
+    async with running_worker(forbidding):
+        await send(bootstrap, topics.input, [d.sample for d in doubles] + faulty)
+        letters = await _dead_letters(kafka, topics, 4)
+    for rid, letter in letters.items():
+        names = [name for name, _ in letter.headers]
+        assert not [n for n in names if n.startswith(_WORKER_HEADERS)], names
+        headers = dict(letter.headers)
+        expected = "Forbidden" if rid.startswith("c-") else "InferenceError"
+        assert headers["__connect.errors.exception.class.name"] == (
+            f"worker.errors.{expected}".encode()
+        ), rid
+        assert headers["__connect.errors.topic"] == topics.input.encode()
+        assert headers["__connect.errors.connector.name"] == topics.group.encode()
+    requests_before = await _end(bootstrap, topics.input)
+
+    plan = await _plan(kafka, topics.dlq, Filters(codes=frozenset({"FORBIDDEN"})))
+    assert _ids(plan) == {d.sample.request_id for d in doubles}
+    run = await _cli(kafka, topics.dlq, "--code", "FORBIDDEN")
+    assert run.code == ExitCode.OK, run.stderr
+
+    replayed = await _read(bootstrap, topics.input, 3, start=requests_before)
+    for record in replayed:
+        letter = letters[request_id_of(record)]
+        assert (record.value, record.key) == (letter.value, letter.key)
+        assert [n for n, _ in record.headers if n.startswith("__connect.")] == []
+        assert header_value(record.headers, "x-replayed-from") == (
+            f"{topics.dlq}/{letter.partition}/{letter.offset}".encode()
+        )

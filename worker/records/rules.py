@@ -29,6 +29,8 @@ class RecordRules:
     sequence_from_key: bool
     #: Topics whose records are plain events, by topic (WORKER_MAPPING_FILE).
     mappings: Mappings
+    #: Which headers say why a dead letter failed (WORKER_DLQ_HEADER_STYLE).
+    dlq_header_style: str = "worker"
 
     @classmethod
     def from_settings(cls, settings: Settings) -> RecordRules:
@@ -54,6 +56,7 @@ class RecordRules:
                 if limits.mapping_file
                 else {}
             ),
+            dlq_header_style=settings.topics.dlq_header_style,
         )
 
     def check_model_allowed(self, topic: str, model: str) -> None:

@@ -199,6 +199,7 @@ class Steps:
             attempts=attempts,
             group_id=self.rules.group_id,
             failed_at=datetime.now(UTC),
+            style=self.rules.dlq_header_style,
         )
         log.warning("dead_letter", code=error.code, error=error.message, attempts=attempts)
         return headers
@@ -212,7 +213,13 @@ class Steps:
         self._metrics.internal_errors_total.inc()
         error = errors.InternalError.wrapping(exc)
         headers = wire.dead_letter_headers(
-            (), error, source, attempts=1, group_id=self.rules.group_id, failed_at=datetime.now(UTC)
+            (),
+            error,
+            source,
+            attempts=1,
+            group_id=self.rules.group_id,
+            failed_at=datetime.now(UTC),
+            style=self.rules.dlq_header_style,
         )
         return error, headers
 

@@ -20,10 +20,16 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, Final
 
+from worker.errors import WorkerError
 from worker.wire import header_value, replay_count, request_names
 from worker.wire.headers import (
+    CONNECT_CLASS_MODULE,
+    CONNECT_EXCEPTION_CLASS,
+    CONNECT_OFFSET,
+    CONNECT_PARTITION,
+    CONNECT_TOPIC,
     X_ERROR_CODE,
     X_FAILED_AT,
     X_REPLAYED_FROM,
@@ -76,6 +82,19 @@ def _moment(text: str) -> datetime | None:
     return moment.replace(tzinfo=UTC) if moment.tzinfo is None else moment
 
 
+#: Error codes by the class names Connect-style dead letters carry.
+def _error_classes(base: type[WorkerError]) -> list[type[WorkerError]]:
+    return [c for sub in base.__subclasses__() for c in (sub, *_error_classes(sub))]
+
+
+_CODES: Final = {f"{CONNECT_CLASS_MODULE}{c.__name__}": c.code for c in _error_classes(WorkerError)}
+
+
+def _connect_code(headers: Any) -> str:
+    """The error code of a Connect-style dead letter, from its exception's class name."""
+    return _CODES.get(_text(headers, CONNECT_EXCEPTION_CLASS), "")
+
+
 @dataclass(frozen=True, slots=True)
 class DeadLetter:
     """What a dead letter says about itself: where it is, why it failed, what it asked."""
@@ -99,14 +118,16 @@ class DeadLetter:
         """Read a consumed dead letter (anything with topic, partition, offset, key,
         value, headers)."""
         headers = record.headers
-        source_topic = _text(headers, X_SOURCE_TOPIC)
-        partition, offset = _text(headers, X_SOURCE_PARTITION), _text(headers, X_SOURCE_OFFSET)
+        # The worker's headers, else Kafka Connect's (WORKER_DLQ_HEADER_STYLE connect).
+        source_topic = _text(headers, X_SOURCE_TOPIC) or _text(headers, CONNECT_TOPIC)
+        partition = _text(headers, X_SOURCE_PARTITION) or _text(headers, CONNECT_PARTITION)
+        offset = _text(headers, X_SOURCE_OFFSET) or _text(headers, CONNECT_OFFSET)
         model, request_id = request_names(record.value, headers)
         return cls(
             at=f"{record.topic}/{record.partition}/{record.offset}",
             partition=record.partition,
             offset=record.offset,
-            code=_text(headers, X_ERROR_CODE),
+            code=_text(headers, X_ERROR_CODE) or _connect_code(headers),
             model=model,
             # The worker's own fallback, rebuilt from the coordinates it recorded.
             request_id=request_id or f"{source_topic}-{partition}-{offset}",

@@ -13,6 +13,7 @@ __all__ = [
     "Compression",
     "ConfigError",
     "DeliveryMode",
+    "DlqHeaderStyle",
     "Doc",
     "GroupProtocol",
     "KafkaClient",
@@ -45,6 +46,7 @@ Compression = Literal["none", "gzip", "snappy", "lz4", "zstd"]
 StreamOutput = Literal["final", "each"]
 KafkaClient = Literal["aiokafka", "confluent"]
 GroupProtocol = Literal["classic", "consumer"]
+DlqHeaderStyle = Literal["worker", "connect", "both"]
 
 
 class ConfigError(Exception):

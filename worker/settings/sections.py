@@ -18,6 +18,7 @@ from worker.settings.fields import (
     Compression,
     ConfigError,
     DeliveryMode,
+    DlqHeaderStyle,
     Doc,
     GroupProtocol,
     KafkaClient,
@@ -93,6 +94,10 @@ class TopicSettings(_Section, frozen=True, kw_only=True):
     output_topic: Annotated[str, topic(), Doc("Topic the results are published to.")]
     dlq_topic: Annotated[str, topic(),
                          Doc("Dead-letter topic: failed requests with the reason in headers.")]
+    dlq_header_style: Annotated[DlqHeaderStyle, Doc(
+        "Headers that say why a dead letter failed: worker (x-error-*, x-source-*), connect "
+        "(Kafka Connect's __connect.errors.*, for tools made for Connect's dead letters), "
+        "or both.")] = "worker"
 
     def _check_combinations(self) -> None:
         # Reading our own output would loop forever and grow without bound.

@@ -110,6 +110,19 @@ DEAD_LETTER_HEADERS: Final = frozenset(
 )
 _ERROR_PREFIX: Final = "x-error-"
 
+#: Kafka Connect's dead-letter context headers (its sink connectors'
+#: ``errors.deadletterqueue.context.headers.enable``), written by WORKER_DLQ_HEADER_STYLE
+#: ``connect`` or ``both`` so that tools made for Connect's dead letters read ours.
+CONNECT_PREFIX: Final = "__connect.errors."
+CONNECT_TOPIC: Final = "__connect.errors.topic"
+CONNECT_PARTITION: Final = "__connect.errors.partition"
+CONNECT_OFFSET: Final = "__connect.errors.offset"
+CONNECT_CONNECTOR: Final = "__connect.errors.connector.name"
+CONNECT_EXCEPTION_CLASS: Final = "__connect.errors.exception.class.name"
+CONNECT_EXCEPTION_MESSAGE: Final = "__connect.errors.exception.message"
+#: The module the exception class names of Connect-style dead letters are in.
+CONNECT_CLASS_MODULE: Final = "worker.errors."
+
 CONTENT_TYPE_JSON: Final = "application/json"
 CONTENT_TYPE_BINARY: Final = "application/octet-stream"
 CONTENT_TYPE_PROTOBUF: Final = "application/x-protobuf"
@@ -195,8 +208,10 @@ def dead_letter_headers(
     attempts: int,
     group_id: str,
     failed_at: datetime,
+    style: str = "worker",
 ) -> list[tuple[str, bytes | None]]:
-    """Headers of a dead letter: the original ones first, then the explanation.
+    """Headers of a dead letter: the original ones first, then the explanation, in the
+    worker's ``x-*`` headers, Kafka Connect's ``__connect.errors.*`` or both (``style``).
 
     A retryable error is reported as RETRIES_EXHAUSTED naming it, so that
     x-error-code is always one of the dead-letter codes. x-error-retryable
@@ -218,6 +233,16 @@ def dead_letter_headers(
         (X_FAILED_AT, rfc3339_utc(failed_at).encode()),
         *error.facts,
     ]
+    if style != "worker":
+        connect = [
+            (CONNECT_TOPIC, source.topic.encode()),
+            (CONNECT_PARTITION, str(source.partition).encode()),
+            (CONNECT_OFFSET, str(source.offset).encode()),
+            (CONNECT_CONNECTOR, group_id.encode()),
+            (CONNECT_EXCEPTION_CLASS, f"{CONNECT_CLASS_MODULE}{type(error).__name__}".encode()),
+            (CONNECT_EXCEPTION_MESSAGE, truncate_utf8(error.message)),
+        ]
+        added = connect if style == "connect" else [*added, *connect]
     return merge_headers(original_headers, added)
 
 
@@ -269,6 +294,6 @@ def replay_headers(
     kept: list[tuple[str, bytes | None]] = [
         (name, None if value is None else bytes(value))
         for name, value in headers
-        if name.lower() not in ours and not name.lower().startswith(_ERROR_PREFIX)
+        if name.lower() not in ours and not name.lower().startswith((_ERROR_PREFIX, CONNECT_PREFIX))
     ]
     return [*kept, (X_REPLAYED_FROM, replayed_from.encode()), (X_REPLAY_COUNT, str(count).encode())]

@@ -291,3 +291,35 @@ def test_a_plan_is_complete_unless_something_selected_is_left_unsent() -> None:
     assert plan.complete
     plan.entries[1] = replace(plan.entries[1], outcome=Outcome.FAILED)
     assert not plan.complete
+
+
+@pytest.mark.parametrize("style", ["connect", "both"])
+def test_a_connect_style_dead_letter_is_read_as_the_worker_s(style: str) -> None:
+    """Kafka Connect's headers name the source and (by its exception class) the code."""
+    built = wire.dead_letter_headers(
+        [("x-request-id", b"r-1")],
+        InferenceError("boom"),
+        wire.Source("requests", 2, 40, 0),
+        attempts=1,
+        group_id="workers",
+        failed_at=_T0,
+        style=style,
+    )
+    letter = DeadLetter.of(_Record("dlq", 0, 9, b"{}", b"k", built))
+    assert (letter.code, letter.source_topic, letter.source) == (
+        "INFERENCE_ERROR",
+        "requests",
+        "requests/2/40",
+    )
+    assert letter.failed_at == (_T0 if style == "both" else None)
+
+
+def test_a_connect_dead_letter_of_another_tool_has_no_code_of_ours() -> None:
+    headers = [
+        ("__connect.errors.topic", b"orders"),
+        ("__connect.errors.partition", b"0"),
+        ("__connect.errors.offset", b"5"),
+        ("__connect.errors.exception.class.name", b"org.apache.kafka.connect.errors.DataException"),
+    ]
+    letter = DeadLetter.of(_Record("dlq", 0, 1, b"{}", None, headers))
+    assert (letter.code, letter.source) == ("", "orders/0/5")

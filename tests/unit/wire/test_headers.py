@@ -75,3 +75,45 @@ def test_retryable_error_in_a_dead_letter_becomes_retries_exhausted() -> None:
     assert headers["x-error-message"] == (
         b"gave up after 2 attempts; last error TRITON_UNAVAILABLE: connection refused"
     )
+
+
+CONNECT = {
+    "__connect.errors.topic": b"requests",
+    "__connect.errors.partition": b"3",
+    "__connect.errors.offset": b"42",
+    "__connect.errors.connector.name": b"workers",
+    "__connect.errors.exception.class.name": b"worker.errors.InvalidRequest",
+    "__connect.errors.exception.message": b"inputs[0]: wrong",
+}
+
+
+def _styled(style: str) -> list[tuple[str, bytes | None]]:
+    return wire.dead_letter_headers(
+        [("trace", b"1")],
+        InvalidRequest("inputs[0]: wrong"),
+        wire.Source("requests", 3, 42, 1714557600000),
+        attempts=0,
+        group_id="workers",
+        failed_at=datetime(2024, 1, 1, tzinfo=UTC),
+        style=style,
+    )
+
+
+def test_connect_style_dead_letters_carry_kafka_connect_s_headers_instead() -> None:
+    """WORKER_DLQ_HEADER_STYLE=connect: Connect's context headers, none of the worker's."""
+    built = _styled("connect")
+    assert built[0] == ("trace", b"1")
+    assert dict(built[1:]) == CONNECT
+
+
+def test_both_styles_carry_the_worker_s_headers_then_connect_s() -> None:
+    built = dict(_styled("both"))
+    assert built["x-error-code"] == b"INVALID_REQUEST"
+    assert built["x-source-offset"] == b"42"
+    assert {name: built[name] for name in CONNECT} == CONNECT
+    assert [name for name, _ in _styled("worker") if name.startswith("__connect")] == []
+
+
+def test_a_replay_leaves_out_the_connect_headers_too() -> None:
+    replayed = wire.replay_headers(_styled("both"), "dlq/0/7", 1)
+    assert replayed == [("trace", b"1"), ("x-replayed-from", b"dlq/0/7"), ("x-replay-count", b"1")]
