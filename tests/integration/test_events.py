@@ -19,6 +19,7 @@ import orjson
 import pytest
 
 from tests.integration.test_foreign_traffic import LARGE_PRODUCER, LARGE_TOPIC, Out, produce
+from tests.integration.test_replay import _read as read_records
 from tests.support import (
     KafkaUnderTest,
     Topics,
@@ -28,6 +29,7 @@ from tests.support import (
     run_to_exit,
     running_worker,
     settings_for,
+    spawn_worker,
     worker_env,
 )
 from worker.checks.report import run_checks
@@ -252,3 +254,103 @@ async def test_a_mapping_that_does_not_fit_its_model_stops_the_start_one_line_ea
             "'no_such_model'; load it, or map the topic to a model it serves",
         ),
     }
+
+
+CLICKS = """
+[topics.{events}]
+model = "double"
+[topics.{events}.inputs.INPUT0]
+datatype = "FP32"
+fields = ["/x", "/y"]
+[topics.{events}.result.fields]
+x = "/x"
+doubled = "OUTPUT0"
+[topics.{events}.cloudevents]
+type = "com.example.click.scored"
+source = "/scoring/clicks"
+"""
+
+
+def binary_click(i: int) -> Out:
+    headers: list[tuple[str, bytes | None]] = [
+        ("ce_specversion", b"1.0"),
+        ("ce_id", f"click-{i}".encode()),
+        ("ce_source", b"/web"),
+        ("ce_type", b"com.example.click"),
+        ("ce_subject", b"button"),
+        ("content-type", b"application/json"),
+    ]
+    return Out(orjson.dumps({"x": i, "y": -i}), f"k-{i}".encode(), headers)
+
+
+def structured_click(i: int) -> Out:
+    envelope = {
+        "specversion": "1.0",
+        "id": f"click-{i}",
+        "source": "/web",
+        "type": "com.example.click",
+        "data": {"x": i, "y": -i},
+    }
+    return Out(
+        orjson.dumps(envelope),
+        f"k-{i}".encode(),
+        [("content-type", b"application/cloudevents+json")],
+    )
+
+
+async def test_cloud_events_are_answered_in_their_mode_with_ids_that_survive_a_sigkill(
+    kafka: KafkaUnderTest, triton: TritonUnderTest, unique: str, tmp_path: Path
+) -> None:
+    """Binary and structured CloudEvents, each answered in its mode. The first worker is
+    SIGKILLed before it commits (a commit interval of a minute): the second answers every
+    event again, and each answer's id is the same as the first's, so consumers can
+    deduplicate."""
+    topics = Topics.fresh(unique)
+    await kafka.create_topics([topics.input, topics.output, topics.dlq])
+    mapping = write_mapping(tmp_path, topics.input, "unused", CLICKS)
+    clicks = [binary_click(i) if i % 2 else structured_click(i) for i in range(10)]
+    extra = {"mapping_file": mapping, "commit_interval_ms": "60000"}
+    first = spawn_worker(worker_env(kafka, triton, topics, **extra), tmp_path / "first.log")
+    try:
+        offsets = await produce(kafka.bootstrap_servers, topics.input, clicks)
+        await read_records(kafka.bootstrap_servers, topics.output, len(clicks))
+    finally:
+        first.kill()
+        first.wait()
+    assert await kafka.committed_offsets(topics.group) == {}, "committed before the SIGKILL"
+    async with running_worker(settings_for(kafka, triton, topics, **extra)):
+        answers = await read_records(kafka.bootstrap_servers, topics.output, 2 * len(clicks))
+
+    by_offset: dict[int, list[Any]] = {}
+    for record in answers:
+        by_offset.setdefault(int(header_value(record.headers, "x-source-offset") or b"-1"), [])
+        by_offset[int(header_value(record.headers, "x-source-offset") or b"-1")].append(record)
+    assert sorted(by_offset) == offsets
+    for i, offset in enumerate(offsets):
+        first_answer, again = by_offset[offset]
+        assert (first_answer.value, first_answer.key) == (again.value, again.key)
+        assert dict(first_answer.headers) == dict(again.headers)
+        headers = dict(first_answer.headers)
+        if i % 2:
+            assert orjson.loads(first_answer.value) == {"x": i, "doubled": [2.0 * i, -2.0 * i]}
+            assert {k: v for k, v in headers.items() if k.startswith("ce_")} == {
+                "ce_specversion": b"1.0",
+                "ce_id": f"{topics.input}/0/{offset}".encode(),
+                "ce_source": b"/scoring/clicks",
+                "ce_type": b"com.example.click.scored",
+                "ce_correlationid": f"click-{i}".encode(),
+            }
+            assert headers["content-type"] == b"application/json"
+        else:
+            body = orjson.loads(first_answer.value)
+            assert body == {
+                "specversion": "1.0",
+                "id": f"{topics.input}/0/{offset}",
+                "source": "/scoring/clicks",
+                "type": "com.example.click.scored",
+                "correlationid": f"click-{i}",
+                "datacontenttype": "application/json",
+                "data": {"x": i, "doubled": [2.0 * i, -2.0 * i]},
+            }
+            assert headers["content-type"] == b"application/cloudevents+json"
+        assert headers["x-request-id"] == f"click-{i}".encode()

@@ -17,11 +17,12 @@ import orjson
 from tritonclient.grpc import service_pb2
 
 from worker.errors import DecodeError, InferenceError, InvalidRequest, TooLarge
+from worker.events.cloudevents import CloudEvent, cloud_event_of, is_structured
 from worker.events.mapping import Argmax, InputMap, OutputRef, TopicMapping
 from worker.events.paths import MISSING, EventPath
 from worker.wire import tensors
 from worker.wire.bytes_tensor import serialize_bytes_tensor
-from worker.wire.headers import X_REQUEST_ID, Headers, Source, header_text
+from worker.wire.headers import CONTENT_TYPE, X_REQUEST_ID, Headers, Source, header_text
 from worker.wire.requests import DecodedRequest, DecodeLimits
 from worker.wire.validation import ModelSpec
 
@@ -50,11 +51,20 @@ def _show(value: Any) -> str:
 class MappedEvent:
     """The event a request was made of, and how to make its result event."""
 
-    __slots__ = ("batched", "event", "mapping")
+    __slots__ = ("batched", "cloud", "event", "mapping", "source")
 
-    def __init__(self, mapping: TopicMapping, event: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        mapping: TopicMapping,
+        event: dict[str, Any],
+        source: Source,
+        cloud: CloudEvent | None = None,
+    ) -> None:
         self.mapping = mapping
         self.event = event
+        self.source = source
+        #: The request came as a CloudEvent: the result goes out as one, in its mode.
+        self.cloud = cloud
         #: The inputs were given a batch dimension (the model batches).
         self.batched = False
 
@@ -65,8 +75,9 @@ class MappedEvent:
             for tensor in infer_request.inputs:
                 tensor.shape.insert(0, 1)
 
-    def encode(self, pairs: list[tuple[Any, bytes]]) -> bytes:
-        """The result event of the response's (output, raw bytes) pairs."""
+    def encode(self, pairs: list[tuple[Any, bytes]]) -> tuple[bytes, list[tuple[str, bytes]]]:
+        """The result event of the response's (output, raw bytes) pairs, and its headers
+        (a CloudEvent's in the request's mode)."""
         outputs: dict[str, Any] = {}
         for i, (out, raw) in enumerate(pairs):
             try:
@@ -82,7 +93,10 @@ class MappedEvent:
             document[result.into] = {name: _json(array) for name, array in outputs.items()}
         else:
             document = {name: self._field(name, source, outputs) for name, source in result.fields}
-        return orjson.dumps(document)
+        data = orjson.dumps(document)
+        if self.cloud is not None:
+            return self.cloud.result(data, self.mapping.cloudevents, self.source)
+        return data, [(CONTENT_TYPE, b"application/json")]
 
     def _field(self, name: str, source: Any, outputs: dict[str, Any]) -> Any:
         if isinstance(source, EventPath):
@@ -150,6 +164,14 @@ def decode_event(
         event = orjson.loads(value[3:] if value.startswith(_UTF8_BOM) else value)
     except orjson.JSONDecodeError as exc:
         raise DecodeError(f"record value is not valid JSON: {exc}") from None
+    structured = is_structured(headers)
+    cloud = cloud_event_of(headers, event if structured else None)
+    if structured:
+        event = event.get("data")
+        if not isinstance(event, dict):
+            raise DecodeError(
+                f"structured CloudEvent: data is {_show(event)}; expected a JSON object (the event)"
+            )
     if not isinstance(event, dict):
         raise DecodeError(
             f"record value: topic {mapping.topic!r} expects a JSON object (an event), "
@@ -173,19 +195,23 @@ def decode_event(
     for name in mapping.outputs():
         request.outputs.add().name = name
     return DecodedRequest(
-        request_id=_request_id(mapping, event, headers, source),
+        request_id=_request_id(mapping, event, headers, source, cloud),
         model_name=mapping.model,
         model_version=mapping.version,
         encoding="json",
         infer_request=request,
         binary_outputs=False,
         payload_bytes=len(value),
-        event=MappedEvent(mapping, event),
+        event=MappedEvent(mapping, event, source, cloud),
     )
 
 
 def _request_id(
-    mapping: TopicMapping, event: dict[str, Any], headers: Headers, source: Source
+    mapping: TopicMapping,
+    event: dict[str, Any],
+    headers: Headers,
+    source: Source,
+    cloud: CloudEvent | None,
 ) -> str:
     if mapping.request_id is not None:
         found = mapping.request_id.find(event)
@@ -198,6 +224,8 @@ def _request_id(
                 f"{mapping.request_id}: expected a string or an integer (the request id), "
                 f"got {_show(found)}"
             )
+    if cloud is not None:
+        return cloud.id
     return (
         header_text(headers, X_REQUEST_ID) or f"{source.topic}-{source.partition}-{source.offset}"
     )

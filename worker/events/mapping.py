@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
+from worker.events.cloudevents import CloudEventsOut
 from worker.events.paths import EventPath, parse_path
 from worker.settings import ConfigError
 from worker.wire.tensors import DATATYPES
@@ -103,6 +104,8 @@ class TopicMapping:
     request_id: EventPath | None
     inputs: tuple[InputMap, ...]
     result: ResultForm
+    #: The type and source of result events, when the requests are CloudEvents.
+    cloudevents: CloudEventsOut = CloudEventsOut()  # noqa: RUF009 (frozen: shared safely)
 
     def outputs(self) -> tuple[str, ...]:
         """The model outputs the result reads (none named: all of them)."""
@@ -199,7 +202,8 @@ def _path(value: Any, where: str, problems: list[str]) -> EventPath | None:
 def _topic(
     topic: str, table: dict[str, Any], where: str, problems: list[str]
 ) -> TopicMapping | None:
-    _unknown(table, {"model", "version", "request_id", "inputs", "result"}, where, problems)
+    known = {"model", "version", "request_id", "inputs", "result", "cloudevents"}
+    _unknown(table, known, where, problems)
     model = _text(table, "model", where, problems)
     if model is None and "model" not in table:
         problems.append(f"{where}.model: missing; name the model the events feed")
@@ -224,11 +228,11 @@ def _topic(
             if one is not None:
                 inputs.append(one)
     result = _result(table.get("result", {}), f"{where}.result", problems)
+    cloudevents = _cloudevents(table.get("cloudevents", {}), f"{where}.cloudevents", problems)
     if model is None or result is None:
         return None
-    return TopicMapping(
-        topic, model, version.lstrip("0") or version[:1], request_id, tuple(inputs), result
-    )
+    version = version.lstrip("0") or version[:1]
+    return TopicMapping(topic, model, version, request_id, tuple(inputs), result, cloudevents)
 
 
 def _input(name: str, spec: Any, where: str, problems: list[str]) -> InputMap | None:
@@ -359,3 +363,14 @@ def _result_source(source: Any, where: str, problems: list[str]) -> ResultSource
         return None
     name, index = match.groups()
     return OutputRef(name, int(index) if index is not None else None)
+
+
+def _cloudevents(table: Any, where: str, problems: list[str]) -> CloudEventsOut:
+    if not isinstance(table, dict):
+        problems.append(f"{where}: expected a table (type, source)")
+        return CloudEventsOut()
+    _unknown(table, {"type", "source"}, where, problems)
+    default = CloudEventsOut()
+    kind = _text(table, "type", where, problems) or default.type
+    source = _text(table, "source", where, problems) or default.source
+    return CloudEventsOut(kind, source)

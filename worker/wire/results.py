@@ -123,9 +123,10 @@ def encode_result(
     encoding_headers: list[tuple[str, bytes]] = [
         (CONTENT_TYPE, RESULT_CONTENT_TYPES[request.encoding])
     ]
+    value: bytes
     try:
         if request.event is not None:
-            value: bytes = request.event.encode(response_tensors(response))
+            value, encoding_headers = request.event.encode(response_tensors(response))
         elif request.encoding == "protobuf":
             response.id = request.request_id
             for key in STREAM_PARAMETERS:
@@ -172,6 +173,9 @@ def result_headers(
     `served_model_version` is the version Triton reports having used, when known;
     `extra` are further headers of the worker's (a stream's x-response-*).
     """
+    if request.event is not None and request.event.cloud is not None:
+        # A CloudEvent's attributes describe the request; the result's are its own.
+        request_headers = [(n, v) for n, v in request_headers if not n.lower().startswith("ce_")]
     added = [
         (X_REQUEST_ID, request.request_id.encode()),
         (X_MODEL_NAME, request.model_name.encode()),
