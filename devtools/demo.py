@@ -14,6 +14,7 @@ from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import Progress
 from rich.table import Table
 
@@ -26,6 +27,9 @@ DEMO_MAX_REQUEST_BYTES = samples.BAD_SAMPLES_MAX_REQUEST_BYTES
 #: What the decoupled ``tokens`` model is asked to stream, one response per token.
 DEMO_PROMPT = "every token of this sentence travels as its own Triton response"
 DEMO_STREAMS = 3
+#: The mapped topic of the demo's plain events (examples/payments.toml maps it to ``mlp``).
+PAYMENTS_TOPIC = "payments"
+DEMO_PAYMENTS = 20
 
 
 def add_demo_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -115,6 +119,7 @@ def run_demo(args: argparse.Namespace) -> int:
 
 
 async def _demo(stack: Any, args: argparse.Namespace, console: Console, workdir: Path) -> int:
+    from devtools.devstack.paths import PROJECT_ROOT
     from devtools.devstack.stack import DEFAULT_TOPICS, INPUT_PARTITIONS
     from worker.app import Worker
     from worker.observability import configure_logging
@@ -122,11 +127,13 @@ async def _demo(stack: Any, args: argparse.Namespace, console: Console, workdir:
 
     topics = DEFAULT_TOPICS
     await stack.kafka.create_topics([topics["input"]], partitions=INPUT_PARTITIONS)
+    await stack.kafka.create_topics([PAYMENTS_TOPIC], partitions=1)
     await stack.kafka.create_topics([topics["output"], topics["dlq"]], partitions=INPUT_PARTITIONS)
     settings = load_settings(
         {
             "WORKER_BOOTSTRAP_SERVERS": stack.kafka.bootstrap_servers,
-            "WORKER_INPUT_TOPICS": topics["input"],
+            "WORKER_INPUT_TOPICS": f"{topics['input']},{PAYMENTS_TOPIC}",
+            "WORKER_MAPPING_FILE": str(PROJECT_ROOT / "examples" / "payments.toml"),
             "WORKER_OUTPUT_TOPIC": topics["output"],
             "WORKER_DLQ_TOPIC": topics["dlq"],
             "WORKER_GROUP_ID": "demo-worker",
@@ -148,15 +155,20 @@ async def _demo(stack: Any, args: argparse.Namespace, console: Console, workdir:
     streams = [
         samples.token_request(f"demo-tokens-{i}", DEMO_PROMPT, words) for i in range(DEMO_STREAMS)
     ]
-    requests = burst + streams
+    events = samples.payment_events(DEMO_PAYMENTS)
+    requests = burst + streams + events
     sent_at: dict[str, float] = {}
     answers: dict[str, tuple[str, str | None, Any]] = {}
     with progress_bar(console) as progress:
         # The token streams go after the burst is answered: tritonserver 2.51 was seen
         # to abort when decoupled and ordinary requests meet under a burst (docs/decisions/0009).
-        for phase in (burst, streams):
+        for phase, topic in (
+            (burst, topics["input"]),
+            (streams, topics["input"]),
+            (events, PAYMENTS_TOPIC),
+        ):
             times = await send_requests(
-                stack.kafka.bootstrap_servers, topics["input"], outgoing(phase), progress
+                stack.kafka.bootstrap_servers, topic, outgoing(phase), progress
             )
             sent_at.update((r.request_id, t) for r, t in zip(phase, times, strict=True))
             answers |= await collect(
@@ -169,6 +181,7 @@ async def _demo(stack: Any, args: argparse.Namespace, console: Console, workdir:
     await running
     log_file.close()
     _summary(console, requests, answers, sent_at, topics)
+    _show_events(console, events, answers)
     console.print(f"worker log: {log_path}")
     expected = {r.request_id: r.expected_code for r in requests}
     wrong = [rid for rid, (topic, code, _) in answers.items() if code != expected[rid]]
@@ -241,6 +254,29 @@ def _summary(
             continue
         shown.add(request.model)
         console.print(f"[bold]{request.model}[/bold] result: {answer[2][1][:200].decode()}")
+
+
+def _show_events(
+    console: Console,
+    events: Sequence[samples.SampleRequest],
+    answers: dict[str, tuple[str, str | None, Any]],
+) -> None:
+    """A few payment events as they came back: scored by ``mlp`` through the mapping."""
+    shown = 0
+    for event in events:
+        answer = answers.get(event.request_id)
+        if answer is None:
+            continue
+        _, code, (_, value, headers) = answer
+        if code is not None:
+            message = (header_value(headers, "x-error-message") or b"").decode()
+            console.print(
+                f"[bold]{PAYMENTS_TOPIC}[/bold] event {event.request_id}: {code} {escape(message)}"
+            )
+        elif shown < 3:
+            shown += 1
+            line = f"[bold]{PAYMENTS_TOPIC}[/bold] event scored: {escape(value.decode())}"
+            console.print(line, soft_wrap=True, highlight=False)
 
 
 def _show_stream(

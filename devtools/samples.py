@@ -316,3 +316,34 @@ def bad_requests(max_request_bytes: int = BAD_SAMPLES_MAX_REQUEST_BYTES) -> list
         )
         for name, value, headers, code in cases
     ]
+
+
+def payment_events(count: int, seed: int = 9) -> list[SampleRequest]:
+    """Plain JSON payment events for the ``payments`` mapping of ``examples/``, then one
+    whose features hold a word where a number belongs (an INVALID_REQUEST dead letter)."""
+    import json
+
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(count + 1):
+        payment_id = f"payment-{i}"
+        features: list[Any] = [round(float(x), 4) for x in rng.standard_normal(64)]
+        bad = i == count
+        if bad:
+            features[7] = "n/a"
+        event = {
+            "payment_id": payment_id,
+            "amount": round(float(rng.uniform(1, 500)), 2),
+            "features": features,
+        }
+        out.append(
+            SampleRequest(
+                json.dumps(event).encode(),
+                [],
+                "mlp",
+                "json",
+                payment_id,
+                "INVALID_REQUEST" if bad else None,
+            )
+        )
+    return out

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import orjson
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from tritonclient.grpc import service_pb2
 
@@ -150,12 +151,14 @@ async def drain(
     request: samples.SampleRequest | Sequence[samples.SampleRequest] | None = None,
     on_sample: Callable[[int, int], Awaitable[None]] | None = None,
     stall_s: float = 60.0,
+    mapping: str | None = None,
 ) -> Drain:
     """Produce ``backlog`` records (copies of ``request``, or of several, else ``distinct``
     samples for ``model``), start one worker, sample it until ``until_results``.
 
     ``on_sample(pid, results)`` is awaited after every sample (the profiler attaches so).
     A drain with no new result for ``stall_s`` fails (Triton died under it, say).
+    ``mapping``: a mapping file's text for the input topic (``{topic}`` in it names it).
     """
     run = f"drain-{uuid.uuid4().hex[:8]}"
     topic_in, topic_out, topic_dlq = f"{run}-in", f"{run}-out", f"{run}-dlq"
@@ -176,6 +179,10 @@ async def drain(
         "WORKER_LOG_LEVEL": "warning",
         **{f"WORKER_{k}": v for k, v in settings.items()},
     }
+    if mapping is not None:
+        mapping_file = out_dir / f"{label}-mapping.toml"
+        mapping_file.write_text(mapping.format(topic=topic_in))
+        env["WORKER_MAPPING_FILE"] = str(mapping_file)
     child = spawn([_python(), "-m", "worker", "run"], env, out_dir / f"{label}.log")
     target = until_results or backlog
     points: list[tuple[float, int, float]] = []
@@ -390,13 +397,29 @@ async def compression(
     return {"runs": runs, "ratios": ratios, "sample_bytes": len(raw)}
 
 
-#: The payloads measured side by side: (model, encoding) of each drain.
-PAYLOADS: tuple[tuple[str, samples.Encoding], ...] = (
+#: The payloads measured side by side: (model, encoding) of each drain; ``events`` are
+#: plain JSON events of the same floats on a mapped topic (WORKER_MAPPING_FILE).
+PAYLOADS: tuple[tuple[str, str], ...] = (
     ("mlp", "json"),
     ("mlp", "binary"),
+    ("mlp", "events"),
     ("embedding", "json"),
     ("embedding", "binary"),
 )
+#: The mapping of the ``events`` payload: the event's floats to ``mlp``'s input, its id
+#: and the probabilities as the result event (as an OIP result has them).
+EVENTS_MAPPING = """
+[topics.{topic}]
+model = "mlp"
+request_id = "/id"
+[topics.{topic}.inputs.INPUT0]
+datatype = "FP32"
+from = "/features"
+shape = [64]
+[topics.{topic}.result.fields]
+id = "/id"
+probs = "PROBS"
+"""
 #: Floats per request of the payloads' models.
 PAYLOAD_FLOATS = {"mlp": 64, "embedding": 768}
 
@@ -414,7 +437,11 @@ async def payloads(
     (``mlp``) and 768 (``embedding``), as OIP JSON and with the binary extension."""
     runs = []
     for model, encoding in PAYLOADS:
-        requests = samples_for(model, 200, seed=5, encoding=encoding)
+        mapping = EVENTS_MAPPING if encoding == "events" else None
+        if encoding == "events":
+            requests = _events(samples_for(model, 200, seed=5))
+        else:
+            requests = samples_for(model, 200, seed=5, encoding=encoding)  # type: ignore[arg-type]
         runs.append(
             await drain(
                 bootstrap,
@@ -426,9 +453,21 @@ async def payloads(
                 settings=dict(base),
                 sample_s=0.5,
                 request=requests,
+                mapping=mapping,
             )
         )
     return runs
+
+
+def _events(requests: list[samples.SampleRequest]) -> list[samples.SampleRequest]:
+    """The JSON requests' floats as plain events: ``{"id": ..., "features": [...]}``."""
+    out = []
+    for request in requests:
+        body = orjson.loads(request.value)
+        (row,) = np.asarray(body["inputs"][0]["data"], dtype=np.float32).reshape(1, -1).tolist()
+        event = orjson.dumps({"id": request.request_id, "features": row})
+        out.append(samples.SampleRequest(event, [], request.model, "json", request.request_id))
+    return out
 
 
 async def _read_values(bootstrap: str, topic: str, limit: int) -> list[bytes]:

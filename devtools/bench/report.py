@@ -500,6 +500,10 @@ def _payload_ratios(runs: list[Any] | None) -> list[Ratio]:
             value = cpu[(model, "binary")] / cpu[(model, "json")]
             name = f"`{model}`: CPU per record, binary / JSON"
             out.append(Ratio(name, value, "<= 0.5", value <= 0.5))
+    if cpu.get(("mlp", "json")) and cpu.get(("mlp", "events")):
+        value = cpu[("mlp", "events")] / cpu[("mlp", "json")]
+        name = "`mlp`: CPU per record, mapped events / OIP JSON"
+        out.append(Ratio(name, value, "<= 1.2", value <= 1.2))
     for encoding in ("json", "binary"):
         if cpu.get(("mlp", encoding)):
             value = cpu[("embedding", encoding)] / cpu[("mlp", encoding)]

@@ -265,7 +265,8 @@ async def test_produce_command_sends_generated_and_bad_requests(
 
 
 def test_demo_answers_every_request_and_exits_zero() -> None:
-    """`python -m devtools demo` (`make demo`) answers all, shows a token stream, stops all."""
+    """`python -m devtools demo` (`make demo`) answers all, shows a token stream and scored
+    payment events, stops all."""
     done = subprocess.run(
         [sys.executable, "-m", "devtools", "demo", "--requests", "90"],
         capture_output=True,
@@ -280,6 +281,15 @@ def test_demo_answers_every_request_and_exits_zero() -> None:
     assert row.split("│")[2].strip() == "0"
     # The decoupled token model's stream, joined into one result of 11 responses.
     assert "tokens (decoupled) stream: 11 responses joined into one result" in done.stdout
+    # Plain payment events on a mapped topic (examples/payments.toml), scored by `mlp`.
+    scored = [line for line in done.stdout.splitlines() if "payments event scored:" in line]
+    assert len(scored) == 3, done.stdout[-3000:]
+    event = json.loads(scored[0].split("scored: ", 1)[1])
+    assert set(event) == {"payment_id", "amount", "fraud_score", "label"}
+    assert (
+        "payments event payment-20: INVALID_REQUEST $.features[7]: expected a number (FP32), "
+        'got "n/a"' in done.stdout
+    )
 
 
 async def test_worker_produce_sends_ndjson_from_stdin(kafka: KafkaUnderTest, unique: str) -> None:
