@@ -44,7 +44,11 @@ async def inspect_mappings(settings: Settings, timeout_s: float) -> MappingFindi
     if path is None:
         return None
     findings = MappingFindings(load_mappings(path, settings.topics.input_topics))
-    address, target = (await probes.triton_addresses(settings))[0]
+    try:
+        address, target = (await probes.triton_addresses(settings))[0]
+    except Exception as exc:  # not resolved: an outage to the worker, not a mapping problem
+        findings.unreachable = probes.reason(exc)
+        return findings
     auth = TritonAuth(settings.triton)
     client = probes.triton_client(settings, address, target)
     try:
