@@ -93,7 +93,7 @@ class MappedEvent:
             document[result.into] = {name: _json(array) for name, array in outputs.items()}
         else:
             document = {name: self._field(name, source, outputs) for name, source in result.fields}
-        data = orjson.dumps(document)
+        data = orjson.dumps(document, option=orjson.OPT_SERIALIZE_NUMPY)
         if self.cloud is not None:
             return self.cloud.result(data, self.mapping.cloudevents, self.source)
         return data, [(CONTENT_TYPE, b"application/json")]
@@ -133,14 +133,21 @@ class MappedEvent:
 
 
 def _json(value: Any) -> Any:
-    """A numpy array or scalar as JSON values (BYTES as UTF-8 text)."""
+    """A numpy array or scalar as orjson writes it (numbers as their datatype's shortest
+    form, as results of inference requests have them; BYTES as UTF-8 text)."""
     if isinstance(value, np.ndarray):
         if value.dtype == object:
-            return [_json(item) for item in value.tolist()]
-        return value.tolist()
+            return _texts(value.tolist())
+        return value[()] if value.ndim == 0 else np.ascontiguousarray(value)
     if isinstance(value, bytes):
         return value.decode("utf-8", "replace")
-    return value.item() if isinstance(value, np.generic) else value
+    return value
+
+
+def _texts(items: Any) -> Any:
+    if isinstance(items, list):
+        return [_texts(item) for item in items]
+    return items.decode("utf-8", "replace") if isinstance(items, bytes) else items
 
 
 def decode_event(

@@ -3,6 +3,7 @@ result form, and what a hostile event gets (the field path and what was expected
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -12,6 +13,7 @@ from tritonclient.grpc import service_pb2
 
 from worker.errors import DecodeError, InferenceError, InvalidRequest, TooLarge
 from worker.events import TopicMapping, decode_event, load_mappings
+from worker.events.mapping import ResultForm
 from worker.wire import DecodeLimits, Source, encode_result
 from worker.wire.validation import ModelSpec, TensorSpec, check_request
 
@@ -260,3 +262,22 @@ def test_a_response_the_result_cannot_be_made_of_is_an_inference_error(
     request = decode(mappings["grid"], {"cells": [[1], [2]], "name": "a"})
     with pytest.raises(InferenceError, match=message):
         encode_result(request, response(**outputs))
+
+
+def test_numbers_keep_their_datatype_s_shortest_form_and_text_outputs_are_text(
+    mappings: dict[str, TopicMapping],
+) -> None:
+    """FP32 0.1 is written 0.1 (as an inference result has it), not 0.10000000149011612;
+    a BYTES output of two dimensions is nested text."""
+    request = decode(mappings["grid"], {"id": 1, "cells": [[1], [2]], "name": "a"})
+    message = response(PROBS=np.array([0.1, 0.2, 0.7]))
+    text = message.outputs.add(name="TEXT", datatype="BYTES")
+    text.shape.extend([1, 2])
+    message.raw_output_contents.append(b"\x01\x00\x00\x00a\x02\x00\x00\x00\xc3\xa9")
+    request.event.mapping = replace(
+        request.event.mapping,
+        result=ResultForm("out", ()),
+    )
+    value, _ = encode_result(request, message)
+    assert b'"PROBS":[0.1,0.2,0.7]' in value
+    assert orjson.loads(value)["out"]["TEXT"] == [["a", "é"]]
