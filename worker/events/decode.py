@@ -167,23 +167,7 @@ def decode_event(
         raise TooLarge(
             f"record value is {len(value)} bytes, over the {limits.max_request_bytes}-byte limit"
         )
-    try:
-        event = orjson.loads(value[3:] if value.startswith(_UTF8_BOM) else value)
-    except orjson.JSONDecodeError as exc:
-        raise DecodeError(f"record value is not valid JSON: {exc}") from None
-    structured = is_structured(headers)
-    cloud = cloud_event_of(headers, event if structured else None)
-    if structured:
-        event = event.get("data")
-        if not isinstance(event, dict):
-            raise DecodeError(
-                f"structured CloudEvent: data is {_show(event)}; expected a JSON object (the event)"
-            )
-    if not isinstance(event, dict):
-        raise DecodeError(
-            f"record value: topic {mapping.topic!r} expects a JSON object (an event), "
-            f"got {type(event).__name__ if event is not None else 'null'}"
-        )
+    event, cloud = _event_of(mapping, value, headers)
     request = service_pb2.ModelInferRequest(model_name=mapping.model, model_version=mapping.version)
     element_limits = tensors.TensorLimits(limits.max_tensor_elements, limits.max_tensor_bytes)
     total = 0
@@ -211,6 +195,30 @@ def decode_event(
         payload_bytes=len(value),
         event=MappedEvent(mapping, event, source, cloud),
     )
+
+
+def _event_of(
+    mapping: TopicMapping, value: bytes, headers: Headers
+) -> tuple[dict[str, Any], CloudEvent | None]:
+    """The event a record holds (a structured CloudEvent's data), and its CloudEvent."""
+    try:
+        event = orjson.loads(value[3:] if value.startswith(_UTF8_BOM) else value)
+    except orjson.JSONDecodeError as exc:
+        raise DecodeError(f"record value is not valid JSON: {exc}") from None
+    structured = is_structured(headers)
+    cloud = cloud_event_of(headers, event if structured else None)
+    if structured:
+        event = event.get("data")
+        if not isinstance(event, dict):
+            raise DecodeError(
+                f"structured CloudEvent: data is {_show(event)}; expected a JSON object (the event)"
+            )
+    if not isinstance(event, dict):
+        raise DecodeError(
+            f"record value: topic {mapping.topic!r} expects a JSON object (an event), "
+            f"got {type(event).__name__ if event is not None else 'null'}"
+        )
+    return event, cloud
 
 
 def _request_id(
