@@ -188,9 +188,10 @@ class ExitCode(enum.IntEnum):
     #: ``run`` abandoned records, which stay uncommitted and are consumed again: a second
     #: signal, or a drain that outlived ``WORKER_SHUTDOWN_TIMEOUT_S``. ``check``: a check failed.
     FORCED = 1
-    #: Invalid settings; a credential, certificate, security protocol or ACL problem, or a
-    #: missing topic, found at start-up; the broker refusing the worker its group or
-    #: topics while it runs; a file ``produce`` cannot read.
+    #: Invalid settings; a credential, certificate, security protocol or ACL problem, a
+    #: missing topic, or a mapping file that does not fit its models, found at start-up;
+    #: the broker refusing the worker its group or topics while it runs; a file
+    #: ``produce`` cannot read.
     CONFIG = 2
     #: An outcome can never be written, or too many records in a row met a bug.
     FATAL = 3
