@@ -24,7 +24,7 @@ WORKDIR /src
 # that a change to the worker's code does not reinstall them.
 COPY constraints.txt pyproject.toml README.md ./
 COPY worker ./worker
-RUN pip install -c constraints.txt ".[confluent,otel]" && pip check
+RUN pip install -c constraints.txt ".[confluent,otel,yaml]" && pip check
 
 FROM ${PYTHON_IMAGE}
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PATH=/opt/venv/bin:$PATH

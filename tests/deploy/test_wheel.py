@@ -193,6 +193,30 @@ def test_the_base_install_refuses_librdkafka_in_one_line(
     assert time.monotonic() - started < COMMAND_TIMEOUT_S
 
 
+def test_the_base_install_refuses_a_yaml_mapping_in_one_line(
+    venv: Venv, kafka: KafkaUnderTest, triton: TritonUnderTest, unique: str, tmp_path: Path
+) -> None:
+    """No extra, a YAML mapping file: exit 2 and one line naming the yaml extra (TOML and
+    JSON need none)."""
+    assert not venv.has("yaml")
+    mapping = tmp_path / "mapping.yaml"
+    mapping.write_text("topics: {}\n")
+    topics = Topics.fresh(unique)
+    env = _env(kafka, triton, topics, WORKER_MAPPING_FILE=str(mapping))
+    for command in ("run", "check"):
+        done = subprocess.run(
+            [venv.script, command],
+            env=env,
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=COMMAND_TIMEOUT_S,
+        )
+        assert done.returncode == 2, done.stderr
+        lines = done.stderr.strip().splitlines()
+        assert len(lines) == 1 and "kafka-triton-worker[yaml]" in lines[0], done.stderr
+
+
 async def test_the_confluent_extra_runs_the_worker_on_librdkafka(
     venv: Venv, kafka: KafkaUnderTest, triton: TritonUnderTest, unique: str, tmp_path: Path
 ) -> None:

@@ -38,6 +38,7 @@ from worker.checks.kafka import inspect_kafka
 from worker.checks.mappings import inspect_mappings, mapping_rows
 from worker.checks.rows import CheckResult, kafka_rows
 from worker.errors import CannotRun, ExitCode
+from worker.events import load_mappings
 from worker.settings import ConfigError, Settings, add_run_arguments, load_settings
 from worker.shutdown import run_interruptible
 from worker.triton.auth import TritonAuth
@@ -192,6 +193,8 @@ async def run_checks(settings: Settings, timeout_s: float = 10.0) -> list[CheckR
         f"Kafka {settings.kafka.bootstrap_servers} ({settings.kafka_auth.security_protocol}); "
         f"Triton {settings.triton.triton_url}"
     )
+    if settings.limits.mapping_file is not None:  # a file that cannot be read: exit 2 first
+        load_mappings(settings.limits.mapping_file, settings.topics.input_topics)
     kafka, triton, mapped = await asyncio.gather(
         kafka_checks(settings, timeout_s),
         triton_checks(settings, timeout_s),

@@ -1,7 +1,8 @@
 """The mapping file (``WORKER_MAPPING_FILE``): which model each mapped topic's events feed,
 where each model input's values sit in an event, and what the result event is.
 
-TOML (``.toml``) or JSON (``.json``); one file maps any number of input topics::
+TOML (``.toml``), JSON (``.json``) or YAML (``.yaml``, with the ``yaml`` extra); one file
+maps any number of input topics::
 
     [topics.payments]
     model = "mlp"                          # version = "1" to pin one
@@ -163,8 +164,12 @@ def _read(path: str) -> dict[str, Any]:
             document = json.loads(text)
         elif file.suffix.lower() == ".toml":
             document = tomllib.loads(text.decode("utf-8-sig"))
+        elif file.suffix.lower() in (".yaml", ".yml"):
+            document = _yaml(path, text)
         else:
-            raise ConfigError(SETTING, f"{SETTING}: {path}: name it .toml (TOML) or .json (JSON)")
+            raise ConfigError(
+                SETTING, f"{SETTING}: {path}: name it .toml (TOML), .json (JSON) or .yaml (YAML)"
+            )
     except (tomllib.TOMLDecodeError, json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError(
             SETTING, f"{SETTING}: {path}: not valid {file.suffix[1:].upper()}: {exc}"
@@ -172,6 +177,23 @@ def _read(path: str) -> dict[str, Any]:
     if not isinstance(document, dict):
         raise ConfigError(SETTING, f"{SETTING}: {path}: expected a table of topics")
     return document
+
+
+def _yaml(path: str, text: bytes) -> Any:
+    """A YAML mapping file, read with PyYAML (the ``yaml`` extra) as plain data."""
+    try:
+        import yaml  # type: ignore[import-untyped, unused-ignore]
+    except ImportError:
+        raise ConfigError(
+            SETTING,
+            f"{SETTING}: {path}: reading YAML needs PyYAML: pip install "
+            "'kafka-triton-worker[yaml]', or write the mapping as TOML or JSON",
+        ) from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        where = str(exc).replace("\n", " ")
+        raise ConfigError(SETTING, f"{SETTING}: {path}: not valid YAML: {where}") from None
 
 
 def _unknown(table: dict[str, Any], known: set[str], where: str, problems: list[str]) -> None:

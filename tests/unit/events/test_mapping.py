@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -170,7 +171,8 @@ y = "P[one]"
 @pytest.mark.parametrize(
     ("name", "text", "message"),
     [
-        ("m.yaml", "topics: {}", "name it .toml (TOML) or .json (JSON)"),
+        ("m.ini", "[topics]", "name it .toml (TOML), .json (JSON) or .yaml (YAML)"),
+        ("m.yaml", "topics: [unclosed", "not valid YAML: while parsing"),
         ("m.toml", "[topics", "not valid TOML"),
         ("m.json", "[1]", "expected a table of topics"),
         ("m.toml", "", "m.toml: 1 problem:\n  topics: expected a table of input topics"),
@@ -196,3 +198,29 @@ def test_the_examples_load(name: str, topic: str, model: str) -> None:
     examples = Path(__file__).resolve().parents[3] / "examples"
     mapping = load_mappings(str(examples / name), (topic,))[topic]
     assert mapping.model == model
+
+
+def test_yaml_is_read_as_toml_is(tmp_path: Path) -> None:
+    text = """
+topics:
+  clicks:
+    model: mlp
+    inputs:
+      INPUT0: {datatype: FP32, fields: [/x, /y], default: 0}
+    result:
+      into: scored
+"""
+    mapping = load_mappings(write(tmp_path, text, "m.yml"), ("clicks",))["clicks"]
+    assert (mapping.model, mapping.inputs[0].shape, mapping.result.into) == (
+        "mlp",
+        (2,),
+        "scored",
+    )
+
+
+def test_yaml_without_pyyaml_names_the_extra(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "yaml", None)  # as in an install without the extra
+    with pytest.raises(ConfigError, match=r"pip install 'kafka-triton-worker\[yaml\]'"):
+        load_mappings(write(tmp_path, "topics: {}", "m.yaml"), ("clicks",))
