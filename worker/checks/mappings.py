@@ -116,6 +116,10 @@ def mapping_rows(findings: MappingFindings | None) -> list[CheckResult]:
             if result.into is not None
             else "fields " + ", ".join(name for name, _ in result.fields)
         )
+        missing = [p for p in left if p.startswith(f"topics.{topic}.inputs:")]
+        if missing:  # model inputs the mapping does not give: no mapped input's row
+            rows.append(CheckResult(f"mapping {topic} inputs", "fail", "; ".join(missing)))
+            left = [p for p in left if p not in missing]
         ending: Outcome = "skip" if skipped else "fail" if left else "ok"
         rows.append(CheckResult(f"mapping {topic} result", ending, "; ".join([shown, *left])))
     return rows

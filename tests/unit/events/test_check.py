@@ -118,5 +118,9 @@ def test_check_fails_the_row_of_the_input_that_does_not_fit(tmp_path: Path) -> N
     rows = {row.check: row for row in mapping_rows(findings)}
     assert rows["mapping a MASK"].outcome == "fail"
     assert "expects BOOL" in rows["mapping a MASK"].detail
+    assert rows["mapping a inputs"].outcome == "fail"
+    assert rows["mapping a inputs"].detail == (
+        "topics.a.inputs: model 'mlp' needs INPUT0, which the mapping does not give"
+    )
     assert rows["mapping a result"].outcome == "fail"
-    assert "needs INPUT0" in rows["mapping a result"].detail
+    assert "needs INPUT0" not in rows["mapping a result"].detail
