@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -133,12 +134,16 @@ def _work_dir() -> Path:
 
 
 def worker_requirements() -> list[str]:
-    """What the image installs: the worker's dependencies and its confluent and otel extras,
-    plus the build backend of ``pyproject.toml`` (pip builds the worker in the image)."""
+    """What the image installs: the worker's dependencies and the extras the Dockerfile's
+    ``pip install ".[...]"`` names, plus the build backend of ``pyproject.toml`` (pip
+    builds the worker in the image)."""
     project = tomllib.loads((PROJECT_ROOT / "pyproject.toml").read_text())
     extras = project["project"]["optional-dependencies"]
     build = project["build-system"]["requires"]
-    return [*project["project"]["dependencies"], *extras["confluent"], *extras["otel"], *build]
+    named = re.search(r'"\.\[([\w,]+)\]"', (PROJECT_ROOT / "Dockerfile").read_text())
+    assert named is not None, "the Dockerfile installs no extras"
+    wanted = [r for name in named.group(1).split(",") for r in extras[name]]
+    return [*project["project"]["dependencies"], *wanted, *build]
 
 
 def _download_wheels(requirements: list[str], dest: Path, *, constrained: bool) -> None:
