@@ -14,9 +14,11 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
+import orjson
 import pytest
 from aiokafka import AIOKafkaProducer
 from aiokafka.structs import ConsumerRecord
@@ -28,6 +30,7 @@ from devtools.samples import (
     Tensor,
     encode_request,
 )
+from tests.integration.test_foreign_traffic import Out, produce
 from tests.support import (
     Collected,
     KafkaUnderTest,
@@ -43,6 +46,7 @@ from tests.support import (
     settings_for,
 )
 from worker.app import Worker
+from worker.checks.mappings import inspect_mappings, mapping_rows
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -360,3 +364,57 @@ async def test_model_that_failed_to_load_stops_no_other_model(
     for rid, (model, tensors) in flow.tensors.items():
         _check_result(got.results[rid], model, tensors)
     assert min(_stamps_s(got, "mlp-")) >= loading_at
+
+
+MAPPING = """
+[topics.{topic}]
+model = "mlp"
+request_id = "/id"
+[topics.{topic}.inputs.INPUT0]
+datatype = "FP32"
+from = "$.features"
+shape = [64]
+[topics.{topic}.result.fields]
+id = "/id"
+probs = "PROBS"
+"""
+
+
+async def test_mapped_model_in_a_rollout_at_start_holds_its_events_until_loaded(
+    kafka: KafkaUnderTest, triton: TritonUnderTest, unique: str, tmp_path: Path
+) -> None:
+    """A worker started while its mapped model is unloaded starts (a rollout is no mapping
+    problem), holds the model's events and answers them once it is loaded again."""
+    topics = Topics.fresh(unique)
+    await create(kafka, topics, partitions=1)
+    mapping = tmp_path / "mapping.toml"
+    mapping.write_text(MAPPING.format(topic=topics.input))
+    settings = settings_for(kafka, triton, topics, mapping_file=str(mapping))
+    rng = np.random.default_rng(23)
+    features = {f"ev-{i}": rng.standard_normal(64).astype(np.float32) for i in range(8)}
+    events = [
+        Out(orjson.dumps({"id": rid, "features": row.tolist()}), rid.encode())
+        for rid, row in features.items()
+    ]
+    async with _loaded_afterwards(triton, "mlp"):
+        await _unload(triton, "mlp")
+        await _until_state(triton, "mlp", "UNAVAILABLE")
+        # check: the mapping's rows are skipped, saying why.
+        rows = {row.check: row for row in mapping_rows(await inspect_mappings(settings, 10.0))}
+        unchecked = rows[f"mapping {topics.input} INPUT0"]
+        assert unchecked.outcome == "skip", unchecked
+        assert "'mlp' as UNAVAILABLE (a rollout)" in unchecked.detail, unchecked
+        async with running_worker(settings) as worker:
+            await produce(kafka.bootstrap_servers, topics.input, events)
+            await _until(lambda: worker.models.is_held("mlp", ""), 30, "mlp held")
+            loading_at = time.time()
+            await _load(triton, "mlp")
+            got = await collect(kafka.bootstrap_servers, topics, len(events))
+
+    assert not got.dead_letters, sorted(got.dead_letters)
+    expected = mlp_reference(np.stack(list(features.values())))
+    for (rid, _), want in zip(features.items(), expected, strict=True):
+        body = orjson.loads(got.results[rid].value)
+        assert body["id"] == rid
+        np.testing.assert_allclose(body["probs"], want, rtol=1e-5)
+    assert min(_stamps_s(got, "ev-")) >= loading_at

@@ -17,6 +17,7 @@ from worker.events import TopicMapping, load_mappings
 from worker.events.check import describe_input, mapping_problems
 from worker.settings import Settings
 from worker.triton.auth import TritonAuth
+from worker.triton.server import SERVABLE_STATES
 from worker.wire.validation import ModelSpec
 
 __all__ = ["MappingFindings", "inspect_mappings", "mapping_rows"]
@@ -32,6 +33,9 @@ class MappingFindings:
     problems: dict[str, list[str]] = field(default_factory=dict)
     #: Triton did not answer (the reason): nothing could be checked against the models.
     unreachable: str | None = None
+    #: Topics whose model is in a rollout (not ready, but listed by the repository): why
+    #: their mapping could not be checked now.
+    waiting: dict[str, str] = field(default_factory=dict)
 
     def lines(self) -> list[str]:
         """Every problem, one line each, in the file's order."""
@@ -61,18 +65,51 @@ async def inspect_mappings(settings: Settings, timeout_s: float) -> MappingFindi
                     findings.unreachable = f"{address}: {probes.reason(exc)}"
                     return findings
                 if spec is None:
-                    version = f" version {mapping.version}" if mapping.version else ""
-                    findings.problems[topic] = [
-                        f"topics.{topic}.model: Triton {address} does not serve "
-                        f"{mapping.model!r}{version}; load it, or map the topic to a model "
-                        "it serves"
-                    ]
+                    state = await _state(client, auth, key, timeout_s)
+                    _not_ready(findings, topic, address, state)
                     continue
                 findings.specs[key] = spec
-            findings.problems[topic] = mapping_problems(mapping, findings.specs[key])
+            if key in findings.specs:
+                findings.problems[topic] = mapping_problems(mapping, findings.specs[key])
     finally:
         await client.close()
     return findings
+
+
+def _not_ready(findings: MappingFindings, topic: str, address: str, state: str | None) -> None:
+    """A mapped model that is not ready: in a rollout (listed), or not served at all."""
+    mapping = findings.mappings[topic]
+    version = f" version {mapping.version}" if mapping.version else ""
+    if state is not None:
+        findings.waiting[topic] = (
+            f"Triton {address} lists {mapping.model!r}{version} as {state} (a rollout): "
+            "checked against each event once it is ready"
+        )
+        return
+    findings.problems[topic] = [
+        f"topics.{topic}.model: Triton {address} does not serve {mapping.model!r}{version}; "
+        "load it, or map the topic to a model it serves"
+    ]
+
+
+async def _state(
+    client: Any, auth: TritonAuth, key: tuple[str, str], timeout_s: float
+) -> str | None:
+    """The model's state in Triton's repository index when it is one a rollout passes
+    through (loading, unloading, unloaded), else None (absent, or never loaded)."""
+    name, version = key
+    try:
+        index = await client.get_model_repository_index(
+            headers=auth.headers(), client_timeout=timeout_s
+        )
+    except Exception:  # no index, no evidence of a rollout: the model is not served
+        return None
+    states = {
+        m.state
+        for m in index.models
+        if m.name == name and (not version or m.version == version) and m.state in SERVABLE_STATES
+    }
+    return "/".join(sorted(states)) or None
 
 
 async def _spec(
@@ -94,8 +131,12 @@ def mapping_rows(findings: MappingFindings | None) -> list[CheckResult]:
     if findings is None:
         return []
     rows: list[CheckResult] = []
-    skipped = findings.unreachable
     for topic, mapping in findings.mappings.items():
+        skipped = (
+            f"Triton {findings.unreachable}"
+            if findings.unreachable is not None
+            else findings.waiting.get(topic)
+        )
         spec = findings.specs.get((mapping.model, mapping.version))
         left = list(findings.problems.get(topic, []))
         for one in mapping.inputs:
@@ -106,7 +147,7 @@ def mapping_rows(findings: MappingFindings | None) -> list[CheckResult]:
             mine = [p for p in left if p.startswith((f"{prefix}.", f"{prefix}:"))]
             left = [p for p in left if p not in mine]
             outcome: Outcome = "skip" if skipped else "fail" if mine or spec is None else "ok"
-            extra = [f"Triton {skipped}"] if skipped else mine
+            extra = [skipped] if skipped else mine
             rows.append(
                 CheckResult(f"mapping {topic} {one.name}", outcome, "; ".join([detail, *extra]))
             )

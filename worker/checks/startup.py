@@ -131,12 +131,14 @@ def _raise_if_fatal(
 async def check_mappings(settings: Settings, timeout_s: float = CHECK_TIMEOUT_S) -> None:
     """The mapping file (WORKER_MAPPING_FILE) against the models it names: a model Triton
     does not serve, or a mapping that does not fit it, refuses the start (one line per
-    problem); a Triton that does not answer lets it pass (logged)."""
+    problem); a Triton that does not answer, or a model in a rollout, lets it pass (logged)."""
     findings = await inspect_mappings(settings, timeout_s)
     if findings is None:
         return
     if findings.unreachable is not None:
         log.warning("mapping_not_checked", reason=f"Triton {findings.unreachable}")
+    for topic, reason in findings.waiting.items():
+        log.warning("mapping_not_checked", topic=topic, reason=reason)
     lines = findings.lines()
     if lines:
         assert settings.limits.mapping_file is not None

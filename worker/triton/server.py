@@ -49,7 +49,7 @@ _STUCK_AFTER_S = 0.25
 #: How long one read of the repository index answers for (a burst of failures asks once).
 _INDEX_CACHE_S = 1.0
 #: Repository states of a model that Triton is expected to serve (again) soon.
-_SERVABLE_STATES = frozenset({"READY", "LOADING", "UNLOADING", "UNAVAILABLE"})
+SERVABLE_STATES = frozenset({"READY", "LOADING", "UNLOADING", "UNAVAILABLE"})
 #: W3C trace context (traceparent, tracestate) as gRPC metadata of a unary call.
 Trace = tuple[tuple[str, str], ...]
 _Model = tuple[str, str]  # (name, version)
@@ -336,7 +336,7 @@ class ServerPool:
             )
         except (TimeoutError, InferenceServerException, grpc.aio.AioRpcError):
             return set()
-        return {(m.name, m.version) for m in index.models if m.state in _SERVABLE_STATES}
+        return {(m.name, m.version) for m in index.models if m.state in SERVABLE_STATES}
 
     async def _fetch_spec(self, name: str, version: str) -> ModelSpec:
         assert self._client is not None
