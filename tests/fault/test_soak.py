@@ -7,6 +7,9 @@ streams of the decoupled ``tokens`` model, ``running_sum`` sequences keyed by th
 record's key, about 5 % hostile records, a stream of model names no Triton serves and
 now and then a request whose result is over the output topic's limit; each record
 carries its partition and sequence number in its request id ("p{partition}-s{seq}").
+A fifth input, a topic of its own mapped to ``mlp`` by a mapping file (librdkafka, gzip),
+carries payment events: plain JSON, CloudEvents in binary and structured mode, and about
+10 % hostile events (tests/support/soak/events.py); its request ids are "p4-s{seq}".
 Two Triton endpoints serve every model. Meanwhile a schedule drawn from the seed
 SIGKILLs or SIGTERMs the worker and starts a new one, restarts or kills both Tritons,
 kills one of them, reloads a model and restarts the broker. A watcher reads the
@@ -52,6 +55,7 @@ from tests.support.soak import (
     Chaos,
     Collector,
     ConfluentLane,
+    Inputs,
     LaneSpec,
     Ledger,
     OffsetReader,
@@ -61,6 +65,7 @@ from tests.support.soak import (
     triton_model_call,
     triton_model_ready,
 )
+from tests.support.soak.events import mapping_text
 from tests.support.soak.oracle import Limits, Run, describe, judge, measure
 from tests.support.soak.schedule import TYPICAL_S
 from tests.support.worker import kafka_client_under_test
@@ -77,6 +82,9 @@ LANES = (
     (2, "librdkafka", "none"),
     (3, "aiokafka", "lz4"),
 )
+#: The mapped topic's one partition: its producer, codec and rate.
+EVENTS_LANE = ("librdkafka", "gzip")
+EVENTS_RATE_S = 50.0
 MAX_IN_FLIGHT = 128
 COMMIT_INTERVAL_MS = 250
 WORKER_SETTINGS = {
@@ -161,9 +169,19 @@ async def _end_offsets(
         await consumer.stop()
 
 
+def _inputs(topics: Topics) -> Inputs:
+    """The request topic's partitions, then the mapped topic's."""
+    return Inputs((*((topics.input, p) for p in range(PARTITIONS)), (_events_topic(topics), 0)))
+
+
+def _events_topic(topics: Topics) -> str:
+    return topics.input.replace("req-", "events-", 1)
+
+
 async def _create_topics(stack: Stack, topics: Topics) -> None:
     kafka = stack.kafka
     await kafka.create_topics([topics.input], partitions=PARTITIONS)
+    await kafka.create_topics([_events_topic(topics)], partitions=1)
     # The broker stamps outcomes on append: the duplicate bound reads throughput from them.
     stamped = {"message.timestamp.type": "LogAppendTime"}
     await kafka.create_topics(
@@ -178,12 +196,21 @@ def _lanes(
     stack: Stack, topics: Topics, seed: int, delivery: str, ledger: Ledger
 ) -> list[ConfluentLane | AiokafkaLane]:
     bootstrap = stack.kafka.bootstrap_servers
-    return [
-        (ConfluentLane if client == "librdkafka" else AiokafkaLane)(
-            LaneSpec(bootstrap, topics.input, p, codec, seed, RATE_PER_PARTITION_S, delivery),
-            ledger,
+    specs = [
+        (
+            client,
+            LaneSpec(bootstrap, topics.input, p, codec, seed, RATE_PER_PARTITION_S, delivery, p),
         )
         for p, client, codec in LANES
+    ]
+    client, codec = EVENTS_LANE
+    events = LaneSpec(
+        bootstrap, _events_topic(topics), 0, codec, seed, EVENTS_RATE_S, delivery, PARTITIONS, True
+    )
+    specs.append((client, events))
+    return [
+        (ConfluentLane if client == "librdkafka" else AiokafkaLane)(spec, ledger)
+        for client, spec in specs
     ]
 
 
@@ -232,7 +259,8 @@ async def _drain(chaos: Chaos, ledger: Ledger, collector: Collector, seed: int) 
 
 @pytest.mark.parametrize("delivery", ["at_least_once", "exactly_once"])
 async def test_seeded_chaos_soak(stack: Stack, tmp_path: Path, delivery: str) -> None:
-    """Mixed traffic under seeded faults: each record answered right, stalls and RSS bounded."""
+    """Mixed traffic and mapped events under seeded faults: each record answered right,
+    stalls and RSS bounded."""
     seed = int(os.environ.get("SOAK_SEED") or secrets.randbelow(2**31))
     client = kafka_client_under_test()
     print(
@@ -242,13 +270,21 @@ async def test_seeded_chaos_soak(stack: Stack, tmp_path: Path, delivery: str) ->
     )
     topics = Topics.fresh(f"soak-{delivery.replace('_', '-')}-{seed}")
     await _create_topics(stack, topics)
+    inputs = _inputs(topics)
+    mapping = tmp_path / "mapping.toml"
+    mapping.write_text(mapping_text(_events_topic(topics)))
     ledger = Ledger()
-    collector = Collector(stack.kafka.bootstrap_servers, topics, ledger)
-    settings = {**WORKER_SETTINGS, "delivery": delivery}
+    collector = Collector(stack.kafka.bootstrap_servers, topics, inputs, ledger)
+    settings = {
+        **WORKER_SETTINGS,
+        "delivery": delivery,
+        "input_topics": ",".join(sorted({t for t, _ in inputs.partitions})),
+        "mapping_file": str(mapping),
+    }
     chaos = Chaos(stack, topics, tmp_path, seed, collector, settings)
-    chaos.progress = Progress(PARTITIONS, STALL_BOUND_S, time.monotonic())
+    chaos.progress = Progress(len(inputs), STALL_BOUND_S, time.monotonic())
     chaos.excuse()  # until the first worker is up
-    reader = OffsetReader(stack.kafka.bootstrap_servers, topics.group, topics.input)
+    reader = OffsetReader(stack.kafka.bootstrap_servers, topics.group, inputs)
     lanes = _lanes(stack, topics, seed, delivery, ledger)
     traffic_stop, reading_stop = asyncio.Event(), asyncio.Event()
     wall_started = time.monotonic()
@@ -284,9 +320,8 @@ async def test_seeded_chaos_soak(stack: Stack, tmp_path: Path, delivery: str) ->
                     60,
                     "read to end",
                 )
-                inputs = [TopicPartition(topics.input, p) for p in range(PARTITIONS)]
-                ends = await _end_offsets(stack.kafka.bootstrap_servers, inputs)
-                input_ends = {tp.partition: end for tp, end in ends.items()}
+                ends = await _end_offsets(stack.kafka.bootstrap_servers, inputs.topic_partitions())
+                input_ends = {inputs.number(tp.topic, tp.partition): e for tp, e in ends.items()}
                 committed = await reader.read_answered()
             finally:
                 traffic_stop.set()

@@ -5,7 +5,7 @@ comes from the soak's seed, so a failing run replays with SOAK_SEED.
 """
 
 from tests.support.soak.chaos import Chaos
-from tests.support.soak.lanes import AiokafkaLane, ConfluentLane, LaneSpec, Ledger
+from tests.support.soak.lanes import AiokafkaLane, ConfluentLane, Inputs, LaneSpec, Ledger
 from tests.support.soak.oracle import Figures
 from tests.support.soak.outcomes import Collector
 from tests.support.soak.processes import triton_model_call, triton_model_ready
@@ -24,6 +24,7 @@ __all__ = [
     "Collector",
     "ConfluentLane",
     "Figures",
+    "Inputs",
     "LaneSpec",
     "Ledger",
     "OffsetReader",

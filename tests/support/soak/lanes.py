@@ -1,7 +1,9 @@
 """The soak's producers: one lane per input partition, librdkafka or aiokafka, paced.
 
 Every record goes in the ledger as it is produced, and every delivery report after:
-the oracle judges only what the broker acknowledged.
+the oracle judges only what the broker acknowledged. The input partitions of the soak's
+topics (the requests' and the mapped events') are numbered from 0 (``Inputs``): a record's
+source is its input's number and its offset.
 """
 
 from __future__ import annotations
@@ -17,8 +19,30 @@ from typing import Any
 import confluent_kafka
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
+from aiokafka.structs import TopicPartition
 
+from tests.support.soak.events import EventTraffic
 from tests.support.soak.traffic import Sent, Traffic
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """The soak's input partitions across its topics, numbered from 0 in this order."""
+
+    partitions: tuple[tuple[str, int], ...]
+
+    def number(self, topic: str, partition: int) -> int:
+        """The input's number; KeyError for a partition that is not an input."""
+        try:
+            return self.partitions.index((topic, partition))
+        except ValueError:
+            raise KeyError(f"{topic}[{partition}] is not an input of the soak") from None
+
+    def __len__(self) -> int:
+        return len(self.partitions)
+
+    def topic_partitions(self) -> list[TopicPartition]:
+        return [TopicPartition(t, p) for t, p in self.partitions]
 
 
 @dataclass(slots=True)
@@ -26,21 +50,21 @@ class Ledger:
     """Records as produced (by request id) and every delivery report."""
 
     sent: dict[str, Sent] = field(default_factory=dict)
-    # (request id, partition, offset) for each record the broker acknowledged.
+    # (request id, input number, offset) for each record the broker acknowledged.
     acked: list[tuple[str, int, int]] = field(default_factory=list)
     failed: list[tuple[str, str]] = field(default_factory=list)  # (request id, error)
-    #: Each partition's end as far as acknowledged: one past its highest acked offset.
+    #: Each input's end as far as acknowledged: one past its highest acked offset.
     ends: dict[int, int] = field(default_factory=dict)
 
-    def delivered(self, rid: str, partition: int, offset: int) -> None:
-        self.acked.append((rid, partition, offset))  # list.append: safe from flush's thread
-        self.ends[partition] = max(self.ends.get(partition, 0), offset + 1)
+    def delivered(self, rid: str, number: int, offset: int) -> None:
+        self.acked.append((rid, number, offset))  # list.append: safe from flush's thread
+        self.ends[number] = max(self.ends.get(number, 0), offset + 1)
 
     def refused(self, rid: str, error: str) -> None:
         self.failed.append((rid, error))
 
     def accepted(self) -> dict[tuple[int, int], str]:
-        """(partition, offset) → request id of every acknowledged record."""
+        """(input number, offset) → request id of every acknowledged record."""
         return {(p, o): rid for rid, p, o in self.acked}
 
 
@@ -75,6 +99,13 @@ class LaneSpec:
     seed: int
     rate_per_s: float
     tag: str  # the run, in sequence keys
+    number: int  # the input's number (Inputs)
+    events: bool = False  # the mapped topic's events, not inference requests
+
+    def traffic(self, *, librdkafka: bool) -> Traffic | EventTraffic:
+        if self.events:
+            return EventTraffic(self.seed, self.number, librdkafka=librdkafka)
+        return Traffic(self.seed, self.number, librdkafka=librdkafka, tag=self.tag)
 
 
 class ConfluentLane:
@@ -83,7 +114,7 @@ class ConfluentLane:
     def __init__(self, spec: LaneSpec, ledger: Ledger) -> None:
         self.spec = spec
         self.produced = 0
-        self._traffic = Traffic(spec.seed, spec.partition, librdkafka=True, tag=spec.tag)
+        self._traffic = spec.traffic(librdkafka=True)
         self._ledger = ledger
         self._producer = confluent_kafka.Producer(
             {
@@ -102,7 +133,7 @@ class ConfluentLane:
         if err is not None:
             self._ledger.refused(rid, str(err))
         else:
-            self._ledger.delivered(rid, msg.partition(), msg.offset())
+            self._ledger.delivered(rid, self.spec.number, msg.offset())
 
     async def run(self, stop: asyncio.Event) -> None:
         pace, spec = Pace(self.spec.rate_per_s), self.spec
@@ -141,7 +172,7 @@ class AiokafkaLane:
     def __init__(self, spec: LaneSpec, ledger: Ledger) -> None:
         self.spec = spec
         self.produced = 0
-        self._traffic = Traffic(spec.seed, spec.partition, librdkafka=False, tag=spec.tag)
+        self._traffic = spec.traffic(librdkafka=False)
         self._ledger = ledger
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -190,4 +221,4 @@ class AiokafkaLane:
             self._ledger.refused(rid, repr(exc))
         else:
             meta = future.result()
-            self._ledger.delivered(rid, meta.partition, meta.offset)
+            self._ledger.delivered(rid, self.spec.number, meta.offset)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from tests.support.soak.chaos import Applied, Chaos
 from tests.support.soak.checks import check_mlp
+from tests.support.soak.events import EVENT_ENCODINGS
 from tests.support.soak.lanes import Ledger
 from tests.support.soak.outcomes import Collector, Outcome
 from tests.support.soak.schedule import FAULT_KINDS, FIRST_KINDS
@@ -241,6 +242,7 @@ def _check_answers(run: Run) -> None:
         ledger, accepted, by_source, [*run.chaos.windows, *deaths]
     )
     print(f"SOAK seed {seed}: sequences untouched by faults {untouched}, touched {touched}")
+    print(f"SOAK seed {seed}: mapped events {_mapped_events(ledger, accepted, by_source)}")
     problems += wrong_sequences
     problems += _cut_short_problems(run)
     assert not problems, f"seed {seed}: {len(problems)} wrong outcomes, e.g.\n" + "\n".join(
@@ -254,6 +256,18 @@ def _check_answers(run: Run) -> None:
         f"unexpected {describe(sorted(dead_plain - want), accepted)}; "
         f"missing {describe(sorted(want - dead_plain), accepted)}"
     )
+
+
+def _mapped_events(
+    ledger: Ledger, accepted: Mapping[Source, str], by_source: Mapping[Source, list[Outcome]]
+) -> str:
+    """How many mapped events of each kind were answered (the oracle checked each answer)."""
+    kinds: Counter[str] = Counter()
+    for source, rid in accepted.items():
+        sent = ledger.sent[rid]
+        if sent.encoding in EVENT_ENCODINGS and source in by_source:
+            kinds["dead letters" if sent.expected_code else sent.kind] += 1
+    return ", ".join(f"{kinds[k]} {k}" for k in sorted(kinds)) or "none"
 
 
 def _cut_short_problems(run: Run) -> list[str]:

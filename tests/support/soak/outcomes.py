@@ -19,7 +19,8 @@ from tests.support.soak.checks import (
     first_header,
     running_sum_of,
 )
-from tests.support.soak.lanes import Ledger
+from tests.support.soak.events import EVENT_ENCODINGS, check_event
+from tests.support.soak.lanes import Inputs, Ledger
 
 _T = TypeVar("_T")
 #: The dead letter a ``running_sum`` step may get once its sequence was disturbed: Triton
@@ -31,7 +32,7 @@ SEQUENCE_LOST = "INFERENCE_ERROR"
 class Outcome:
     """One result or dead letter as read from the broker."""
 
-    source: tuple[int, int]  # input (partition, offset)
+    source: tuple[int, int]  # input (number, offset): Inputs numbers the input partitions
     rid: str
     code: str | None  # None for a result
     appended_ms: int  # the broker's LogAppendTime
@@ -73,9 +74,10 @@ class Tripwire:
 class Collector:
     """Reads results and dead letters (read_committed), once per (topic, partition, offset)."""
 
-    def __init__(self, bootstrap: str, topics: Topics, ledger: Ledger) -> None:
+    def __init__(self, bootstrap: str, topics: Topics, inputs: Inputs, ledger: Ledger) -> None:
         self._bootstrap = bootstrap
         self._topics = topics
+        self._inputs = inputs
         self._ledger = ledger
         self.outcomes: list[Outcome] = []
         self.by_source: dict[tuple[int, int], list[Outcome]] = {}
@@ -122,13 +124,14 @@ class Collector:
             return
         self._seen.add(position)
         headers = record.headers
+        topic = (first_header(headers, "x-source-topic") or b"").decode(errors="replace")
         try:
-            source = (
-                int(first_header(headers, "x-source-partition") or b""),
-                int(first_header(headers, "x-source-offset") or b""),
+            number = self._inputs.number(
+                topic, int(first_header(headers, "x-source-partition") or b"")
             )
-        except ValueError:
-            self.problems.append(f"{position}: no x-source-partition/offset")
+            source = (number, int(first_header(headers, "x-source-offset") or b""))
+        except (KeyError, ValueError):
+            self.problems.append(f"{position}: no x-source-topic/partition/offset of an input")
             return
         rid = (first_header(headers, "x-request-id") or b"").decode(errors="replace")
         is_result = record.topic == self._topics.output
@@ -154,7 +157,8 @@ class Collector:
             self.cut_short.append((rid, record.timestamp))
             return None, None
         if code is None:
-            wrong = check_result(sent, record, self.mlp_checks)
+            check = check_event if sent.encoding in EVENT_ENCODINGS else check_result
+            wrong = check(sent, record, self.mlp_checks)
             if wrong:
                 return f"{rid} ({sent.kind}, {sent.encoding}): {wrong}", None
             return None, running_sum_of(record) if sent.sequence else None

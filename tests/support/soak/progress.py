@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 from aiokafka.admin import AIOKafkaAdminClient
 
+from tests.support.soak.lanes import Inputs
+
 
 @dataclass(frozen=True, slots=True)
 class Stall:
@@ -82,17 +84,17 @@ class Progress:
 
 
 class OffsetReader:
-    """The group's committed offsets of one topic, each read bounded in time (aiokafka's
-    admin client: librdkafka's aborted this process on an assertion when a request with a
-    timeout met a broker restart)."""
+    """The group's committed offsets of the soak's inputs, each read bounded in time
+    (aiokafka's admin client: librdkafka's aborted this process on an assertion when a
+    request with a timeout met a broker restart)."""
 
-    def __init__(self, bootstrap: str, group: str, topic: str, timeout_s: float = 2.0) -> None:
-        self._bootstrap, self._group, self._topic = bootstrap, group, topic
+    def __init__(self, bootstrap: str, group: str, inputs: Inputs, timeout_s: float = 2.0) -> None:
+        self._bootstrap, self._group, self._inputs = bootstrap, group, inputs
         self._timeout_s = timeout_s
         self._admin: AIOKafkaAdminClient | None = None
 
     async def read(self) -> dict[int, int]:
-        """Partition → committed offset; empty when the broker does not answer in time."""
+        """Input number → committed offset; empty when the broker does not answer in time."""
         # Bounded by the client's own request timeout, not by cancelling it: a start or a
         # request cancelled midway leaves a connection open.
         try:
@@ -106,7 +108,12 @@ class OffsetReader:
         except Exception:  # the broker is out of reach: nothing moved, as far as we know
             await self.close()
             return {}
-        return {tp.partition: meta.offset for tp, meta in found.items() if tp.topic == self._topic}
+        inputs = self._inputs
+        return {
+            inputs.number(tp.topic, tp.partition): meta.offset
+            for tp, meta in found.items()
+            if (tp.topic, tp.partition) in inputs.partitions
+        }
 
     async def read_answered(self, tries: int = 10) -> dict[int, int]:
         """The committed offsets, from a read the broker answered (``tries`` at most)."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -60,7 +61,7 @@ class Sent:
     """One produced record and what must become of it."""
 
     rid: str
-    partition: int
+    partition: int  # the input's number (Inputs): its partition on the ordinary topic
     kind: str
     expected_code: str | None = None  # the dead-letter code it must get, if any
     model: str | None = None
@@ -70,6 +71,7 @@ class Sent:
     sequence: str | None = None  # a ``running_sum`` step: its sequence (the record's key)
     step: int = 0
     expected_sum: int = 0  # the step's running sum when nothing disturbs the sequence
+    fields: dict[str, Any] | None = None  # a mapped event's fields its result must copy
     produced_ms: int = 0  # wall clock when handed to the producer
 
 
