@@ -115,7 +115,7 @@ class Worker:
 
     async def start(self) -> None:
         """Connect everything; the consumer joins its group last, when all else is ready."""
-        await run_startup_checks(self.settings)
+        await run_startup_checks(self.settings, self.steps.rules.mappings)
         if self.settings.ops.metrics_port:
             self.health = HealthServer(
                 self.metrics.registry,

@@ -171,12 +171,29 @@ async def test_the_base_install_runs_every_command(
     assert "1 of 1 dead" in replay.stdout and "INVALID_REQUEST" in replay.stdout, replay.stdout
 
 
-def test_the_base_install_refuses_librdkafka_in_one_line(
-    venv: Venv, kafka: KafkaUnderTest, triton: TritonUnderTest, unique: str, tmp_path: Path
+#: What needs an extra: the module it installs, and the setting that needs it ({tmp}: the
+#: test's directory, which holds a YAML mapping file).
+NEEDS_AN_EXTRA = {
+    "confluent": ("confluent_kafka", "WORKER_KAFKA_CLIENT", "confluent"),
+    "yaml": ("yaml", "WORKER_MAPPING_FILE", "{tmp}/mapping.yaml"),
+}
+
+
+@pytest.mark.parametrize("extra", sorted(NEEDS_AN_EXTRA))
+def test_the_base_install_refuses_what_needs_an_extra_in_one_line(
+    venv: Venv,
+    kafka: KafkaUnderTest,
+    triton: TritonUnderTest,
+    unique: str,
+    tmp_path: Path,
+    extra: str,
 ) -> None:
-    """No extra, WORKER_KAFKA_CLIENT=confluent: exit 2 and one line naming the extra."""
-    assert not venv.has("confluent_kafka")
-    env = _env(kafka, triton, Topics.fresh(unique), WORKER_KAFKA_CLIENT="confluent")
+    """No extra, WORKER_KAFKA_CLIENT=confluent or a YAML mapping file (TOML and JSON need
+    none): ``run`` and ``check`` exit 2 at once, with one line naming the extra."""
+    module, setting, value = NEEDS_AN_EXTRA[extra]
+    assert not venv.has(module)
+    (tmp_path / "mapping.yaml").write_text("topics: {}\n")
+    env = _env(kafka, triton, Topics.fresh(unique), **{setting: value.format(tmp=tmp_path)})
     started = time.monotonic()
     for command in ("run", "check"):
         done = subprocess.run(
@@ -189,32 +206,8 @@ def test_the_base_install_refuses_librdkafka_in_one_line(
         )
         assert done.returncode == 2, done.stderr
         lines = done.stderr.strip().splitlines()
-        assert len(lines) == 1 and "kafka-triton-worker[confluent]" in lines[0], done.stderr
+        assert len(lines) == 1 and f"kafka-triton-worker[{extra}]" in lines[0], done.stderr
     assert time.monotonic() - started < COMMAND_TIMEOUT_S
-
-
-def test_the_base_install_refuses_a_yaml_mapping_in_one_line(
-    venv: Venv, kafka: KafkaUnderTest, triton: TritonUnderTest, unique: str, tmp_path: Path
-) -> None:
-    """No extra, a YAML mapping file: exit 2 and one line naming the yaml extra (TOML and
-    JSON need none)."""
-    assert not venv.has("yaml")
-    mapping = tmp_path / "mapping.yaml"
-    mapping.write_text("topics: {}\n")
-    topics = Topics.fresh(unique)
-    env = _env(kafka, triton, topics, WORKER_MAPPING_FILE=str(mapping))
-    for command in ("run", "check"):
-        done = subprocess.run(
-            [venv.script, command],
-            env=env,
-            cwd=tmp_path,
-            capture_output=True,
-            text=True,
-            timeout=COMMAND_TIMEOUT_S,
-        )
-        assert done.returncode == 2, done.stderr
-        lines = done.stderr.strip().splitlines()
-        assert len(lines) == 1 and "kafka-triton-worker[yaml]" in lines[0], done.stderr
 
 
 async def test_the_confluent_extra_runs_the_worker_on_librdkafka(

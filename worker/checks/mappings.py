@@ -13,7 +13,7 @@ from typing import Any
 
 from worker.checks import probes
 from worker.checks.rows import CheckResult, Outcome
-from worker.events import TopicMapping, load_mappings
+from worker.events import Mappings, TopicMapping, load_mappings
 from worker.events.check import describe_input, mapping_problems
 from worker.settings import Settings
 from worker.triton.auth import TritonAuth
@@ -42,12 +42,17 @@ class MappingFindings:
         return [line for topic in self.mappings for line in self.problems.get(topic, [])]
 
 
-async def inspect_mappings(settings: Settings, timeout_s: float) -> MappingFindings | None:
-    """The mapped models asked of the first Triton endpoint; None without a mapping file."""
+async def inspect_mappings(
+    settings: Settings, timeout_s: float, mappings: Mappings | None = None
+) -> MappingFindings | None:
+    """The mapped models asked of the first Triton endpoint; None without a mapping file.
+    ``mappings``: the file as already loaded (else it is read here)."""
     path = settings.limits.mapping_file
     if path is None:
         return None
-    findings = MappingFindings(load_mappings(path, settings.topics.input_topics))
+    if mappings is None:
+        mappings = load_mappings(path, settings.topics.input_topics)
+    findings = MappingFindings(mappings)
     try:
         address, target = (await probes.triton_addresses(settings))[0]
     except Exception as exc:  # not resolved: an outage to the worker, not a mapping problem

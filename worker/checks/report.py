@@ -193,12 +193,13 @@ async def run_checks(settings: Settings, timeout_s: float = 10.0) -> list[CheckR
         f"Kafka {settings.kafka.bootstrap_servers} ({settings.kafka_auth.security_protocol}); "
         f"Triton {settings.triton.triton_url}"
     )
+    mappings = None
     if settings.limits.mapping_file is not None:  # a file that cannot be read: exit 2 first
-        load_mappings(settings.limits.mapping_file, settings.topics.input_topics)
+        mappings = load_mappings(settings.limits.mapping_file, settings.topics.input_topics)
     kafka, triton, mapped = await asyncio.gather(
         kafka_checks(settings, timeout_s),
         triton_checks(settings, timeout_s),
-        inspect_mappings(settings, timeout_s),
+        inspect_mappings(settings, timeout_s, mappings),
     )
     rows = [CheckResult("settings valid", "ok", detail), *kafka, *triton]
     return rows + mapping_rows(mapped)

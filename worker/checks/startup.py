@@ -27,7 +27,7 @@ from worker.checks.kafka import scrub as _scrub
 from worker.checks.mappings import inspect_mappings
 from worker.checks.rows import kafka_rows, refusal
 from worker.errors import CannotRun
-from worker.events.mapping import problems_message
+from worker.events.mapping import Mappings, problems_message
 from worker.settings import Settings
 from worker.triton._compat import grpc_stub
 from worker.triton.auth import TritonAuth
@@ -128,11 +128,14 @@ def _raise_if_fatal(
     # Anything else (unknown model "", server unreachable) is not a credentials problem.
 
 
-async def check_mappings(settings: Settings, timeout_s: float = CHECK_TIMEOUT_S) -> None:
-    """The mapping file (WORKER_MAPPING_FILE) against the models it names: a model Triton
-    does not serve, or a mapping that does not fit it, refuses the start (one line per
-    problem); a Triton that does not answer, or a model in a rollout, lets it pass (logged)."""
-    findings = await inspect_mappings(settings, timeout_s)
+async def check_mappings(
+    settings: Settings, timeout_s: float = CHECK_TIMEOUT_S, mappings: Mappings | None = None
+) -> None:
+    """The mapping file (WORKER_MAPPING_FILE, or ``mappings`` as loaded from it) against the
+    models it names: a model Triton does not serve, or a mapping that does not fit it,
+    refuses the start (one line per problem); a Triton that does not answer, or a model in
+    a rollout, lets it pass (logged)."""
+    findings = await inspect_mappings(settings, timeout_s, mappings)
     if findings is None:
         return
     if findings.unreachable is not None:
@@ -145,12 +148,13 @@ async def check_mappings(settings: Settings, timeout_s: float = CHECK_TIMEOUT_S)
         raise StartupCheckFailed(problems_message(settings.limits.mapping_file, lines))
 
 
-async def run_startup_checks(settings: Settings) -> None:
-    """Every start-up check, Kafka and Triton side by side; the first failure is raised."""
+async def run_startup_checks(settings: Settings, mappings: Mappings | None = None) -> None:
+    """Every start-up check, Kafka and Triton side by side; the first failure is raised.
+    ``mappings``: the mapping file as the worker loaded it."""
     outcomes = await asyncio.gather(
         check_kafka(settings),
         check_triton(settings),
-        check_mappings(settings),
+        check_mappings(settings, mappings=mappings),
         return_exceptions=True,
     )
     for outcome in outcomes:

@@ -9,6 +9,7 @@ batching model gets a batch dimension of 1) and which encodes the result event.
 
 from __future__ import annotations
 
+import codecs
 from typing import Any, Final
 
 import msgspec
@@ -28,7 +29,6 @@ from worker.wire.validation import ModelSpec
 
 __all__ = ["MappedEvent", "decode_event"]
 
-_UTF8_BOM: Final = b"\xef\xbb\xbf"
 #: How much of a wrong value a message shows.
 _SHOWN: Final = 40
 _EXPECTED: Final = {"BOOL": "true or false", "BYTES": "a string"}
@@ -202,7 +202,7 @@ def _event_of(
 ) -> tuple[dict[str, Any], CloudEvent | None]:
     """The event a record holds (a structured CloudEvent's data), and its CloudEvent."""
     try:
-        event = orjson.loads(value[3:] if value.startswith(_UTF8_BOM) else value)
+        event = orjson.loads(value[3:] if value.startswith(codecs.BOM_UTF8) else value)
     except orjson.JSONDecodeError as exc:
         raise DecodeError(f"record value is not valid JSON: {exc}") from None
     structured = is_structured(headers)

@@ -14,6 +14,7 @@ handles a single form:
 
 from __future__ import annotations
 
+import codecs
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
@@ -57,7 +58,6 @@ _CONTENT_TYPES: Final[dict[str, Encoding]] = {
     "application/protobuf": "protobuf",
 }
 _request_decoder: Final = msgspec.json.Decoder(InferRequestJSON)
-_UTF8_BOM: Final = b"\xef\xbb\xbf"
 
 
 @dataclass(frozen=True, slots=True)
@@ -339,9 +339,9 @@ def _from_json_value(
     (id, model name, model version)."""
     header_end: int | None = None
     json_part: bytes | memoryview = value
-    if encoding == "json" and value.startswith(_UTF8_BOM):
+    if encoding == "json" and value.startswith(codecs.BOM_UTF8):
         # RFC 8259 lets a parser ignore a byte order mark; some Windows tools write one.
-        json_part = memoryview(value)[len(_UTF8_BOM) :]
+        json_part = memoryview(value)[len(codecs.BOM_UTF8) :]
     if encoding == "binary":
         header_end = _binary_header_length(headers, value)
         json_part = memoryview(value)[:header_end]
@@ -378,7 +378,7 @@ def request_names(value: bytes | None, headers: Headers) -> tuple[str, str]:
             body = _Names(request.id or None, request.model_name or None)
         elif raw:
             end = _binary_header_length(headers, raw) if encoding == "binary" else len(raw)
-            start = len(_UTF8_BOM) if raw.startswith(_UTF8_BOM) else 0
+            start = len(codecs.BOM_UTF8) if raw.startswith(codecs.BOM_UTF8) else 0
             body = _names_decoder.decode(memoryview(raw)[start:end])
     except Exception:
         pass  # an unreadable body names nothing; the headers still may

@@ -12,6 +12,7 @@ ones also carry it as ``x-request-id``, since their body may hold none.
 
 from __future__ import annotations
 
+import codecs
 import json
 import time
 from typing import Any
@@ -29,7 +30,6 @@ EVENT_ENCODINGS = ("event", "ce-binary", "ce-structured")
 LABELS = [f"class-{i}" for i in range(10)]
 CE_TYPE, CE_SOURCE = "soak.payment.scored", "/soak/scoring"
 _STRUCTURED = b"application/cloudevents+json"
-_UTF8_BOM = b"\xef\xbb\xbf"
 
 MAPPING = """
 [topics.{topic}]
@@ -116,7 +116,7 @@ class EventTraffic:
             }
             value, headers = orjson.dumps(envelope), [("content-type", _STRUCTURED)]
         elif self._rng.random() < 0.1:
-            kind, value = "event-bom", _UTF8_BOM + value
+            kind, value = "event-bom", codecs.BOM_UTF8 + value
         sent = Sent(rid, self._number, kind, None, "mlp", encoding)
         sent.tensors = [Tensor("INPUT0", "FP32", (1, 64), features.reshape(1, 64))]
         sent.fields = {"id": rid, "amount": amount}

@@ -10,6 +10,7 @@ record's key.
 
 from __future__ import annotations
 
+import codecs
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -31,7 +32,6 @@ OVERSIZED_WIDTH = 20_000
 _BAD = {s.request_id.removeprefix("bad-"): s for s in samples.bad_requests()}
 #: Hostile kinds: every bad sample, plus two a librdkafka producer can send.
 HOSTILE_KINDS = (*sorted(_BAD), "null-record", "header-not-utf8")
-_UTF8_BOM = b"\xef\xbb\xbf"
 _WORDS = ("alpha", "beta", "straße", "café", "日本語", "ok")
 #: Upper bounds of each kind's share, drawn in this order (the rest: good plain requests).
 _SHARES = (
@@ -148,7 +148,7 @@ class Traffic:
         )
         out_headers: list[tuple[str, bytes | None]] = list(headers)
         if kind == "bom-json":
-            value = _UTF8_BOM + value
+            value = codecs.BOM_UTF8 + value
         if kind == "odd-headers":
             out_headers += ODD_HEADERS
         sent = Sent(rid, self._partition, kind, None, model, encoding, tensors)
