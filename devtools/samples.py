@@ -119,6 +119,24 @@ def double_inputs(rng: np.random.Generator, batch: int = 1, width: int = 16) -> 
     return [Tensor("INPUT0", "FP32", (batch, width), values)]
 
 
+#: A mapping file (TOML) of plain JSON events to ``mlp``, ``{topic}`` naming their topic: an
+#: event's ``features`` (64 numbers) are INPUT0, its ``id`` the request id, and the result
+#: event holds the id and the probabilities. The text ends inside the result's fields, so
+#: more may be added after it.
+MLP_EVENTS_MAPPING = """
+[topics.{topic}]
+model = "mlp"
+request_id = "/id"
+[topics.{topic}.inputs.INPUT0]
+datatype = "FP32"
+from = "$.features"
+shape = [64]
+[topics.{topic}.result.fields]
+id = "/id"
+probs = "PROBS"
+"""
+
+
 def mlp_inputs(rng: np.random.Generator, batch: int = 1) -> list[Tensor]:
     values = rng.standard_normal((batch, 64)).astype(np.float32)
     return [Tensor("INPUT0", "FP32", (batch, 64), values)]

@@ -408,18 +408,7 @@ PAYLOADS: tuple[tuple[str, str], ...] = (
 )
 #: The mapping of the ``events`` payload: the event's floats to ``mlp``'s input, its id
 #: and the probabilities as the result event (as an OIP result has them).
-EVENTS_MAPPING = """
-[topics.{topic}]
-model = "mlp"
-request_id = "/id"
-[topics.{topic}.inputs.INPUT0]
-datatype = "FP32"
-from = "/features"
-shape = [64]
-[topics.{topic}.result.fields]
-id = "/id"
-probs = "PROBS"
-"""
+EVENTS_MAPPING = samples.MLP_EVENTS_MAPPING
 #: Floats per request of the payloads' models.
 PAYLOAD_FLOATS = {"mlp": 64, "embedding": 768}
 

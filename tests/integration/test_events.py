@@ -18,6 +18,7 @@ import numpy as np
 import orjson
 import pytest
 
+from devtools.samples import MLP_EVENTS_MAPPING
 from tests.integration.test_foreign_traffic import LARGE_PRODUCER, LARGE_TOPIC, Out, produce
 from tests.integration.test_replay import _read as read_records
 from tests.support import (
@@ -39,18 +40,8 @@ pytestmark = pytest.mark.timeout(180)
 
 LABELS = [f"class-{i}" for i in range(10)]
 
-MAPPING = """
-[topics.{events}]
-model = "mlp"
-request_id = "/id"
-[topics.{events}.inputs.INPUT0]
-datatype = "FP32"
-from = "$.features"
-shape = [64]
-[topics.{events}.result.fields]
-id = "/id"
-score = "PROBS[1]"
-probs = "PROBS"
+MAPPING = MLP_EVENTS_MAPPING.replace("{topic}", "{events}") + (
+    """score = "PROBS[1]"
 label = {{ argmax = "PROBS", labels = {labels} }}
 
 [topics.{readings}]
@@ -63,6 +54,7 @@ default = 0
 [topics.{readings}.result]
 into = "doubled"
 """
+)
 
 
 def write_mapping(tmp_path: Path, events: str, readings: str, text: str = MAPPING) -> str:

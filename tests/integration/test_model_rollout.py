@@ -25,6 +25,7 @@ from aiokafka.structs import ConsumerRecord
 
 from devtools.samples import (
     ENCODINGS,
+    MLP_EVENTS_MAPPING,
     MODEL_INPUTS,
     SampleRequest,
     Tensor,
@@ -366,20 +367,6 @@ async def test_model_that_failed_to_load_stops_no_other_model(
     assert min(_stamps_s(got, "mlp-")) >= loading_at
 
 
-MAPPING = """
-[topics.{topic}]
-model = "mlp"
-request_id = "/id"
-[topics.{topic}.inputs.INPUT0]
-datatype = "FP32"
-from = "$.features"
-shape = [64]
-[topics.{topic}.result.fields]
-id = "/id"
-probs = "PROBS"
-"""
-
-
 async def test_mapped_model_in_a_rollout_at_start_holds_its_events_until_loaded(
     kafka: KafkaUnderTest, triton: TritonUnderTest, unique: str, tmp_path: Path
 ) -> None:
@@ -388,7 +375,7 @@ async def test_mapped_model_in_a_rollout_at_start_holds_its_events_until_loaded(
     topics = Topics.fresh(unique)
     await create(kafka, topics, partitions=1)
     mapping = tmp_path / "mapping.toml"
-    mapping.write_text(MAPPING.format(topic=topics.input))
+    mapping.write_text(MLP_EVENTS_MAPPING.format(topic=topics.input))
     settings = settings_for(kafka, triton, topics, mapping_file=str(mapping))
     rng = np.random.default_rng(23)
     features = {f"ev-{i}": rng.standard_normal(64).astype(np.float32) for i in range(8)}

@@ -21,7 +21,7 @@ import numpy as np
 import orjson
 from aiokafka.structs import ConsumerRecord
 
-from devtools.samples import Tensor
+from devtools.samples import MLP_EVENTS_MAPPING, Tensor
 from tests.support.soak.checks import MlpCheck, first_header
 from tests.support.soak.traffic import Produced, Sent
 
@@ -31,23 +31,16 @@ LABELS = [f"class-{i}" for i in range(10)]
 CE_TYPE, CE_SOURCE = "soak.payment.scored", "/soak/scoring"
 _STRUCTURED = b"application/cloudevents+json"
 
-MAPPING = """
-[topics.{topic}]
-model = "mlp"
-request_id = "/id"
-[topics.{topic}.inputs.INPUT0]
-datatype = "FP32"
-from = "$.features"
-shape = [64]
-[topics.{topic}.result.fields]
-id = "/id"
-amount = "/amount"
-probs = "PROBS"
+#: The mapped topic's mapping: the id, the amount, the probabilities and a label.
+MAPPING = (
+    MLP_EVENTS_MAPPING
+    + """amount = "/amount"
 label = {{ argmax = "PROBS", labels = {labels} }}
 [topics.{topic}.cloudevents]
 type = "{ce_type}"
 source = "{ce_source}"
 """
+)
 
 #: Hostile events: (kind, expected code). The tombstone goes through librdkafka only.
 HOSTILE_EVENTS = (
