@@ -81,12 +81,20 @@ class MappedEvent:
         outputs: dict[str, Any] = {}
         for i, (out, raw) in enumerate(pairs):
             try:
-                array = tensors.raw_to_numpy(out.datatype, out.shape, raw)
+                outputs[out.name] = tensors.raw_to_numpy(out.datatype, out.shape, raw)
             except Exception as exc:
                 raise InferenceError(f"Triton response outputs[{i}]: {exc}") from None
-            if self.batched and array.ndim and array.shape[0] == 1:
-                array = array[0]
-            outputs[out.name] = array
+        return self.encode_outputs(outputs)
+
+    def encode_outputs(self, outputs: dict[str, Any]) -> tuple[bytes, list[tuple[str, bytes]]]:
+        """The result event of the response's outputs as arrays (with the batch dimension
+        the request was given, if any: a batched response's rows of this event serve as
+        well as its own response), and its headers."""
+        if self.batched:
+            outputs = {
+                name: array[0] if array.ndim and array.shape[0] == 1 else array
+                for name, array in outputs.items()
+            }
         result = self.mapping.result
         if result.into is not None:
             document = dict(self.event)

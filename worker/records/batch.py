@@ -244,14 +244,13 @@ class BatchPath:
         """Each candidate's result (value, headers, served version), None for one that does
         not encode; None for all when the response does not split into the batch's rows.
 
-        A batch of JSON or binary requests is encoded from the batched response at once
-        (``BatchResults``); any other is split into one response per candidate first.
+        A batch of JSON or binary requests and mapped events is encoded from the batched
+        response at once (``BatchResults``); any other is split into one response per
+        candidate first.
         """
         steps, rows = self._steps, [c.rows for c in batch]
         together = None
-        if len(batch) > 1 and all(
-            c.request.encoding != "protobuf" and c.request.event is None for c in batch
-        ):
+        if len(batch) > 1 and all(c.request.encoding != "protobuf" for c in batch):
             together = BatchResults.of(response, rows)
         results: list[_Result | None] = []
         if together is not None:

@@ -10,7 +10,9 @@ record's result is its id and its rows between bytes made beforehand. The bytes
 are those ``encode_result`` makes of the split response, for JSON and binary
 results alike; ``BatchResults.of`` declines (None) what it does not cover (a
 protobuf result, a BYTES output, typed contents, a response that does not split
-into the batch's rows), which the caller encodes the other way.
+into the batch's rows), which the caller encodes the other way. A mapped event's
+result is made by its event of its rows' arrays (views of the batch's), as it makes it of
+its own response.
 """
 
 from __future__ import annotations
@@ -108,6 +110,10 @@ class BatchResults:
         """The result of the ``index``-th record (``rows`` rows), as ``encode_result``
         makes it of that record's part of the response; OutputTooLarge over the limit."""
         start = self._offsets[index]
+        if request.event is not None:
+            value, headers = request.event.encode_outputs(self._arrays(start, rows))
+            check_result_size(request, value, max_result_bytes)
+            return value, headers
         binary = request.binary_outputs
         head = b'{"id":' + orjson.dumps(request.request_id) + self._names_of(request)
         parts = [head]
@@ -134,6 +140,15 @@ class BatchResults:
             value = document
         check_result_size(request, value, max_result_bytes)
         return value, headers
+
+    def _arrays(self, start: int, rows: int) -> dict[str, np.ndarray[Any, Any]]:
+        """Each output's ``rows`` rows from row ``start``, shaped with their batch dimension."""
+        return {
+            output.name: output.values[
+                start * output.row_elements : (start + rows) * output.row_elements
+            ].reshape((rows, *output.rest))
+            for output in self._outputs
+        }
 
     def _names_of(self, request: DecodedRequest) -> bytes:
         """``,"model_name":...,"model_version":...,"outputs":[`` for the request's model."""

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
+import numpy as np
+import orjson
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tritonclient.grpc import service_pb2
 
 from worker.errors import OutputTooLarge
+from worker.events import decode_event, load_mappings
 from worker.triton.merging import split
-from worker.wire import DecodedRequest, encode_result
+from worker.wire import DecodedRequest, DecodeLimits, Source, encode_result
 from worker.wire.batch_results import BatchResults
 from worker.wire.messages import set_parameters
 from worker.wire.tensors import DATATYPES
@@ -122,3 +126,80 @@ def test_a_result_over_the_limit_is_refused_as_encode_result_refuses_it() -> Non
         together.encode(0, 1, requests[0], small)
     assert got.value.message == expected.value.message
     assert together.encode(1, 1, requests[1], small) == encode_result(requests[1], parts[1])
+
+
+EVENTS = """
+[topics.events]
+model = "mlp"
+request_id = "/id"
+[topics.events.inputs.INPUT0]
+datatype = "FP32"
+from = "$.x"
+shape = [2]
+[topics.events.result.fields]
+id = "/id"
+score = "PROBS[1]"
+probs = "PROBS"
+label = { argmax = "PROBS", labels = ["a", "b", "c"] }
+ones = "COUNT"
+
+[topics.enriched]
+model = "mlp"
+[topics.enriched.inputs.INPUT0]
+datatype = "FP32"
+from = "$.x"
+shape = [2]
+[topics.enriched.result]
+into = "out"
+"""
+
+
+def test_mapped_events_in_a_batch_get_the_events_their_split_responses_make(
+    tmp_path: Path,
+) -> None:
+    """Events of both result forms, plain and as CloudEvents, beside an inference request:
+    each event's result from the batch's rows is the one its own response makes."""
+    path = tmp_path / "mapping.toml"
+    path.write_text(EVENTS)
+    mappings = load_mappings(str(path), ("events", "enriched"))
+    limits = DecodeLimits(max_request_bytes=1 << 20)
+    binary_ce = [
+        ("ce_specversion", b"1.0"),
+        ("ce_id", b"c-1"),
+        ("ce_source", b"/s"),
+        ("ce_type", b"t"),
+    ]
+    structured = [("content-type", b"application/cloudevents+json")]
+    envelope = {"specversion": "1.0", "id": "c-2", "source": "/s", "type": "t"}
+    made = [
+        ("events", orjson.dumps({"id": "e-1", "x": [1, 2]}), []),
+        ("enriched", orjson.dumps({"x": [3, 4], "note": "é"}), binary_ce),
+        ("events", orjson.dumps({**envelope, "data": {"id": 7, "x": [5, 6]}}), structured),
+    ]
+    requests = [
+        decode_event(mappings[topic], value, headers, Source(topic, 0, i), limits)
+        for i, (topic, value, headers) in enumerate(made)
+    ]
+    for request in requests:
+        request.event.batched = True  # as fit() leaves it for a batching model
+    requests.insert(1, _request("oip", "mlp", "json"))
+    rows = [1] * len(requests)
+    response = service_pb2.ModelInferResponse(model_name="mlp", model_version="1")
+    probs = np.random.default_rng(3).random((len(rows), 3)).astype(np.float32)
+    for name, datatype, array in (
+        ("PROBS", "FP32", probs),
+        ("COUNT", "INT64", np.arange(len(rows), dtype=np.int64).reshape(-1, 1)),
+    ):
+        response.outputs.add(name=name, datatype=datatype, shape=list(array.shape))
+        response.raw_output_contents.append(array.tobytes())
+    parts = split(response, rows, len(rows))
+    expected = [encode_result(r, part) for r, part in zip(requests, parts, strict=True)]
+    together = BatchResults.of(response, rows)
+    assert together is not None
+    got = [together.encode(i, 1, r, None) for i, r in enumerate(requests)]
+    assert got == expected
+    first = orjson.loads(got[0][0])
+    assert first["probs"] == pytest.approx(probs[0].tolist()) and first["ones"] == [0]
+    assert orjson.loads(got[3][0])["data"]["label"] == "abc"[int(np.argmax(probs[3]))]
+    with pytest.raises(OutputTooLarge):
+        together.encode(0, 1, requests[0], 10)
