@@ -30,6 +30,9 @@ DEMO_STREAMS = 3
 #: The mapped topic of the demo's plain events (examples/payments.toml maps it to ``mlp``).
 PAYMENTS_TOPIC = "payments"
 DEMO_PAYMENTS = 20
+#: The mapped topic of the demo's CloudEvents (examples/readings.json maps it to ``double``).
+READINGS_TOPIC = "readings"
+DEMO_READINGS = 4
 
 
 def add_demo_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -127,13 +130,13 @@ async def _demo(stack: Any, args: argparse.Namespace, console: Console, workdir:
 
     topics = DEFAULT_TOPICS
     await stack.kafka.create_topics([topics["input"]], partitions=INPUT_PARTITIONS)
-    await stack.kafka.create_topics([PAYMENTS_TOPIC], partitions=1)
+    await stack.kafka.create_topics([PAYMENTS_TOPIC, READINGS_TOPIC], partitions=1)
     await stack.kafka.create_topics([topics["output"], topics["dlq"]], partitions=INPUT_PARTITIONS)
     settings = load_settings(
         {
             "WORKER_BOOTSTRAP_SERVERS": stack.kafka.bootstrap_servers,
-            "WORKER_INPUT_TOPICS": f"{topics['input']},{PAYMENTS_TOPIC}",
-            "WORKER_MAPPING_FILE": str(PROJECT_ROOT / "examples" / "payments.toml"),
+            "WORKER_INPUT_TOPICS": f"{topics['input']},{PAYMENTS_TOPIC},{READINGS_TOPIC}",
+            "WORKER_MAPPING_FILE": str(_examples_mapping(PROJECT_ROOT / "examples", workdir)),
             "WORKER_OUTPUT_TOPIC": topics["output"],
             "WORKER_DLQ_TOPIC": topics["dlq"],
             "WORKER_GROUP_ID": "demo-worker",
@@ -156,7 +159,8 @@ async def _demo(stack: Any, args: argparse.Namespace, console: Console, workdir:
         samples.token_request(f"demo-tokens-{i}", DEMO_PROMPT, words) for i in range(DEMO_STREAMS)
     ]
     events = samples.payment_events(DEMO_PAYMENTS)
-    requests = burst + streams + events
+    readings = samples.reading_events(DEMO_READINGS)
+    requests = burst + streams + events + readings
     sent_at: dict[str, float] = {}
     answers: dict[str, tuple[str, str | None, Any]] = {}
     with progress_bar(console) as progress:
@@ -166,6 +170,7 @@ async def _demo(stack: Any, args: argparse.Namespace, console: Console, workdir:
             (burst, topics["input"]),
             (streams, topics["input"]),
             (events, PAYMENTS_TOPIC),
+            (readings, READINGS_TOPIC),
         ):
             times = await send_requests(
                 stack.kafka.bootstrap_servers, topic, outgoing(phase), progress
@@ -182,6 +187,7 @@ async def _demo(stack: Any, args: argparse.Namespace, console: Console, workdir:
     log_file.close()
     _summary(console, requests, answers, sent_at, topics)
     _show_events(console, events, answers)
+    _show_cloud_events(console, readings, answers)
     console.print(f"worker log: {log_path}")
     expected = {r.request_id: r.expected_code for r in requests}
     wrong = [rid for rid, (topic, code, _) in answers.items() if code != expected[rid]]
@@ -277,6 +283,47 @@ def _show_events(
             shown += 1
             line = f"[bold]{PAYMENTS_TOPIC}[/bold] event scored: {escape(value.decode())}"
             console.print(line, soft_wrap=True, highlight=False)
+
+
+def _show_cloud_events(
+    console: Console,
+    readings: Sequence[samples.SampleRequest],
+    answers: dict[str, tuple[str, str | None, Any]],
+) -> None:
+    """The first binary and the first structured reading as they came back: CloudEvents in
+    the request's mode, enriched with ``double``'s outputs through the mapping."""
+    shown: set[str] = set()
+    for reading in readings:
+        answer = answers.get(reading.request_id)
+        if answer is None or answer[1] is not None:
+            continue
+        _, value, headers = answer[2]
+        structured = header_value(headers, "content-type") == b"application/cloudevents+json"
+        mode = "structured" if structured else "binary"
+        if mode in shown:
+            continue
+        shown.add(mode)
+        attributes = (
+            ""
+            if structured
+            else " ".join(f"{k}={v.decode()}" for k, v in headers if k.startswith("ce_"))
+        )
+        line = f"[bold]{READINGS_TOPIC}[/bold] CloudEvent ({mode}) answered: "
+        line += escape(f"{attributes} {value.decode()}".strip())
+        console.print(line, soft_wrap=True, highlight=False)
+
+
+def _examples_mapping(examples: Path, workdir: Path) -> Path:
+    """One mapping file of the examples' two (the worker takes one): the payments and the
+    readings."""
+    import json
+    import tomllib
+
+    topics = tomllib.loads((examples / "payments.toml").read_text())["topics"]
+    topics |= json.loads((examples / "readings.json").read_text())["topics"]
+    path = workdir / "mapping.json"
+    path.write_text(json.dumps({"topics": topics}, indent=2))
+    return path
 
 
 def _show_stream(

@@ -336,6 +336,39 @@ def bad_requests(max_request_bytes: int = BAD_SAMPLES_MAX_REQUEST_BYTES) -> list
     ]
 
 
+def reading_events(count: int) -> list[SampleRequest]:
+    """Sensor readings as CloudEvents for the ``readings`` mapping of ``examples/``, in
+    binary mode (``ce_*`` headers) and structured mode (``application/cloudevents+json``)
+    by turns; the last one lacks its battery (the mapping's default, 0, stands in)."""
+    import json
+
+    out = []
+    for i in range(count):
+        sensor = f"sensor-{i}"
+        data: dict[str, Any] = {
+            "sensor": {"id": sensor, "battery": 0.5 + i / 10},
+            "temperature": 20.5 + i,
+            "humidity": 0.25 * (i + 1),
+        }
+        if i == count - 1:
+            del data["sensor"]["battery"]
+        attributes = {
+            "specversion": "1.0",
+            "id": f"reading-{i}",
+            "source": "/examples/sensors",
+            "type": "com.example.reading",
+        }
+        if i % 2 == 0:
+            headers = [(f"ce_{k}", v.encode()) for k, v in attributes.items()]
+            headers.append(("content-type", b"application/json"))
+            value = json.dumps(data).encode()
+        else:
+            headers = [("content-type", b"application/cloudevents+json")]
+            value = json.dumps({**attributes, "data": data}).encode()
+        out.append(SampleRequest(value, headers, "double", "json", sensor))
+    return out
+
+
 def payment_events(count: int, seed: int = 9) -> list[SampleRequest]:
     """Plain JSON payment events for the ``payments`` mapping of ``examples/``, then one
     whose features hold a word where a number belongs (an INVALID_REQUEST dead letter)."""

@@ -265,8 +265,8 @@ async def test_produce_command_sends_generated_and_bad_requests(
 
 
 def test_demo_answers_every_request_and_exits_zero() -> None:
-    """`python -m devtools demo` (`make demo`) answers all, shows a token stream and scored
-    payment events, stops all."""
+    """`python -m devtools demo` (`make demo`) answers all, shows a token stream, scored
+    payment events and CloudEvents readings, stops all."""
     done = subprocess.run(
         [sys.executable, "-m", "devtools", "demo", "--requests", "90"],
         capture_output=True,
@@ -290,6 +290,18 @@ def test_demo_answers_every_request_and_exits_zero() -> None:
         "payments event payment-20: INVALID_REQUEST $.features[7]: expected a number (FP32), "
         'got "n/a"' in done.stdout
     )
+    # Sensor readings as CloudEvents (examples/readings.json), each answered in its mode.
+    cloud = [line for line in done.stdout.splitlines() if "readings CloudEvent (" in line]
+    assert len(cloud) == 2, done.stdout[-3000:]
+    binary, structured = sorted(cloud)
+    assert "(binary) answered: ce_specversion=1.0 ce_id=readings/0/" in binary, binary
+    assert "ce_type=com.example.reading.doubled" in binary and "ce_correlationid=reading-" in binary
+    data = json.loads("{" + binary.split(" {", 1)[1])
+    assert data["doubled"] == {"OUTPUT0": [41.0, 0.5, 1.0]}, binary
+    envelope = json.loads(structured.split("answered: ", 1)[1])
+    assert envelope["type"] == "com.example.reading.doubled", structured
+    assert envelope["id"].startswith("readings/0/") and envelope["correlationid"] == "reading-1"
+    assert envelope["data"]["doubled"]["OUTPUT0"] == pytest.approx([43.0, 1.0, 1.2])
 
 
 async def test_worker_produce_sends_ndjson_from_stdin(kafka: KafkaUnderTest, unique: str) -> None:
