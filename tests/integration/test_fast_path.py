@@ -23,6 +23,7 @@ from tests.support import (
     settings_for,
 )
 from worker.app import Worker
+from worker.records.steps import FALLBACK_REASONS
 from worker.wire.tensors import serialize_bytes_tensor
 
 pytestmark = pytest.mark.timeout(120)
@@ -72,8 +73,13 @@ async def test_a_backlog_takes_the_fast_path_and_a_poison_pill_fails_alone(
         got = await collect(kafka.bootstrap_servers, topics, len(warm) + len(backlog), 60)
         fast = _sample(worker, "worker_fast_path_records_total")
         fell_back = _sample(worker, "worker_fast_path_fallbacks_total", reason="inference")
+        # Why records left the fast path, should some mlp record be among them.
+        reasons = {
+            reason: _sample(worker, "worker_fast_path_fallbacks_total", reason=reason)
+            for reason in FALLBACK_REASONS
+        }
 
-    assert fast >= _MLP_RECORDS, fast
+    assert fast >= _MLP_RECORDS, (fast, reasons)
     assert fell_back >= 1
     assert set(got.dead_letters) == {f"echo-{_PILL}"}, sorted(got.dead_letters)
     headers = headers_dict(got.dead_letters[f"echo-{_PILL}"].headers)
