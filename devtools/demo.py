@@ -20,6 +20,7 @@ from rich.table import Table
 
 from devtools import samples
 from worker.commands.produce import MAX_REQUEST_BYTES, Outgoing, progress_bar, send_all
+from worker.events.cloudevents import STRUCTURED
 from worker.wire import header_value
 
 #: Small enough that the "oversized" sample still fits a default broker message.
@@ -298,7 +299,7 @@ def _show_cloud_events(
         if answer is None or answer[1] is not None:
             continue
         _, value, headers = answer[2]
-        structured = header_value(headers, "content-type") == b"application/cloudevents+json"
+        structured = header_value(headers, "content-type") == STRUCTURED.encode()
         mode = "structured" if structured else "binary"
         if mode in shown:
             continue

@@ -211,13 +211,23 @@ def _lanes(
     specs = [
         (
             client,
-            LaneSpec(bootstrap, topics.input, p, codec, seed, RATE_PER_PARTITION_S, delivery, p),
+            LaneSpec(
+                bootstrap, topics.input, p, codec, seed, RATE_PER_PARTITION_S, delivery, number=p
+            ),
         )
         for p, client, codec in LANES
     ]
     client, codec = EVENTS_LANE
     events = LaneSpec(
-        bootstrap, _events_topic(topics), 0, codec, seed, EVENTS_RATE_S, delivery, PARTITIONS, True
+        bootstrap,
+        _events_topic(topics),
+        0,
+        codec,
+        seed,
+        EVENTS_RATE_S,
+        delivery,
+        number=PARTITIONS,  # after the request topic's partitions (``_inputs``)
+        events=True,
     )
     specs.append((client, events))
     return [
