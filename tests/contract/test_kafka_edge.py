@@ -80,3 +80,38 @@ def test_only_the_kafka_edge_imports_aiokafka() -> None:
         if "aiokafka" in _imported_roots(ast.parse(path.read_text()))
     }
     assert offenders == set()
+
+
+def _client_packages_imported(tree: ast.AST) -> set[str]:
+    """The client packages of the edge (worker.kafka.aiokafka, .rdkafka) a module imports."""
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module, *(f"{node.module}.{alias.name}" for alias in node.names)]
+        for name in names:
+            for package in ("worker.kafka.aiokafka", "worker.kafka.rdkafka"):
+                if name == package or name.startswith(package + "."):
+                    found.add(package)
+    return found
+
+
+def test_delivery_imports_no_client_module() -> None:
+    """delivery/ speaks the edge's protocols (worker.kafka.transactions, .types) alone: no
+    module of it imports worker.kafka.aiokafka or worker.kafka.rdkafka."""
+    offenders = {
+        _relative(path): sorted(found)
+        for path in runtime_modules()
+        if _relative(path).startswith("worker/delivery/")
+        and (found := _client_packages_imported(ast.parse(path.read_text())))
+    }
+    assert offenders == {}
+
+
+def test_the_client_import_check_finds_one() -> None:
+    """The check above can fail: both import forms are seen."""
+    assert _client_packages_imported(ast.parse("from worker.kafka.aiokafka import clients"))
+    assert _client_packages_imported(ast.parse("import worker.kafka.rdkafka.transactions"))
+    assert not _client_packages_imported(ast.parse("from worker.kafka import transactions"))

@@ -2,9 +2,8 @@
 
 Shared by the start-up gate of ``run`` and by ``check``: one Metadata request with the
 operations the worker's principal may perform on each topic, and the group described
-(DescribeGroups with its authorized operations; never joined). With aiokafka the
-requests go over a connection of its own; with librdkafka through its admin API, with
-the worker's own configuration either way.
+(DescribeGroups with its authorized operations; never joined), asked through the chosen
+client's admin (``worker.kafka.edge.open_admin``) with the worker's own configuration.
 
 Every failure to get an answer ends in one line: a refused handshake (a wrong password,
 an untrusted certificate) or a listener speaking another security protocol than
@@ -16,8 +15,6 @@ has passed (``KafkaUnavailable``, exit 5). Messages never carry a secret.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import ssl
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -26,10 +23,10 @@ from worker.checks import probes
 from worker.checks.listener import Listener, identify, mismatch
 from worker.errors import CannotRun, KafkaUnavailable
 from worker.flow.retry import Backoff
-from worker.kafka.aiokafka import probes as broker
-from worker.kafka.edge import uses_librdkafka
-from worker.kafka.options import kafka_client_kwargs, sasl_password
-from worker.kafka.types import KafkaError, SaslAuthenticationFailed, UnsupportedSaslMechanismError
+from worker.kafka import admin
+from worker.kafka.admin import Refused, Unanswered
+from worker.kafka.edge import open_admin
+from worker.kafka.options import sasl_password
 from worker.settings import Settings
 
 __all__ = ["Findings", "inspect_kafka", "scrub", "who"]
@@ -39,8 +36,6 @@ __all__ = ["Findings", "inspect_kafka", "scrub", "who"]
 _RETRY = Backoff(first_s=0.25, max_s=4.0)
 #: Bound on identifying what a listener speaks, once a client got no answer.
 _IDENTIFY_S = 5.0
-#: Bound on waiting for a connection of ours to close.
-_CLOSE_S = 2.0
 
 
 class Findings(NamedTuple):
@@ -77,9 +72,7 @@ def scrub(text: str, secrets: list[str]) -> str:
 
 def who(settings: Settings) -> str:
     """The principal the worker runs as, as a message names it."""
-    if settings.kafka_auth.sasl_username:
-        return f"user {settings.kafka_auth.sasl_username!r}"
-    return "the worker's principal"
+    return admin.who(settings.kafka_auth)
 
 
 async def inspect_kafka(
@@ -142,125 +135,23 @@ async def _diagnose(
 
 
 async def _ask(settings: Settings, progress: _Progress, deadline: float) -> Findings:
-    if uses_librdkafka(settings):
-        return await _ask_rdkafka(settings, progress, deadline)
-    return await _ask_aiokafka(settings, progress)
-
-
-# -- aiokafka: requests over a connection of our own ---------------------------------
-
-
-async def _ask_aiokafka(settings: Settings, progress: _Progress) -> Findings:
-    kwargs = kafka_client_kwargs(settings.kafka_auth)
-    conn, address = await _connect(settings, settings.kafka.bootstrap_servers.split(","), kwargs)
-    try:
-        progress.step = "describing the topics"
-        topics = [use.topic for use in probes.topics_to_check(settings)]
-        metadata = await broker.describe_topics(conn.send, topics)
-        progress.step = f"describing consumer group {settings.kafka.group_id!r}"
-        group = await _describe_group(conn, settings, kwargs)
-    except (OSError, KafkaError) as exc:
-        raise _Unanswered(f"{address}: {probes.reason(exc)}") from None
-    finally:
-        await _close(conn)
-    return Findings(f"Kafka {address}", metadata, group)
-
-
-async def _close(conn: Any) -> None:
-    """Close, and wait (a bounded time) until the socket is: an event loop closed right
-    after (``check`` ends) must not find it still open."""
-    with contextlib.suppress(TimeoutError):
-        await asyncio.wait_for(asyncio.shield(conn.close()), _CLOSE_S)
-
-
-async def _connect(
-    settings: Settings, addresses: list[str], kwargs: dict[str, Any]
-) -> tuple[Any, str]:
-    """A connection (authenticated) to the first address that takes one."""
-    reasons = []
-    for address in addresses:
-        try:
-            conn = await broker.connect(
-                address, client_id=settings.kafka.client_id, client_kwargs=kwargs
-            )
-        except ssl.SSLCertVerificationError as exc:
-            raise _Refused(
-                f"Kafka {address}: TLS certificate not trusted ({exc.verify_message}); "
-                "check WORKER_SSL_CAFILE"
-            ) from None
-        except ssl.SSLError as exc:
-            raise _Refused(
-                f"Kafka {address}: TLS handshake failed ({exc.reason or exc}); "
-                "check the WORKER_SSL_* files"
-            ) from None
-        except SaslAuthenticationFailed as exc:
-            raise _Refused(
-                f"Kafka {address}: SASL {settings.kafka_auth.sasl_mechanism} authentication "
-                f"failed for {who(settings)}: {exc.args[0] if exc.args else exc}"
-            ) from None
-        except UnsupportedSaslMechanismError as exc:
-            raise _Refused(f"Kafka {address}: {exc}; check WORKER_SASL_MECHANISM") from None
-        except (OSError, KafkaError) as exc:
-            reasons.append(f"{address}: {probes.reason(exc)}")
-            continue
-        return conn, address
-    raise _Unanswered("; ".join(reasons))
-
-
-async def _describe_group(conn: Any, settings: Settings, kwargs: dict[str, Any]) -> dict[str, Any]:
-    """The group with its authorized operations, asked of its coordinator; retriable
-    errors (a fresh cluster still creating its offsets topic) are asked again."""
-    group_id = settings.kafka.group_id
-    failures = 0
-    while True:
-        code, coordinator = await broker.find_coordinator(conn, group_id)
-        if not code:
-            group = await _on_coordinator(conn, coordinator, settings, kwargs)
-            code = int(group["error_code"])
-            if not code or not broker.retriable(code):
-                return group
-        elif not broker.retriable(code):
-            return {"error_code": code, "members": []}
-        failures += 1
-        await asyncio.sleep(_RETRY.delay_s(failures))
-
-
-async def _on_coordinator(
-    conn: Any, address: str, settings: Settings, kwargs: dict[str, Any]
-) -> dict[str, Any]:
-    if address == f"{conn.host}:{conn.port}":
-        return await broker.describe_group_with(conn.send, settings.kafka.group_id)
-    coordinator, _ = await _connect(settings, [address], kwargs)
-    try:
-        return await broker.describe_group_with(coordinator.send, settings.kafka.group_id)
-    finally:
-        await _close(coordinator)
-
-
-# -- librdkafka: its admin API ---------------------------------------------------------
-
-
-async def _ask_rdkafka(settings: Settings, progress: _Progress, deadline: float) -> Findings:
-    from worker.kafka.rdkafka.admin import KafkaException, RdAdmin, refusal_message
-
-    where = f"Kafka {settings.kafka.bootstrap_servers}"
     remaining_s = max(deadline - asyncio.get_running_loop().time(), 1.0)
-    admin = RdAdmin(settings, remaining_s)
+    try:
+        admin = await open_admin(settings.kafka, settings.kafka_auth, remaining_s)
+    except Refused as exc:
+        raise _Refused(str(exc)) from None
+    except Unanswered as exc:
+        raise _Unanswered(str(exc)) from None
     try:
         progress.step = "describing the topics"
         topics = [use.topic for use in probes.topics_to_check(settings)]
         metadata = await admin.describe_topics(topics)
         progress.step = f"describing consumer group {settings.kafka.group_id!r}"
         group = await admin.describe_group(settings.kafka.group_id)
-    except KafkaException as exc:
-        if admin.refusal is not None:
-            mechanism = settings.kafka_auth.sasl_mechanism
-            raise _Refused(
-                refusal_message(admin.refusal, where, who(settings), mechanism)
-            ) from None
-        reported = admin.no_answer or (exc.args[0] if exc.args else exc)
-        text = reported.str() if hasattr(reported, "str") else str(reported)
-        raise _Unanswered(text.split(" (after ", 1)[0]) from None
+    except Refused as exc:
+        raise _Refused(str(exc)) from None
+    except Unanswered as exc:
+        raise _Unanswered(str(exc)) from None
     finally:
         await admin.close()
-    return Findings(where, metadata, group)
+    return Findings(admin.where, metadata, group)

@@ -1,9 +1,8 @@
 """The probes behind both the start-up gate and the ``check`` command: one way to ask.
 
 Kafka: which topics the worker uses and what it needs on each, and how to read the
-operations the broker reports the client may perform (asked by the requests of
-``worker.kafka.aiokafka.probes``, or by librdkafka's admin API). Triton: the client built
-from the settings.
+operations the broker reports the client may perform (asked through the chosen client's
+admin, ``worker.kafka.admin``). Triton: the client built from the settings.
 """
 
 from __future__ import annotations
@@ -12,6 +11,7 @@ from typing import NamedTuple
 
 from tritonclient.grpc.aio import InferenceServerClient
 
+from worker.kafka.admin import reason
 from worker.settings import Settings
 from worker.triton.auth import triton_client_kwargs
 from worker.triton.endpoints import EndpointSet, Target, parse_targets
@@ -71,15 +71,6 @@ def topics_to_check(settings: Settings) -> list[TopicUse]:
             TopicUse(f"audit topic {ops.audit_topic}", ops.audit_topic, WRITE, "WORKER_AUDIT_TOPIC")
         )
     return rows
-
-
-def reason(exc: BaseException) -> str:
-    """The first line of an error, named by its type unless the message already is."""
-    name = type(exc).__name__
-    lines = str(exc).strip().splitlines()
-    if not lines:
-        return name
-    return lines[0] if lines[0].startswith(name) else f"{name}: {lines[0]}"
 
 
 async def triton_addresses(settings: Settings) -> list[tuple[str, Target]]:

@@ -22,7 +22,7 @@ from typing import Any
 
 from worker.checks import probes
 from worker.errors import ExitCode
-from worker.kafka.aiokafka import probes as broker
+from worker.kafka.aiokafka import admin as broker
 from worker.kafka.options import kafka_client_kwargs
 from worker.kafka.types import KafkaError, SaslAuthenticationFailed, UnsupportedSaslMechanismError
 from worker.settings import (

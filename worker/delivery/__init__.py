@@ -1,21 +1,17 @@
 """When a record is done and what is committed: one ``Delivery`` per mode, chosen once.
 
 ``at_least_once``: done once the broker acknowledged the outcome; offsets committed
-through the consumer. ``exactly_once``: outcomes and offsets in one Kafka
-transaction per input partition (aiokafka), or in one transaction for every
-partition, fenced by the group generation (librdkafka).
+through the consumer. ``exactly_once``: outcomes and offsets in Kafka transactions,
+through the transactional producers the Kafka edge built for the chosen client.
 """
 
 from __future__ import annotations
 
-from typing import cast
-
 from worker.delivery.at_least_once import AtLeastOnce
 from worker.delivery.base import Delivery, Publishing, Sink
 from worker.delivery.exactly_once import ExactlyOnce
-from worker.delivery.exactly_once_group import GroupEdge, GroupFencedExactlyOnce
 from worker.delivery.offsets import OffsetTracker
-from worker.kafka.edge import GroupFenced, Transactions
+from worker.kafka.transactions import Transactions
 from worker.kafka.types import CommitEdge
 from worker.observability import Metrics
 from worker.settings import Settings
@@ -40,22 +36,10 @@ def build_delivery(
     transactions: Transactions,
 ) -> Delivery:
     """The delivery mode ``WORKER_DELIVERY`` names, over its own offset tracker;
-    ``transactions`` (the Kafka edge's) say how exactly_once is fenced."""
+    ``transactions``: the Kafka edge's transactional producers (exactly_once)."""
     offsets = OffsetTracker()
     if settings.delivery.delivery == "exactly_once":
-        if isinstance(transactions, GroupFenced):
-            # librdkafka's consumer gives its group metadata: one producer, fenced by the group.
-            return GroupFencedExactlyOnce(
-                settings, offsets, cast(GroupEdge, edge), metrics, transactions=transactions
-            )
-        return ExactlyOnce(
-            settings,
-            offsets,
-            edge,
-            metrics,
-            new_producer=transactions.new_producer,
-            owns=edge.owns,
-        )
+        return ExactlyOnce(settings, offsets, edge, metrics, transactions=transactions)
     return AtLeastOnce(
         publisher,
         offsets,

@@ -1,32 +1,35 @@
-"""``exactly_once``: outcomes and offsets of an input partition in one Kafka transaction.
+"""``exactly_once``: outcomes and offsets in Kafka transactions, on either client.
 
-Each assigned input partition gets its own transactional producer whose
-transactional id names the group and the partition. aiokafka has no
-group-metadata fencing (KIP-447), so fencing relies on that id and on order: a
-new owner first initialises the partition's id (the broker fences the old
-producer and completes or aborts its open transaction), and only then reads the
-committed offset and starts fetching from it.
+Outcomes are staged per input partition as records finish; every commit interval the
+contiguous done prefix of each partition is written, with the next offset to consume,
+in one transaction per transactional producer. Which producer carries a partition is
+the client's (``worker.kafka.transactions.Transactions``): one per input partition,
+fenced by its transactional id (aiokafka), or one for every partition, fenced by the
+group generation (librdkafka). A record's ``deliver`` returns once its transaction
+commits, so it holds its window slot until then (staged outcomes are bounded by the
+window), while ordering turns pass on as soon as it is staged.
 
-Outcomes are staged as records finish; every commit interval the contiguous
-done prefix of each partition is written, with the next offset to consume, in one
-transaction. A record's ``deliver`` returns once its transaction commits, so it
-holds its window slot until then (staged outcomes are bounded by the window),
-while ordering turns pass on as soon as it is staged.
+A partition is ours to commit only while it is held here and assigned to the consumer:
+that is checked again after every wait (a producer's start, which may retry for a
+minute; the acknowledgements) and before every commit, and a producer is (re)started,
+which fences the previous holders of its transactional id, only while no rebalance is
+under way. A partition lost meanwhile never commits: its next owner redoes its records.
 
 A failed transaction (a result the topic refuses for its size, a broker restart, offsets
-refused while the group rebalances) is aborted and its producer closed; its outcomes
-stay staged, and records that finish while the producer is closed are staged as well.
-The next commit starts a fresh producer and writes them all in a new transaction: the
-same member redoes them at once, never waiting for a rebalance. Re-staging rather than
-seeking back and processing again: no second inference, and the same on both clients.
-An aborted transaction is invisible to ``read_committed`` readers, so writing its
-outcomes again is still exactly once. Only a partition gone (revoked, fenced) ends its
-records here; its next owner redoes them.
+refused while the group rebalances) is abandoned: aborted and its producer closed; its
+outcomes stay staged, and records that finish while the producer is closed are staged
+as well. The next commit starts a fresh producer and writes them all in a new
+transaction: the same member redoes them at once, never waiting for a rebalance.
+Re-staging rather than seeking back and processing again: no second inference. An
+aborted transaction is invisible to ``read_committed`` readers, so writing its outcomes
+again is still exactly once. Only a partition gone (revoked, fenced) ends its records
+here; its next owner redoes them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import enum
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -36,9 +39,15 @@ from worker import wire
 from worker.delivery.base import CommitEdge, OnSafe, Sink, TrackingDelivery
 from worker.delivery.offsets import OffsetTracker
 from worker.errors import OutputTooLarge, PartitionRevoked, WriteFailed
-from worker.kafka.aiokafka.transactions import PartitionProducer, ProducerFactory
 from worker.kafka.publisher import dead_letter_value
-from worker.kafka.transactions import Message, ProducerStartFailed
+from worker.kafka.transactions import (
+    Message,
+    ProducerStartFailed,
+    TransactionalProducer,
+    TransactionDeferred,
+    TransactionFailed,
+    Transactions,
+)
 from worker.kafka.types import ConsumerRecord, TopicPartition
 from worker.observability import Metrics
 from worker.settings import Settings
@@ -60,11 +69,35 @@ class _Staged:
 
 @dataclass
 class _Partition:
-    producer: PartitionProducer
-    ready: asyncio.Event = field(default_factory=asyncio.Event)  # producer started, or gone
+    producer: TransactionalProducer
+    ready: asyncio.Event = field(default_factory=asyncio.Event)  # may commit, or gone
     staged: dict[int, _Staged] = field(default_factory=dict)
     #: Offsets whose outcome was refused and awaits its replacement (a dead letter).
     replacing: set[int] = field(default_factory=set)
+
+
+@dataclass
+class _Ready:
+    """A partition in a transaction: its commit point and the staged offsets before it."""
+
+    tp: TopicPartition
+    part: _Partition
+    point: int
+    offsets: list[int]
+
+
+class _Ended(enum.Enum):
+    """How a transaction ended, when it did not commit."""
+
+    DEFERRED = "deferred"  # nothing begun: a rebalance is under way
+    FAILED = "failed"  # abandoned; the next commit tries again on a fresh producer
+    FENCED = "fenced"  # another member owns the partitions now
+    LOST = "lost"  # a partition is no longer ours: abandoned before its commit
+    TOO_LARGE = "too_large"  # records refused for size (named in the refusal)
+
+
+class _Lost(Exception):
+    """A partition of the transaction is no longer ours."""
 
 
 class ExactlyOnce(TrackingDelivery):
@@ -77,8 +110,7 @@ class ExactlyOnce(TrackingDelivery):
         edge: CommitEdge,
         metrics: Metrics,
         *,
-        new_producer: ProducerFactory,
-        owns: Callable[[TopicPartition], bool] = lambda _: True,
+        transactions: Transactions,
     ) -> None:
         super().__init__(
             offsets,
@@ -87,16 +119,19 @@ class ExactlyOnce(TrackingDelivery):
             settings.kafka.commit_interval_ms / 1000,
             settings.delivery.max_uncommitted_per_partition,
         )
-        self._settings = settings
-        #: Makes a partition's producer for its transactional id (a seam of the unit tests).
-        self._producer = new_producer
-        self._owns = owns
+        self._topics = settings.topics
+        self._transactions = transactions
         self._partitions: dict[TopicPartition, _Partition] = {}
+        #: Every producer not stopped yet (a shared one outlives its partitions).
+        self._producers: dict[int, TransactionalProducer] = {}
         self._on_staged: dict[tuple[TopicPartition, int], OnSafe] = {}
         #: Partitions dropped while still assigned (fenced): the generation and the reason.
         #: Their records end at once instead of waiting for the revocation, which itself
         #: waits for them. One entry per assigned partition at most, gone when forgotten.
         self._released: dict[TopicPartition, tuple[int, str]] = {}
+        #: Producers whose last transaction was refused for size on several records that
+        #: may have shared a batch: the next one sends them one by one to find which.
+        self._suspects: set[int] = set()
         # Set (and replaced) when a partition is added or dropped, or its tracking forgotten.
         self._changed = asyncio.Event()
 
@@ -159,13 +194,13 @@ class ExactlyOnce(TrackingDelivery):
     async def publish_result(
         self, record: ConsumerRecord[bytes, bytes], value: bytes, headers: Headers
     ) -> None:
-        topic = self._settings.topics.output_topic
+        topic = self._topics.output_topic
         await self._stage(record, [(topic, value, record.key, headers)], is_result=True)
 
     async def publish_results(
         self, record: ConsumerRecord[bytes, bytes], results: Sequence[tuple[bytes, Headers]]
     ) -> None:
-        topic = self._settings.topics.output_topic
+        topic = self._topics.output_topic
         messages: list[Message] = [(topic, v, record.key, h) for v, h in results]
         await self._stage(record, messages, is_result=True)
 
@@ -173,7 +208,7 @@ class ExactlyOnce(TrackingDelivery):
         self, record: ConsumerRecord[bytes, bytes], headers: Headers
     ) -> None:
         value = dead_letter_value(record.value, record.key)
-        topic = self._settings.topics.dlq_topic
+        topic = self._topics.dlq_topic
         await self._stage(record, [(topic, value, record.key, headers)], is_result=False)
 
     async def _stage(
@@ -195,48 +230,119 @@ class ExactlyOnce(TrackingDelivery):
     # -- commits ---------------------------------------------------------------------
 
     async def commit(self, only: Iterable[TopicPartition] | None = None) -> None:
-        """Commit each partition's staged done prefix with its offset, one transaction each."""
+        """Commit the staged done prefix of each partition (of ``only``) with its offset,
+        one transaction per producer."""
         wanted = set(only) if only is not None else None
-        for tp, part in list(self._partitions.items()):
-            if wanted is None or tp in wanted:
-                await self._flush(tp, part)
+        producers = {
+            id(part.producer): part.producer
+            for tp, part in self._partitions.items()
+            if wanted is None or tp in wanted
+        }
+        for producer in producers.values():
+            await self._flush(producer, wanted)
 
-    async def _flush(self, tp: TopicPartition, part: _Partition) -> None:
-        async with part.producer.lock:
-            if self._partitions.get(tp) is not part or not part.ready.is_set():
-                return
-            point = self.offsets.commit_point(tp)
-            if point is None:
-                return
-            # A refused outcome holds the commit until its dead letter is staged.
-            point = min([point, *part.replacing])
-            ready = sorted(o for o in part.staged if o < point)
-            if not ready:
-                return
-            if not part.producer.running:
-                if not self._owns(tp):
-                    return  # a rebalance is deciding; the revocation cleans up
-                await self._restart(tp, part)
-                if not part.producer.running:
+    async def _flush(
+        self, producer: TransactionalProducer, wanted: set[TopicPartition] | None
+    ) -> None:
+        async with producer.lock:
+            batch = self._ready(producer, wanted)
+            if batch and not producer.running:
+                if not await self._restart(producer, batch):
                     return
-            messages = [m for o in ready for m in part.staged[o].messages]
-            outcome = await part.producer.run_transaction(messages, point)
-            if outcome.fenced:
-                self._drop(tp, part, "fenced by the partition's new owner")
+                batch = self._ready(producer, wanted)  # partitions may have gone meanwhile
+            if not batch:
                 return
-            if outcome.too_large:
-                self._replace_refused(part, ready, outcome.too_large)
+            ended = await self._transaction(producer, batch)
+            if ended is not None:
                 return
-            if not outcome.committed:
-                self._metrics.commit_failures_total.inc()
-                return  # staged outcomes stay; the next flush tries again
-        for offset in ready:
-            staged = part.staged.pop(offset)
-            if not staged.committed.done():
-                staged.committed.set_result(None)
-        self.offsets.mark_committed({tp: point})
+            for ready in batch:
+                for offset in ready.offsets:
+                    staged = ready.part.staged.pop(offset)
+                    if not staged.committed.done():
+                        staged.committed.set_result(None)
+                self.offsets.mark_committed({ready.tp: ready.point})
         self._metrics.transactions_total.inc()
         self._metrics.commits_total.inc()
+
+    def _ready(
+        self, producer: TransactionalProducer, wanted: set[TopicPartition] | None
+    ) -> list[_Ready]:
+        """The producer's partitions with a staged done prefix (a refused outcome holds its
+        partition's commit until its dead letter is staged)."""
+        batch: list[_Ready] = []
+        for tp, part in self._partitions.items():
+            if part.producer is not producer or not part.ready.is_set():
+                continue
+            if wanted is not None and tp not in wanted:
+                continue
+            point = self.offsets.commit_point(tp)
+            if point is None:
+                continue
+            point = min([point, *part.replacing])
+            offsets = sorted(o for o in part.staged if o < point)
+            if offsets:
+                batch.append(_Ready(tp, part, point, offsets))
+        return batch
+
+    async def _transaction(
+        self, producer: TransactionalProducer, batch: list[_Ready]
+    ) -> _Ended | None:
+        """One transaction of the batch's outcomes and offsets; None once it committed."""
+        messages = [m for r in batch for o in r.offsets for m in r.part.staged[o].messages]
+        try:
+            await producer.begin()
+        except TransactionDeferred as exc:
+            log.info("transaction_deferred", error=str(exc))
+            return _Ended.DEFERRED
+        key = id(producer)
+        try:
+            refused = await producer.send(messages, one_by_one=key in self._suspects)
+            if refused:
+                await producer.abandon(f"refused for size: {len(refused)} record(s)")
+                return self._refused(producer, batch, refused)
+            self._check_ours(batch)  # after the acknowledgements' wait
+            await producer.send_offsets({r.tp: r.point for r in batch})
+            self._check_ours(batch)  # and before the commit
+            await producer.commit()
+        except _Lost as exc:
+            await producer.abandon(f"partition no longer ours: {exc}")
+            return _Ended.LOST
+        except TransactionFailed as exc:
+            await producer.abandon(str(exc))
+            if exc.fenced:
+                for ready in batch:
+                    self._drop(ready.tp, ready.part, "fenced: another member owns it now")
+                return _Ended.FENCED
+            self._metrics.commit_failures_total.inc()
+            return _Ended.FAILED
+        self._suspects.discard(key)
+        return None
+
+    def _check_ours(self, batch: list[_Ready]) -> None:
+        """_Lost when a partition was dropped here or left the consumer's assignment."""
+        assigned = self._edge.assignment()
+        for ready in batch:
+            if self._partitions.get(ready.tp) is not ready.part or ready.tp not in assigned:
+                raise _Lost(str(ready.tp))
+
+    def _refused(
+        self, producer: TransactionalProducer, batch: list[_Ready], refused: tuple[int, ...]
+    ) -> _Ended:
+        """Outcomes refused for size: named exactly, they are replaced; else the next
+        transaction sends them one by one to find which."""
+        key = id(producer)
+        if len(refused) > 1 and not producer.exact_refusals:
+            self._suspects.add(key)
+            return _Ended.TOO_LARGE
+        self._suspects.discard(key)
+        start = 0
+        for ready in batch:
+            count = sum(len(ready.part.staged[o].messages) for o in ready.offsets)
+            mine = tuple(i - start for i in refused if start <= i < start + count)
+            if mine:
+                self._replace_refused(ready.part, ready.offsets, mine)
+            start += count
+        return _Ended.TOO_LARGE
 
     def _replace_refused(
         self, part: _Partition, ready: list[int], refused: tuple[int, ...]
@@ -251,12 +357,13 @@ class ExactlyOnce(TrackingDelivery):
                 part.replacing.add(offset)
                 staged.committed.set_exception(
                     OutputTooLarge(f"result of {staged.record.topic}@{offset} is larger than "
-                                   f"{self._settings.topics.output_topic!r} accepts")
+                                   f"{self._topics.output_topic!r} accepts")
                 )  # fmt: skip
             else:
                 staged.messages = [self._slimmer(staged, m) for m in staged.messages]
 
     def _slimmer(self, staged: _Staged, message: Message) -> Message:
+        """The dead letter without its value; refused again, without its key too."""
         topic, value, key, headers = message
         omitted = any(name == X_VALUE_OMITTED for name, _ in headers)
         if omitted and key is None:
@@ -267,59 +374,78 @@ class ExactlyOnce(TrackingDelivery):
             staged.committed.set_exception(error)
             self.fail(error)
             return message
-        self._metrics.dead_letter_values_omitted_total.inc()
+        if not omitted:
+            self._metrics.dead_letter_values_omitted_total.inc()
         slim_headers = wire.omitted_value_headers(headers, value, key, drop_key=omitted)
         return (topic, b"", None if omitted else key, slim_headers)
 
     # -- assignment ------------------------------------------------------------------
 
-    def transactional_id(self, tp: TopicPartition) -> str:
-        """Stable per group and input partition, so a new owner fences the old one."""
-        s = self._settings
-        return f"{s.delivery.transactional_id_prefix}-{s.kafka.group_id}-{tp.topic}-{tp.partition}"
-
     async def assigned(self, partitions: set[TopicPartition]) -> None:
-        """Start each partition's producer, then read the committed offsets and seek to
-        them; only then may the partitions commit.
+        """Start each partition's producer; where the client asks it, read the committed
+        offsets and seek to them; only then may the partitions commit.
 
-        The order is the fencing: initialising the id completes or aborts the previous
-        owner's open transaction, so the offset read afterwards is final. A partition
-        whose producer started first must not commit before that read either: records
-        fetched meanwhile would be done and committed, the read would find this member's
-        own commit, take it for a previous owner's, and seek back to it, so that records
-        still staged were fetched and staged a second time (a fresh worker with a backlog
-        stopped on "staged twice", exit 3).
+        The order is the fencing on aiokafka: initialising a partition's id completes or
+        aborts the previous owner's open transaction, so the offset read afterwards is
+        final. A partition whose producer started first must not commit before that read
+        either: records fetched meanwhile would be done and committed, the read would
+        find this member's own commit, take it for a previous owner's, and seek back to
+        it, so that records still staged were fetched and staged a second time (a fresh
+        worker with a backlog stopped on "staged twice", exit 3).
         """
         added = []
         for tp in sorted(partitions):
             if tp in self._partitions:
                 continue
-            producer = PartitionProducer(
-                tp, self.transactional_id(tp), self._producer, self._settings.kafka.group_id
-            )
-            part = _Partition(producer)
+            part = _Partition(self._transactions.producer_for(tp))
             self._partitions[tp] = part
+            self._producers[id(part.producer)] = part.producer
             self._notify()
-            if await self._restart(tp, part, ready=False):
+            if await self._start(tp, part):
                 added.append(part)
-        await self._seek_committed(partitions)
+        if self._transactions.seeks_committed:
+            await self._seek_committed(partitions)
         for part in added:
             part.ready.set()
 
-    async def _restart(self, tp: TopicPartition, part: _Partition, *, ready: bool = True) -> bool:
-        """A fresh producer for the partition (ready at once with ``ready``); False if it
-        cannot start (the partition is dropped and the worker stops)."""
+    async def _start(self, tp: TopicPartition, part: _Partition) -> bool:
+        """The partition's producer started (at once when it runs already); False when it
+        cannot start or the partition went meanwhile."""
+        producer = part.producer
+        async with producer.lock:
+            if producer.running:
+                return True
+            return await self._started(producer, [(tp, part)], lambda: True)
+
+    async def _restart(self, producer: TransactionalProducer, batch: list[_Ready]) -> bool:
+        """A fresh producer for a batch, started only while every partition of it is owned
+        and no rebalance is under way (a rebalance is deciding: the revocation cleans up)."""
+        held = [(r.tp, r.part) for r in batch]
+        return await self._started(
+            producer, held, lambda: all(self._edge.owns(tp) for tp, _ in held)
+        )
+
+    async def _started(
+        self,
+        producer: TransactionalProducer,
+        held: list[tuple[TopicPartition, _Partition]],
+        owned: Callable[[], bool],
+    ) -> bool:
+        """Start the producer while the partitions are held here and ``owned()`` (asked
+        before every try); one that cannot start drops them and stops the worker (a
+        rebalance callback cannot raise: aiokafka drops what it raises)."""
+
+        def still_ours() -> bool:
+            return owned() and all(self._partitions.get(tp) is part for tp, part in held)
+
         try:
-            await part.producer.replace()
+            return await producer.start(still_ours)
         except ProducerStartFailed as error:
-            # A rebalance callback cannot raise (aiokafka drops it): stop the worker instead.
-            log.error("exactly_once_partition_unusable", partition=str(tp), error=str(error))
-            self._drop(tp, part, str(error))
+            log.error("exactly_once_producer_unusable", error=str(error))
+            for tp, part in held:
+                self._drop(tp, part, str(error))
             self.fail(error)
             return False
-        if ready:
-            part.ready.set()
-        return True
 
     async def _seek_committed(self, partitions: set[TopicPartition]) -> None:
         ours = [tp for tp in partitions if tp in self._partitions]
@@ -341,13 +467,18 @@ class ExactlyOnce(TrackingDelivery):
             self._edge.seek(tp, meta.offset)
 
     async def revoked(self, partitions: set[TopicPartition]) -> None:
+        """Commit what is done of them (the member still owns them), then forget them; a
+        partition's own producer is stopped, a shared one stays for the others."""
         await self.commit(only=partitions)
-        for tp in partitions:
+        for tp in sorted(partitions):
             part = self._partitions.get(tp)
-            if part is not None:
+            if part is None:
+                continue
+            if not self._transactions.shared:
                 async with part.producer.lock:
                     await part.producer.stop()
-                self._drop(tp, part, "revoked")
+                self._producers.pop(id(part.producer), None)
+            self._drop(tp, part, "revoked")
         self.forget(partitions)
         self._notify()
 
@@ -374,6 +505,8 @@ class ExactlyOnce(TrackingDelivery):
 
     async def close(self) -> None:
         for tp, part in list(self._partitions.items()):
-            async with part.producer.lock:
-                await part.producer.stop()
             self._drop(tp, part, "closing")
+        producers, self._producers = list(self._producers.values()), {}
+        for producer in producers:
+            async with producer.lock:
+                await producer.stop()

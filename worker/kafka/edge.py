@@ -1,43 +1,40 @@
-"""The Kafka edge chosen once, at start-up: ``WORKER_KAFKA_CLIENT`` names the client library.
+"""The Kafka edge chosen once: ``WORKER_KAFKA_CLIENT`` names the client library.
 
-``build_edge`` returns the publisher, the intake and the transactions of the chosen client;
-both clients implement the same contract (``Publisher``'s methods; ``IntakeEdge`` below),
-and the transactions say how the client fences them (``PerPartition`` or ``GroupFenced``).
-Nothing else reads the setting: delivery asks the edge, the checks ``uses_librdkafka``.
+``build_edge`` returns the worker's publisher, intake and transactions of the chosen
+client; ``open_admin`` the broker questions of ``check``, the start-up gate and the
+commands. Both clients implement the same contracts (``Publisher``'s producer;
+``IntakeEdge`` below; ``worker.kafka.transactions``; ``worker.kafka.admin``). This is the
+one module that reads the setting: nothing else asks which client runs.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+from typing import NamedTuple, Protocol
 
 from worker.flow.breaker import CircuitBreaker
 from worker.flow.window import Window
 from worker.kafka import options as security
+from worker.kafka.admin import Admin
+from worker.kafka.aiokafka import admin as aio_admin
 from worker.kafka.aiokafka import clients
 from worker.kafka.aiokafka.intake import Intake
 from worker.kafka.aiokafka.producer import AioProducer
-from worker.kafka.aiokafka.transactions import ProducerFactory, transactional_producer
+from worker.kafka.aiokafka.transactions import PerPartitionTransactions, transactional_producer
 from worker.kafka.feed import Admits, Dispatch, Rebalance
-from worker.kafka.publisher import PRODUCER_HEADROOM_BYTES, Producer, Publisher
+from worker.kafka.publisher import LARGEST_RECORD_BYTES, Producer, Publisher
 from worker.kafka.rdkafka import config as rdkafka_config
+from worker.kafka.transactions import Transactions
 from worker.kafka.types import CommitEdge
 from worker.observability import Metrics
-from worker.settings import Settings
-
-if TYPE_CHECKING:
-    from worker.kafka.rdkafka.transactions import GroupTransactions
+from worker.settings import KafkaAuthSettings, KafkaSettings, Settings
 
 __all__ = [
     "Edge",
-    "GroupFenced",
     "IntakeEdge",
-    "PerPartition",
-    "Transactions",
     "build_edge",
-    "largest_record_bytes",
-    "uses_librdkafka",
+    "client_name",
+    "open_admin",
 ]
 
 
@@ -59,26 +56,6 @@ class IntakeEdge(CommitEdge, Protocol):
     async def stop(self) -> None: ...
 
 
-class PerPartition(NamedTuple):
-    """aiokafka's transactions: a producer per input partition, fenced by its transactional id
-    (aiokafka has no group-metadata fencing, KIP-447)."""
-
-    new_producer: ProducerFactory
-
-
-class GroupFenced(NamedTuple):
-    """librdkafka's transactions: one producer per worker, fenced by the group (KIP-447)."""
-
-    #: The worker's producer configuration, which the transactional one starts from.
-    producer_config: dict[str, Any]
-    #: The transactional producer of a complete configuration.
-    new_transactions: Callable[[Mapping[str, Any]], GroupTransactions]
-
-
-#: How the chosen client writes outcomes and offsets in one transaction (exactly_once).
-Transactions = PerPartition | GroupFenced
-
-
 class Edge(NamedTuple):
     """The chosen client's publisher, intake and transactions."""
 
@@ -87,23 +64,26 @@ class Edge(NamedTuple):
     transactions: Transactions
 
 
-def uses_librdkafka(settings: Settings) -> bool:
-    """True when ``WORKER_KAFKA_CLIENT`` names librdkafka (confluent-kafka), else aiokafka;
+def _librdkafka(kafka: KafkaSettings) -> bool:
+    """True when ``WORKER_KAFKA_CLIENT`` names librdkafka (confluent-kafka), else aiokafka:
     the one place the setting is read."""
-    return settings.kafka.kafka_client == "confluent"
+    return kafka.kafka_client == "confluent"
 
 
-def _group_transactions(config: Mapping[str, Any]) -> GroupTransactions:
-    # Imported here: confluent-kafka is an extra, absent from the base install.
-    from worker.kafka.rdkafka.transactions import GroupTransactions
-
-    return GroupTransactions(config)
+def client_name(kafka: KafkaSettings) -> str:
+    """The chosen client as ``check`` and the logs name it: aiokafka or librdkafka."""
+    return "librdkafka" if _librdkafka(kafka) else "aiokafka"
 
 
-def largest_record_bytes(settings: Settings) -> int:
-    """The largest record a producer sends: a dead letter carries the request as it came."""
-    limits = settings.limits
-    return max(limits.max_output_bytes, limits.max_request_bytes) + PRODUCER_HEADROOM_BYTES
+async def open_admin(kafka: KafkaSettings, auth: KafkaAuthSettings, timeout_s: float) -> Admin:
+    """The chosen client's admin, its first broker reached (``where`` names it); raises
+    ``admin.Refused`` (a refused handshake: a setting to fix) or ``admin.Unanswered``."""
+    if _librdkafka(kafka):
+        # Imported here: confluent-kafka is an extra, absent from the base install.
+        from worker.kafka.rdkafka.admin import RdAdmin
+
+        return await RdAdmin.open(kafka, auth, timeout_s)
+    return await aio_admin.AioAdmin.open(kafka, auth, timeout_s)
 
 
 def build_edge(
@@ -115,7 +95,7 @@ def build_edge(
 ) -> Edge:
     """The publisher, intake and transactions of ``WORKER_KAFKA_CLIENT`` (ConfigError naming
     a setting the client cannot honour)."""
-    parts = _librdkafka_parts if uses_librdkafka(settings) else _aiokafka_parts
+    parts = _librdkafka_parts if _librdkafka(settings.kafka) else _aiokafka_parts
     producer, intake, transactions = parts(settings, window, breaker, metrics)
     publisher = Publisher(
         producer,
@@ -132,10 +112,12 @@ def _librdkafka_parts(
     # Imported here: confluent-kafka is an extra, absent from the base install.
     from worker.kafka.rdkafka.intake import RdIntake
     from worker.kafka.rdkafka.publisher import RdProducers
+    from worker.kafka.rdkafka.transactions import GroupFencedTransactions, transactional_config
 
     kafka, auth = settings.kafka, settings.kafka_auth
-    largest = largest_record_bytes(settings)
-    producer_config = rdkafka_config.producer_config(kafka, auth, max_request_bytes=largest)
+    producer_config = rdkafka_config.producer_config(
+        kafka, auth, max_request_bytes=LARGEST_RECORD_BYTES
+    )
     intake = RdIntake(
         rdkafka_config.consumer_config(kafka, auth),
         settings.topics.input_topics,
@@ -144,7 +126,13 @@ def _librdkafka_parts(
         breaker=breaker,
         metrics=metrics,
     )
-    transactions = GroupFenced(producer_config, _group_transactions)
+    config = transactional_config(
+        producer_config,
+        prefix=settings.delivery.transactional_id_prefix,
+        group_id=kafka.group_id,
+        client_id=kafka.client_id,
+    )
+    transactions = GroupFencedTransactions(config, intake.group_metadata)
     return RdProducers(producer_config), intake, transactions
 
 
@@ -152,7 +140,7 @@ def _aiokafka_parts(
     settings: Settings, window: Window, breaker: CircuitBreaker, metrics: Metrics
 ) -> tuple[Producer, IntakeEdge, Transactions]:
     kafka, topics = settings.kafka, settings.topics
-    largest = largest_record_bytes(settings)
+    largest = LARGEST_RECORD_BYTES
     auth = settings.kafka_auth
     # Options of its own for the producer, the consumer and the transactional producers.
     new_producer = functools.partial(
@@ -176,4 +164,7 @@ def _aiokafka_parts(
         client_kwargs=security.kafka_client_kwargs(auth),
         max_request_bytes=largest,
     )
-    return producer, intake, PerPartition(new_transactional)
+    transactions = PerPartitionTransactions(
+        kafka.group_id, settings.delivery.transactional_id_prefix, new_transactional
+    )
+    return producer, intake, transactions

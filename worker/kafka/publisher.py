@@ -8,7 +8,6 @@ the chosen client (``aiokafka/producer.py``, ``rdkafka/publisher.py``) writes th
 from __future__ import annotations
 
 import contextlib
-import hashlib
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -18,6 +17,7 @@ from aiokafka.structs import ConsumerRecord
 
 from worker import errors
 from worker.kafka.writes import write_with_retries
+from worker.wire.headers import omitted_value_headers
 
 __all__ = [
     "DeadLetterWriteFailed",
@@ -43,13 +43,12 @@ class ResultWriteFailed(errors.WriteFailed):
 #: Room for headers (ours and the request's) on top of the largest value a producer sends.
 PRODUCER_HEADROOM_BYTES = 64 * 1024
 
-#: Headers of a dead letter whose value (or key) the dead-letter topic refused for its size.
-X_VALUE_OMITTED = "x-value-omitted"
-X_ORIGINAL_VALUE_BYTES = "x-original-value-bytes"
-X_ORIGINAL_VALUE_SHA256 = "x-original-value-sha256"
-X_KEY_OMITTED = "x-key-omitted"
-X_ORIGINAL_KEY_BYTES = "x-original-key-bytes"
-X_ORIGINAL_KEY_SHA256 = "x-original-key-sha256"
+#: The worker's producers' own limit on one record: librdkafka's highest
+#: ``message.max.bytes``, so that no record is refused by the producer itself and the
+#: broker judges each by its topic's ``max.message.bytes``. A dead letter carries its
+#: request as it came, however far over WORKER_MAX_REQUEST_BYTES (TOO_LARGE), and loses
+#: its value only when the dead-letter topic refuses it.
+LARGEST_RECORD_BYTES = 1_000_000_000
 
 
 def kafka_compression(compression_type: str) -> str | None:
@@ -72,18 +71,8 @@ def omitted(
 
     The original stays findable through ``x-source-topic/partition/offset``.
     """
-    added: list[tuple[str, bytes | None]] = [
-        (X_VALUE_OMITTED, b"true"),
-        (X_ORIGINAL_VALUE_BYTES, str(len(value or b"")).encode()),
-        (X_ORIGINAL_VALUE_SHA256, hashlib.sha256(value or b"").hexdigest().encode()),
-    ]
-    if drop_key:
-        added += [
-            (X_KEY_OMITTED, b"true"),
-            (X_ORIGINAL_KEY_BYTES, str(len(key or b"")).encode()),
-            (X_ORIGINAL_KEY_SHA256, hashlib.sha256(key or b"").hexdigest().encode()),
-        ]
-    return b"", None if drop_key else key, [*headers, *added]
+    slim = omitted_value_headers(headers, value, key, drop_key=drop_key)
+    return b"", None if drop_key else key, slim
 
 
 class Producer(Protocol):

@@ -1,17 +1,23 @@
-"""What a Kafka transaction writes and how it ended, on either client: the messages, the
-outcome, and the failure to start a transactional producer.
+"""Kafka transactions as delivery's ``exactly_once`` speaks them, whatever the client.
 
-Each client's transactional producer (``aiokafka/transactions.py``: one per input
-partition; ``rdkafka/transactions.py``: one per worker) speaks these; delivery's
-``exactly_once`` modes stage messages and read outcomes in them.
+A ``TransactionalProducer`` runs one transaction at a time in steps (begin, send, send
+offsets, commit; abandon on any failure), so that the one ``exactly_once`` of
+``worker.delivery`` checks between two steps that the partitions are still its own.
+``Transactions`` says which producer carries a partition's outcomes: one per input
+partition fenced by its transactional id (aiokafka, ``aiokafka/transactions.py``), or
+one per worker fenced by the group generation (librdkafka, ``rdkafka/transactions.py``).
+The Kafka edge builds the chosen client's; delivery imports no client module.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import asyncio
+from collections.abc import Callable, Mapping, Sequence
+from typing import Protocol
 
 from worker.errors import Fatal
 from worker.flow.retry import Backoff
+from worker.kafka.types import TopicPartition
 from worker.wire import Headers
 
 __all__ = [
@@ -19,7 +25,10 @@ __all__ = [
     "START_BACKOFF",
     "Message",
     "ProducerStartFailed",
-    "TransactionOutcome",
+    "TransactionDeferred",
+    "TransactionFailed",
+    "TransactionalProducer",
+    "Transactions",
 ]
 
 #: Tries of starting a transactional producer before the worker gives up on it, on either
@@ -34,13 +43,99 @@ Message = tuple[str, bytes | None, bytes | None, Headers]
 
 
 class ProducerStartFailed(Fatal):
-    """A partition's transactional producer cannot start: its outcomes could never be written."""
+    """A transactional producer cannot start: its outcomes could never be written."""
 
 
-@dataclass(frozen=True, slots=True)
-class TransactionOutcome:
-    """How one transaction ended: committed, or which messages the broker refused for size."""
+class TransactionFailed(Exception):
+    """A step of a transaction failed: the transaction is to be abandoned.
 
-    committed: bool
-    fenced: bool = False
-    too_large: tuple[int, ...] = ()  # indexes into the messages sent
+    ``fenced``: the broker says another member owns the partitions now (a new owner's
+    producer, or the group coordinator refusing a stale generation): never tried again
+    by this member.
+    """
+
+    def __init__(self, why: str, *, fenced: bool = False) -> None:
+        super().__init__(why)
+        self.fenced = fenced
+
+
+class TransactionDeferred(Exception):
+    """No transaction can begin now (a rebalance is under way); nothing was begun."""
+
+
+class TransactionalProducer(Protocol):
+    """One transactional producer: one transaction at a time, under ``lock``.
+
+    Every path through a transaction ends in ``commit`` or in ``abandon``; after an
+    abandon (or a failed start) the producer is not running, and ``start`` makes a fresh
+    one with the same transactional id.
+    """
+
+    transactional_id: str
+    #: Held through a whole transaction and by ``stop``.
+    lock: asyncio.Lock
+
+    @property
+    def running(self) -> bool: ...
+
+    @property
+    def exact_refusals(self) -> bool:
+        """True when a refusal for size names exactly the records refused (one record a
+        batch); False when it names every record of the refused batch."""
+        ...
+
+    async def start(self, still_ours: Callable[[], bool]) -> bool:
+        """Start (initialising the transactional id fences its previous producers),
+        retrying a broker out of reach while ``still_ours()``; False when it stopped trying
+        because the partitions are no longer ours. Raises ProducerStartFailed when the
+        broker refuses the id, or after ``START_ATTEMPTS`` tries."""
+        ...
+
+    async def begin(self) -> None:
+        """Begin a transaction; TransactionDeferred when it cannot begin now,
+        TransactionFailed otherwise."""
+        ...
+
+    async def send(self, messages: Sequence[Message], *, one_by_one: bool) -> tuple[int, ...]:
+        """Write the messages in the transaction and wait for every acknowledgement; the
+        indexes of those refused for their size (the transaction must then be abandoned).
+        ``one_by_one``: each message after the previous one's acknowledgement, stopping at
+        the first refusal (exact even when refusals are not). TransactionFailed otherwise."""
+        ...
+
+    async def send_offsets(self, offsets: Mapping[TopicPartition, int]) -> None:
+        """Commit these next offsets of the consumer group with the transaction."""
+        ...
+
+    async def commit(self) -> None:
+        """Commit the transaction (TransactionFailed: it did not commit)."""
+        ...
+
+    async def abandon(self, why: str) -> None:
+        """Abort the transaction if possible, and close the producer."""
+        ...
+
+    async def stop(self) -> None:
+        """Close the producer (an open transaction is aborted by the broker). Idempotent."""
+        ...
+
+
+class Transactions(Protocol):
+    """The chosen client's transactional producers, and how a new owner starts."""
+
+    @property
+    def seeks_committed(self) -> bool:
+        """True when a new owner reads the committed offsets itself, once its producer has
+        fenced the previous owner's (aiokafka); False when the consumer starts from the
+        stable committed offsets (librdkafka)."""
+        ...
+
+    @property
+    def shared(self) -> bool:
+        """True when one producer carries every partition (kept while the worker runs);
+        False when each partition has its own (stopped when the partition goes)."""
+        ...
+
+    def producer_for(self, tp: TopicPartition) -> TransactionalProducer:
+        """The producer that carries ``tp``'s outcomes (made, not started)."""
+        ...

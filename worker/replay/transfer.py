@@ -25,8 +25,8 @@ from rich.progress import Progress, TaskID
 
 from worker.checks import probes
 from worker.kafka import PRODUCER_HEADROOM_BYTES, kafka_client_kwargs
+from worker.kafka.aiokafka import admin as broker
 from worker.kafka.aiokafka import clients
-from worker.kafka.aiokafka import probes as broker
 from worker.kafka.types import KafkaError, TopicPartition
 from worker.replay.plan import DeadLetter, Entry, Outcome, Planner, ReplayPlan
 from worker.settings import KafkaAuthSettings, KafkaSettings

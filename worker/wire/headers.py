@@ -258,12 +258,18 @@ def source_headers(source: Source) -> list[tuple[str, bytes]]:
 def omitted_value_headers(
     headers: Headers, value: bytes | None, key: bytes | None, *, drop_key: bool
 ) -> list[tuple[str, bytes | None]]:
-    """A dead letter's headers once its value (and key) are left out: sizes and digests."""
-    added: list[tuple[str, bytes | None]] = [
-        (X_VALUE_OMITTED, b"true"),
-        (X_ORIGINAL_VALUE_BYTES, str(len(value or b"")).encode()),
-        (X_ORIGINAL_VALUE_SHA256, hashlib.sha256(value or b"").hexdigest().encode()),
-    ]
+    """A dead letter's headers once its value (and key) are left out: sizes and digests.
+
+    Headers that already say the value was left out (a dead letter slimmed before, now
+    losing its key too) keep describing the original value, not the empty one.
+    """
+    added: list[tuple[str, bytes | None]] = []
+    if not any(name == X_VALUE_OMITTED for name, _ in headers):
+        added += [
+            (X_VALUE_OMITTED, b"true"),
+            (X_ORIGINAL_VALUE_BYTES, str(len(value or b"")).encode()),
+            (X_ORIGINAL_VALUE_SHA256, hashlib.sha256(value or b"").hexdigest().encode()),
+        ]
     if drop_key:
         added += [
             (X_KEY_OMITTED, b"true"),

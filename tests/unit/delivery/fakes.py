@@ -8,13 +8,14 @@ fails the test, as each test's settings say.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from aiokafka.errors import CommitFailedError
 from aiokafka.structs import ConsumerRecord, OffsetAndMetadata, TopicPartition
 
 from worker.delivery.base import Delivery
+from worker.kafka.transactions import Message, TransactionDeferred, TransactionFailed
 
 TP = TopicPartition("in", 0)
 
@@ -101,3 +102,70 @@ async def completing(
     if task.done():
         task.result()  # raises what ended the record before it was staged
     return task
+
+
+class Transactional:
+    """A transactional producer in memory (``TransactionalProducer``), shared by every
+    partition as librdkafka's is; each transaction ends as the next of ``endings`` says
+    (``"fenced"``, ``"failed"``, or the indexes refused for size), committed once they
+    run out. ``defer``: transactions cannot begin (a rebalance under way)."""
+
+    transactional_id = "kafka-triton-worker-group-member-0"
+    exact_refusals = False
+
+    def __init__(self) -> None:
+        self.lock = asyncio.Lock()
+        self.running = False
+        self.starts = 0
+        self.abandoned = 0
+        self.defer = False
+        self.endings: list[str | tuple[int, ...]] = []
+        #: Per transaction begun: its messages, offsets and whether sent one by one.
+        self.sent: list[tuple[list[Message], dict[TopicPartition, int], bool]] = []
+
+    async def start(self, still_ours: Callable[[], bool] = lambda: True) -> bool:
+        if not still_ours():
+            return False
+        self.starts += 1
+        self.running = True
+        return True
+
+    async def begin(self) -> None:
+        if self.defer:
+            raise TransactionDeferred("rebalance in progress")
+
+    async def send(self, messages: Sequence[Message], *, one_by_one: bool) -> tuple[int, ...]:
+        self.sent.append((list(messages), {}, one_by_one))
+        ending = self.endings[0] if self.endings else None
+        if isinstance(ending, tuple):
+            self.endings.pop(0)
+            return ending
+        return ()
+
+    async def send_offsets(self, offsets: Mapping[TopicPartition, int]) -> None:
+        self.sent[-1][1].update(offsets)
+
+    async def commit(self) -> None:
+        ending = self.endings.pop(0) if self.endings else None
+        if ending is not None:
+            raise TransactionFailed(str(ending), fenced=ending == "fenced")
+
+    async def abandon(self, why: str) -> None:
+        self.abandoned += 1
+        self.running = False
+
+    async def stop(self) -> None:
+        self.running = False
+
+
+class Shared:
+    """``Transactions`` of one shared producer, as on librdkafka (no seek after assignment)."""
+
+    seeks_committed = False
+    shared = True
+
+    def __init__(self, producer: Transactional | None = None) -> None:
+        self.producer = producer or Transactional()
+
+    def producer_for(self, tp: TopicPartition) -> Transactional:
+        return self.producer

@@ -1,27 +1,36 @@
-"""exactly_once on aiokafka: records that finish while a failed transaction's producer is down.
+"""exactly_once over either client's transactions: staging, fencing, refusals, ownership.
 
-The partition's producer is an in-memory fake at the factory seam (see ``fakes``),
-and the consumer an in-memory CommitEdge: offsets refused inside a transaction
-(``REBALANCE_IN_PROGRESS``) or a commit that fails cannot be produced on demand by a
-real broker. The failures a real broker does produce (a result over the output
-topic's limit, a broker restart) are in tests/fault/test_exactly_once_failures.py.
+The transactional producers are in-memory fakes: aiokafka's at the factory seam of
+``PerPartitionTransactions`` (``tests.unit.kafka.aiokafka.fakes``), and a producer shared
+by every partition as librdkafka's is (``fakes.Transactional``); the consumer is an
+in-memory CommitEdge. A real broker cannot be made to fence a member, refuse offsets
+with REBALANCE_IN_PROGRESS, refuse a batch for its size or move a partition at a chosen
+moment. The failures a real broker does produce (a result over the output topic's limit,
+a broker restart) are in tests/fault/test_exactly_once_failures.py.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterable
+from typing import Any
 
 import pytest
 from aiokafka.errors import KafkaConnectionError, RebalanceInProgressError
 from aiokafka.structs import OffsetAndMetadata, TopicPartition
 
-from tests.unit.delivery.fakes import TP, Edge, completing, record
+from tests.unit.delivery.fakes import TP, Edge, Shared, completing, record
 from tests.unit.kafka.aiokafka.fakes import Factory, FakeProducer
+from worker import errors
 from worker.delivery import ExactlyOnce
 from worker.delivery.offsets import OffsetTracker
+from worker.flow.retry import Backoff
+from worker.kafka.aiokafka import transactions as aio_transactions
+from worker.kafka.aiokafka.transactions import PerPartitionTransactions, ProducerFactory
+from worker.kafka.transactions import Message
 from worker.observability import Metrics
 from worker.settings import load_settings
+from worker.wire.headers import X_ORIGINAL_VALUE_BYTES, X_ORIGINAL_VALUE_SHA256
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -34,33 +43,63 @@ SETTINGS = load_settings(
         "WORKER_DELIVERY": "exactly_once",
     }
 )
+TP0, TP1 = TP, TopicPartition("in", 1)
 
 
-async def _started(factory: Factory) -> ExactlyOnce:
+@pytest.fixture(autouse=True)
+def quick_backoff(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Start retries without waiting (the backoff itself is tested in flow/)."""
+    monkeypatch.setattr(aio_transactions, "START_BACKOFF", Backoff(first_s=0.001, max_s=0.001))
+
+
+def per_partition(factory: ProducerFactory) -> PerPartitionTransactions:
+    """aiokafka's transactions, their producers made by ``factory`` (a fake at the seam)."""
+    return PerPartitionTransactions("group", "kafka-triton-worker", factory)
+
+
+async def _started(factory: Factory, edge: Edge | None = None) -> ExactlyOnce:
     delivery = ExactlyOnce(
         SETTINGS,
         OffsetTracker(),
-        Edge(transactions_only=True),
+        edge or Edge(transactions_only=True),
         Metrics(version="test"),
-        new_producer=factory,  # a fake at the factory seam
+        transactions=per_partition(factory),
     )
     await delivery.assigned({TP})
     return delivery
 
 
-async def _complete(delivery: ExactlyOnce, offset: int) -> asyncio.Task[None]:
+async def _shared(edge: Edge | None = None) -> tuple[ExactlyOnce, Shared]:
+    transactions = Shared()
+    delivery = ExactlyOnce(
+        SETTINGS,
+        OffsetTracker(),
+        edge or Edge({TP0, TP1}, transactions_only=True, fetches=False),
+        Metrics(version="test"),
+        transactions=transactions,
+    )
+    await delivery.assigned({TP0, TP1})
+    return delivery, transactions
+
+
+async def _complete(
+    delivery: ExactlyOnce, offset: int, tp: TopicPartition = TP
+) -> asyncio.Task[None]:
     """Dispatch the record and complete it with a result; returns once it is staged (the
     task ends when its transaction commits)."""
-    rec = record(offset)
+    rec = record(offset, tp)
 
     async def deliver() -> None:
-        await delivery.publish_result(rec, b"r%d" % offset, [])
+        await delivery.publish_result(rec, b"%s-%d" % (tp.topic.encode(), offset), [])
 
     return await completing(delivery, rec, deliver)
 
 
-def _values(producer: FakeProducer) -> list[bytes | None]:
-    return [value for _, value, _, _ in producer.committed]
+def _values(messages: list[Message]) -> list[bytes | None]:
+    return [value for _, value, _, _ in messages]
+
+
+# -- a producer per partition (aiokafka) ----------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -88,21 +127,18 @@ async def test_record_finishing_after_a_failed_transaction_is_committed_by_the_n
     await delivery.commit()
     await asyncio.gather(first, second)
     assert len(factory.made) == 2
-    assert _values(factory.made[1]) == [b"r0", b"r1"]
+    assert _values(factory.made[1].committed) == [b"in-0", b"in-1"]
     assert factory.made[1].offsets == [{TP: OffsetAndMetadata(2, "")}]
-    assert _values(factory.made[0]) == []
+    assert _values(factory.made[0].committed) == []
     assert delivery.offsets.commit_point(TP) == 2
     await delivery.close()
-
-
-TP1 = TopicPartition("in", 1)
 
 
 class _TwoPartitions(Edge):
     """Partitions 0 and 1; the committed offsets are those the producers' transactions sent."""
 
     def __init__(self, producers: dict[str, FakeProducer]) -> None:
-        super().__init__({TP, TP1}, transactions_only=True)
+        super().__init__({TP0, TP1}, transactions_only=True)
         self._producers = producers
 
     async def fetch_committed(
@@ -126,7 +162,7 @@ async def test_no_partition_commits_before_the_offsets_of_every_assigned_one_are
             await gate.wait()
             await super().start()
 
-    def factory(transactional_id: str) -> FakeProducer:
+    def factory(transactional_id: str) -> Any:
         producer = Slow() if transactional_id.endswith("-1") else FakeProducer()
         producers[transactional_id] = producer
         return producer
@@ -136,11 +172,11 @@ async def test_no_partition_commits_before_the_offsets_of_every_assigned_one_are
         OffsetTracker(),
         _TwoPartitions(producers),
         Metrics(version="test"),
-        new_producer=factory,  # a fake at the factory seam
+        transactions=per_partition(factory),
     )
-    assigning = asyncio.create_task(delivery.assigned({TP, TP1}))
+    assigning = asyncio.create_task(delivery.assigned({TP0, TP1}))
     await reached.wait()  # partition 0's producer has started; partition 1's has not
-    assert delivery.not_ready() == [str(TP), str(TP1)]
+    assert delivery.not_ready() == [str(TP0), str(TP1)]
     gate.set()
     await assigning
     assert delivery.not_ready() == []
@@ -148,7 +184,7 @@ async def test_no_partition_commits_before_the_offsets_of_every_assigned_one_are
     await delivery.commit()
     await task
     (first, _) = producers.values()
-    assert _values(first) == [b"r0"]
+    assert _values(first.committed) == [b"in-0"]
     assert first.offsets == [{TP: OffsetAndMetadata(1, "")}]
     await delivery.close()
 
@@ -160,3 +196,226 @@ async def test_exactly_once_completes_one_record_at_a_time() -> None:
     with pytest.raises(NotImplementedError, match="one record at a time"):
         await delivery.complete_many([(record(0), b"r0", [])], [delivery.track(record(0))])
     await delivery.close()
+
+
+class _Moving(Edge):
+    """A consumer whose partition 0 moves away (a rebalance) when ``move`` is set."""
+
+    def __init__(self) -> None:
+        super().__init__(transactions_only=True)
+        self.moved = False
+
+    def owns(self, tp: TopicPartition) -> bool:
+        return not self.moved
+
+    def assignment(self) -> set[TopicPartition]:
+        return set() if self.moved else set(self.partitions)
+
+
+async def test_a_restart_retrying_never_initialises_the_id_once_the_partition_moved() -> None:
+    """The producer closed by a failed transaction is restarted at the next commit; its
+    first start finds the broker out of reach, and while it waits to try again the
+    partition moves to another member: no second start (it would fence the new owner by
+    initialising the partition's transactional id), no transaction, nothing committed."""
+    edge = _Moving()
+    starts: list[FakeProducer] = []
+
+    def prepare(n: int, producer: FakeProducer) -> None:
+        if n == 0:
+            producer.commit_error = KafkaConnectionError()  # the first transaction fails
+        elif n == 1:
+            # The restart's first try: out of reach, and meanwhile the partition moves.
+            def moved() -> None:
+                edge.moved = True
+
+            producer.start_error = KafkaConnectionError("down")
+            producer.on_start = moved
+        starts.append(producer)
+
+    factory = Factory("kafka-triton-worker-group-in-0", prepare)
+    delivery = await _started(factory, edge)
+    task = await _complete(delivery, 0)
+    await delivery.commit()  # fails: the producer is closed
+    edge.moved = False
+    await delivery.commit()  # the restart: one try, then the partition is gone
+    assert len(factory.made) == 2
+    assert [p.calls for p in factory.made[1:]] == [["start", "stop"]]
+    assert not task.done()
+    await delivery.revoked({TP})
+    with pytest.raises(errors.PartitionRevoked):
+        await task
+
+
+async def test_a_partition_lost_while_its_acks_come_in_never_commits() -> None:
+    """The partition leaves the assignment while the transaction waits for its acks: the
+    transaction is abandoned before its offsets and commit (aiokafka sends no generation
+    with them: a stale member would commit an older offset over the new owner's)."""
+    edge = _Moving()
+
+    def prepare(n: int, producer: FakeProducer) -> None:
+        def moved() -> None:
+            edge.moved = True
+
+        producer.on_send = moved
+
+    factory = Factory("kafka-triton-worker-group-in-0", prepare)
+    delivery = await _started(factory, edge)
+    task = await _complete(delivery, 0)
+    await delivery.commit()
+    made = factory.made[0]
+    assert made.offsets == [] and "commit" not in made.calls
+    assert made.calls[-2:] == ["abort", "stop"]
+    assert not task.done()
+    await delivery.close()
+    with pytest.raises(errors.PartitionRevoked):
+        await task
+
+
+async def test_a_dead_letter_slimmed_twice_still_describes_its_original_value() -> None:
+    """The dead-letter topic refuses a dead letter, then its slimmed form (the key is still
+    too large): the third try has no value and no key, and one x-original-value-bytes and
+    x-original-value-sha256, those of the original value (before, a second pair described
+    the empty value)."""
+
+    def prepare(n: int, producer: FakeProducer) -> None:
+        if n < 2:
+            producer.refuse = {0}
+
+    factory = Factory("kafka-triton-worker-group-in-0", prepare)
+    delivery = await _started(factory)
+    rec = record(0)
+
+    async def deliver() -> None:
+        await delivery.publish_dead_letter(rec, [("x-error-code", b"DECODE_ERROR")])
+
+    task = await completing(delivery, rec, deliver)
+    for _ in range(3):
+        await delivery.commit()
+    await task
+    [(topic, value, key, headers)] = factory.made[2].committed
+    assert (topic, value, key) == ("dlq", b"", None)
+    names = [name for name, _ in headers]
+    assert names.count(X_ORIGINAL_VALUE_BYTES) == 1
+    assert names.count(X_ORIGINAL_VALUE_SHA256) == 1
+    assert dict(headers)[X_ORIGINAL_VALUE_BYTES] == b"1"  # record()'s value: b"v"
+    await delivery.close()
+
+
+# -- one producer for every partition (librdkafka) ------------------------------------
+
+
+async def test_one_transaction_carries_every_partition() -> None:
+    """Records of two partitions: one transaction, both results, both next offsets; each
+    record's completion returns once it commits."""
+    delivery, transactions = await _shared()
+    producer = transactions.producer
+    assert producer.starts == 1 and not delivery.takes_batches
+    tasks = [await _complete(delivery, 0, TP0), await _complete(delivery, 5, TP1)]
+    assert not any(task.done() for task in tasks)
+    await delivery.commit()
+    await asyncio.gather(*tasks)
+    [(messages, offsets, one_by_one)] = producer.sent
+    assert sorted(_values(messages), key=lambda value: value or b"") == [b"in-0", b"in-5"]
+    assert offsets == {TP0: 1, TP1: 6} and not one_by_one
+    assert delivery.offsets.commit_point(TP0) == 1
+    await delivery.close()
+    assert not producer.running
+
+
+async def test_a_fenced_member_drops_its_partitions_and_their_records() -> None:
+    """The group moved on: the transaction is fenced; the partitions it carried are dropped
+    and their staged records end revoked (their next owner redoes them)."""
+    delivery, transactions = await _shared()
+    transactions.producer.endings = ["fenced"]
+    task = await _complete(delivery, 0, TP0)
+    await delivery.commit()
+    with pytest.raises(errors.PartitionRevoked, match="fenced"):
+        await task
+    assert set(delivery._partitions) == {TP1}
+    await delivery.close()
+
+
+async def test_records_finishing_after_the_fencing_end_at_once() -> None:
+    """A record of a fenced partition that finishes after the fencing (its inference was
+    still running) ends revoked at once: it must not wait for the partition's revocation,
+    which itself waits for the partition's records (each waited out the other's bound,
+    and a stop meanwhile abandoned the record, exit 1)."""
+    delivery, transactions = await _shared()
+    transactions.producer.endings = ["fenced"]
+    task = await _complete(delivery, 0, TP0)
+    late = record(1, TP0)
+    ticket = delivery.track(late)  # dispatched before the fencing, still at Triton
+    await delivery.commit()
+    with pytest.raises(errors.PartitionRevoked, match="fenced"):
+        await task
+
+    async def deliver() -> None:
+        await delivery.publish_result(late, b"late", [])
+
+    completion = delivery.complete(late, ticket, deliver, lambda: None)
+    with pytest.raises(errors.PartitionRevoked, match="fenced"):
+        await asyncio.wait_for(completion, 1)
+    # A later assignment of the partition takes records again.
+    delivery.forget({TP0})
+    await delivery.assigned({TP0})
+    task = await _complete(delivery, 2, TP0)
+    await delivery.commit()
+    await task
+    await delivery.close()
+
+
+async def test_a_rebalance_beginning_defers_the_transaction() -> None:
+    """No transaction can begin (a rebalance began): nothing sent, nothing abandoned; the
+    next commit carries it."""
+    delivery, transactions = await _shared()
+    producer = transactions.producer
+    task = await _complete(delivery, 0, TP0)
+    producer.defer = True
+    await delivery.commit()
+    assert producer.sent == [] and producer.abandoned == 0 and not task.done()
+    producer.defer = False
+    await delivery.commit()
+    await task
+    assert len(producer.sent) == 1
+    await delivery.close()
+
+
+async def test_a_batch_refused_for_size_is_sent_one_by_one_to_find_the_culprit() -> None:
+    """Both results refused (one batch): the next transaction goes one by one; the one
+    refused alone becomes OUTPUT_TOO_LARGE for its record, the other commits."""
+    delivery, transactions = await _shared()
+    producer = transactions.producer
+    producer.endings = [(0, 1), (1,)]
+    innocent, culprit = await _complete(delivery, 0, TP0), await _complete(delivery, 1, TP0)
+    await delivery.commit()
+    await delivery.commit()
+    with pytest.raises(errors.OutputTooLarge):
+        await culprit
+    assert [one_by_one for _, _, one_by_one in producer.sent] == [False, True]
+    assert not innocent.done()  # held until the culprit's dead letter is staged
+    await delivery.close()
+    with pytest.raises(errors.PartitionRevoked, match="closing"):
+        await innocent  # ended by the close (a task left unawaited is logged when collected)
+
+
+async def test_a_revocation_commits_what_is_done_and_keeps_the_producer() -> None:
+    """Partition 1 revoked: its done records commit first; the producer stays for 0."""
+    delivery, transactions = await _shared()
+    producer = transactions.producer
+    task = await _complete(delivery, 3, TP1)
+    await delivery.revoked({TP1})
+    await task
+    assert [offsets for _, offsets, _ in producer.sent] == [{TP1: 4}]
+    assert producer.running and set(delivery._partitions) == {TP0}
+    await delivery.close()
+    assert not producer.running
+
+
+async def test_the_shared_producer_stops_at_close_with_no_partition_left() -> None:
+    """Every partition revoked, then the worker closes: the producer kept for the next
+    assignment is stopped all the same."""
+    delivery, transactions = await _shared()
+    await delivery.revoked({TP0, TP1})
+    assert transactions.producer.running
+    await delivery.close()
+    assert not transactions.producer.running

@@ -6,20 +6,15 @@ Nothing is started: the parts are built only (no broker is asked at construction
 from __future__ import annotations
 
 import pytest
+from aiokafka.structs import TopicPartition
 
 from worker.flow.breaker import CircuitBreaker
 from worker.flow.window import Window
 from worker.kafka.aiokafka.intake import Intake
 from worker.kafka.aiokafka.producer import AioProducer
-from worker.kafka.edge import (
-    Edge,
-    GroupFenced,
-    PerPartition,
-    build_edge,
-    largest_record_bytes,
-    uses_librdkafka,
-)
-from worker.kafka.publisher import PRODUCER_HEADROOM_BYTES
+from worker.kafka.aiokafka.transactions import PerPartitionTransactions
+from worker.kafka.edge import Edge, build_edge, client_name
+from worker.kafka.publisher import LARGEST_RECORD_BYTES
 from worker.observability import Metrics
 from worker.settings import Settings, load_settings
 
@@ -44,14 +39,17 @@ def edge_of(s: Settings) -> Edge:
 
 async def test_aiokafka_is_the_default_client() -> None:
     """No WORKER_KAFKA_CLIENT: aiokafka's producer and intake, a producer per partition
-    for transactions; the publisher writes to the configured topics."""
-    s = settings()
-    assert not uses_librdkafka(s)
+    for transactions, each partition's id naming the group and the partition."""
+    s = settings(group_id="g")
+    assert client_name(s.kafka) == "aiokafka"
     edge = edge_of(s)
     try:
         assert isinstance(edge.publisher.producer, AioProducer)
         assert isinstance(edge.intake, Intake)
-        assert isinstance(edge.transactions, PerPartition)
+        assert isinstance(edge.transactions, PerPartitionTransactions)
+        assert edge.transactions.seeks_committed and not edge.transactions.shared
+        producer = edge.transactions.producer_for(TopicPartition("in", 3))
+        assert producer.transactional_id == "kafka-triton-worker-g-in-3"
     finally:  # aiokafka's clients exist from construction: closed, never started
         await edge.publisher.producer.stop()
         await edge.intake.stop()
@@ -59,28 +57,48 @@ async def test_aiokafka_is_the_default_client() -> None:
 
 async def test_confluent_builds_the_librdkafka_parts() -> None:
     """WORKER_KAFKA_CLIENT=confluent: librdkafka's producers and intake, one transactional
-    producer fenced by the group, its configuration from the worker's producer's."""
+    producer for every partition, fenced by the group, no seek after an assignment."""
     from worker.kafka.rdkafka.intake import RdIntake
     from worker.kafka.rdkafka.publisher import RdProducers
-    from worker.kafka.rdkafka.transactions import GroupTransactions
+    from worker.kafka.rdkafka.transactions import GroupFencedTransactions
 
     s = settings(kafka_client="confluent")
-    assert uses_librdkafka(s)
+    assert client_name(s.kafka) == "librdkafka"
     edge = edge_of(s)
     assert isinstance(edge.publisher.producer, RdProducers)
     assert isinstance(edge.intake, RdIntake)
-    assert isinstance(edge.transactions, GroupFenced)
-    config = edge.transactions.producer_config
-    assert config["message.max.bytes"] == largest_record_bytes(s)
-    made = edge.transactions.new_transactions({**config, "transactional.id": "t-1"})
-    assert isinstance(made, GroupTransactions)
-    assert made.transactional_id == "t-1"
+    transactions = edge.transactions
+    assert isinstance(transactions, GroupFencedTransactions)
+    assert transactions.shared and not transactions.seeks_committed
+    first = transactions.producer_for(TopicPartition("in", 0))
+    assert first is transactions.producer_for(TopicPartition("in", 1))
 
 
-def test_the_largest_record_is_a_dead_letter_of_the_largest_request() -> None:
-    """A producer's limit is the larger of the request and result limits, plus headroom
-    for a dead letter's headers and key."""
-    s = settings(max_request_bytes="2MiB", max_output_bytes="1MiB")
-    assert largest_record_bytes(s) == 2 * 2**20 + PRODUCER_HEADROOM_BYTES
-    s = settings(max_request_bytes="1MiB", max_output_bytes="3MiB")
-    assert largest_record_bytes(s) == 3 * 2**20 + PRODUCER_HEADROOM_BYTES
+def test_members_sharing_a_client_id_have_transactional_ids_of_their_own() -> None:
+    """Two members with the same WORKER_CLIENT_ID (one set for quotas): each transactional
+    id is its own, under the prefix (an ACL on the prefix covers it). Before, both were
+    <prefix>-<group>-<client id>: each member's start fenced the other's producer, in turn,
+    for ever."""
+    from worker.kafka.rdkafka.transactions import GroupFencedTransactions
+
+    s = settings(kafka_client="confluent", client_id="shared", group_id="g")
+    ids = set()
+    for _ in range(2):
+        transactions = edge_of(s).transactions
+        assert isinstance(transactions, GroupFencedTransactions)
+        ids.add(transactions.producer.transactional_id)
+    assert len(ids) == 2
+    assert all(i.startswith("kafka-triton-worker-g-shared-") for i in ids)
+
+
+def test_no_record_is_refused_by_the_producers_own_limit() -> None:
+    """The producers' own limit is librdkafka's highest, whatever the request and result
+    limits: a dead letter of a request far over WORKER_MAX_REQUEST_BYTES is judged by the
+    broker (the dead-letter topic's limit), not dropped to its headers by the producer
+    (before, the limit was the larger of the two limits plus 64 KiB)."""
+    from worker.kafka.rdkafka.publisher import RdProducers
+
+    s = settings(max_request_bytes="3MiB", kafka_client="confluent")
+    producer = edge_of(s).publisher.producer
+    assert isinstance(producer, RdProducers)
+    assert producer._rd._config["message.max.bytes"] == LARGEST_RECORD_BYTES == 1_000_000_000

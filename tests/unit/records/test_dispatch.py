@@ -23,7 +23,7 @@ from tests.unit.records.test_batch import record as batch_record
 from worker import errors
 from worker.delivery import build_delivery
 from worker.flow.window import Window
-from worker.kafka.edge import PerPartition
+from worker.kafka.aiokafka.transactions import PerPartitionTransactions
 from worker.observability.trace_context import Tracing
 from worker.records.dispatch import Dispatcher, build_dispatcher, fast_path_allowed
 from worker.settings import Settings
@@ -218,7 +218,7 @@ def test_the_delivery_mode_says_whether_there_is_a_batch_path(mode: str, batches
     """build_dispatcher asks the delivery mode (takes_batches), not the setting's name."""
     s = settings(delivery=mode)
     h = Harness()
-    transactions = PerPartition(new_producer=lambda _id: None)
+    transactions = PerPartitionTransactions("g", "p", lambda _id: None)
     delivery = build_delivery(s, h.sink, h.delivery._edge, h.metrics, transactions=transactions)  # type: ignore[arg-type]
     built = build_dispatcher(
         s,

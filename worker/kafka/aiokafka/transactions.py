@@ -1,10 +1,16 @@
-"""One input partition's transactional producer on aiokafka, never left half-handled.
+"""Transactions on aiokafka: one transactional producer per input partition.
 
-Started, used for one transaction at a time, replaced after a failure. Every path through
-``run_transaction`` ends in a commit, an abort, or the producer closed (and, when the
-partition is still ours, re-created: initialising the same transactional id aborts
-whatever the old producer left open). A fenced producer is never re-created: another
-member owns the partition now.
+aiokafka cannot send the consumer's group metadata with the offsets (KIP-447), so a
+partition's producer has a transactional id of its own, ``<prefix>-<group>-<topic>-
+<partition>``: a new owner initialises it (the broker fences the old owner's producer
+and ends its open transaction), and only then reads the committed offset and seeks to
+it (``seeks_committed``).
+
+Each step of a transaction maps aiokafka's failures to ``TransactionFailed`` (fenced
+for ``ProducerFenced``); ``abandon`` aborts what it can and closes the producer, which
+is never reused after a failure: aiokafka neither takes back a refused batch's sequence
+numbers nor resets them on abort, so every later batch to that partition would be
+refused (OutOfOrderSequenceNumber). A fresh producer with the same id starts clean.
 """
 
 from __future__ import annotations
@@ -31,20 +37,32 @@ from worker.kafka.transactions import (
     START_BACKOFF,
     Message,
     ProducerStartFailed,
-    TransactionOutcome,
+    TransactionFailed,
 )
 from worker.settings import KafkaSettings
 
-__all__ = ["PartitionProducer", "ProducerFactory", "transactional_producer"]
+__all__ = [
+    "PartitionProducer",
+    "PerPartitionTransactions",
+    "ProducerFactory",
+    "transactional_producer",
+]
 
 log = structlog.get_logger(__name__)
 
 #: Makes a partition's transactional producer (not started) for a transactional id.
 ProducerFactory = Callable[[str], AIOKafkaProducer]
 
+#: aiokafka's failures inside a transaction (AssertionError: its transaction state machine
+#: after a fatal error).
+_FAILURES = (KafkaError, AssertionError, OSError)
+
 
 class PartitionProducer:
     """The transactional producer of one input partition."""
+
+    #: Its producer is not batched: a refusal names the one record refused.
+    exact_refusals = True
 
     def __init__(
         self,
@@ -58,16 +76,20 @@ class PartitionProducer:
         self._factory = factory
         self._group_id = group_id
         self._producer: AIOKafkaProducer | None = None
-        #: Held by a transaction and by stop(), so a producer never stops mid-transaction.
         self.lock = asyncio.Lock()
 
-    async def start(self) -> None:
-        """Start (initialising the id fences any previous owner); retry a broker out of reach.
+    @property
+    def running(self) -> bool:
+        return self._producer is not None
 
-        Raises ProducerStartFailed at once when the broker refuses the transactional id
-        (an ACL), and after ``START_ATTEMPTS`` tries otherwise.
-        """
+    async def start(self, still_ours: Callable[[], bool] = lambda: True) -> bool:
+        """Start (initialising the id fences any previous owner); retry a broker out of
+        reach while the partition is ``still_ours()``, checked before every try: a member
+        that lost the partition must never initialise its id again (it would fence the
+        new owner)."""
         for attempt in range(1, START_ATTEMPTS + 1):
+            if not still_ours():
+                return False
             producer = self._factory(self.transactional_id)
             try:
                 await producer.start()
@@ -94,87 +116,112 @@ class PartitionProducer:
                 await asyncio.sleep(START_BACKOFF.delay_s(attempt))
                 continue
             self._producer = producer
-            return
+            return True
+        raise AssertionError("unreachable")  # pragma: no cover
 
-    @property
-    def running(self) -> bool:
-        return self._producer is not None
+    def _started(self) -> AIOKafkaProducer:
+        if self._producer is None:
+            raise TransactionFailed("the producer is closed")
+        return self._producer
 
-    async def run_transaction(
-        self, messages: Sequence[Message], point: int, metadata: str = ""
-    ) -> TransactionOutcome:
-        """Write ``messages`` and commit the consumer offset ``point`` in one transaction.
-
-        The caller holds ``lock``. On a refusal for size the transaction is aborted
-        and the refused messages are named, so the caller can replace them and try
-        again. On any other failure the producer is replaced (or, when fenced, dropped).
-        """
-        producer = self._producer
-        if producer is None:
-            return TransactionOutcome(committed=False)
+    async def begin(self) -> None:
         try:
-            await producer.begin_transaction()
-            futures = [
-                await producer.send(topic, value=value, key=key, headers=list(headers))
-                for topic, value, key, headers in messages
-            ]
-            # Every message must be acknowledged inside the transaction before it
-            # commits: aiokafka's commit does not wait for batches still queued.
-            results = await asyncio.gather(*futures, return_exceptions=True)
-            too_large = tuple(
-                i for i, r in enumerate(results) if isinstance(r, MessageSizeTooLargeError)
-            )
-            failed = next((r for r in results if isinstance(r, BaseException)), None)
-            if failed is not None:
-                if too_large:
-                    await self._abandon(f"refused for size: {len(too_large)} record(s)")
-                    return TransactionOutcome(committed=False, too_large=too_large)
-                raise failed
-            await producer.send_offsets_to_transaction(
-                {self.tp: OffsetAndMetadata(point, metadata)}, self._group_id
-            )
-            await producer.commit_transaction()
-        except ProducerFenced:
-            log.warning("transactional_producer_fenced", partition=str(self.tp))
-            await self.stop()
-            return TransactionOutcome(committed=False, fenced=True)
-        except (KafkaError, AssertionError, OSError) as exc:
-            # AssertionError: aiokafka's transaction state machine after a fatal error.
-            await self._abandon(f"{type(exc).__name__}: {exc}")
-            return TransactionOutcome(committed=False)
-        return TransactionOutcome(committed=True)
+            await self._started().begin_transaction()
+        except _FAILURES as exc:
+            raise _failed(exc) from exc
 
-    async def _abandon(self, why: str) -> None:
-        """Abort if possible (readers move on at once), then close the producer: the next
-        transaction starts a fresh one."""
+    async def send(self, messages: Sequence[Message], *, one_by_one: bool) -> tuple[int, ...]:
+        """Every message sent, then every acknowledgement awaited: aiokafka's commit does not
+        wait for batches still queued. A message over the producer's own size limit is
+        refused by ``send`` itself, before anything is queued: a refusal like the broker's.
+        (Each message is its own batch here, so refusals are exact; ``one_by_one`` changes
+        nothing.)"""
+        producer = self._started()
+        sent: list[asyncio.Future[Any] | BaseException] = []
+        try:
+            for topic, value, key, headers in messages:
+                try:
+                    sent.append(
+                        await producer.send(topic, value=value, key=key, headers=list(headers))
+                    )
+                except MessageSizeTooLargeError as exc:
+                    sent.append(exc)
+            results = await asyncio.gather(
+                *(s for s in sent if not isinstance(s, BaseException)), return_exceptions=True
+            )
+        except _FAILURES as exc:
+            raise _failed(exc) from exc
+        acks = iter(results)
+        outcomes = [s if isinstance(s, BaseException) else next(acks) for s in sent]
+        refused = tuple(
+            i for i, r in enumerate(outcomes) if isinstance(r, MessageSizeTooLargeError)
+        )
+        failed = next((r for r in outcomes if isinstance(r, BaseException)), None)
+        if failed is not None and not refused:
+            raise _failed(failed)
+        return refused
+
+    async def send_offsets(self, offsets: Mapping[TopicPartition, int]) -> None:
+        # aiokafka sends no group generation: fencing is by transactional id alone.
+        positions = {tp: OffsetAndMetadata(offset, "") for tp, offset in offsets.items()}
+        try:
+            await self._started().send_offsets_to_transaction(positions, self._group_id)
+        except _FAILURES as exc:
+            raise _failed(exc) from exc
+
+    async def commit(self) -> None:
+        try:
+            await self._started().commit_transaction()
+        except _FAILURES as exc:
+            raise _failed(exc) from exc
+
+    async def abandon(self, why: str) -> None:
+        """Abort if possible (readers move on at once), then close the producer."""
         log.warning("transaction_failed", partition=str(self.tp), error=why)
         producer = self._producer
         if producer is None:
             return
-        with contextlib.suppress(KafkaError, AssertionError, OSError):
+        with contextlib.suppress(*_FAILURES):
             if in_transaction(producer):
                 await producer.abort_transaction()
-        # Even after a clean abort the producer is not reusable: aiokafka neither takes
-        # back a refused batch's sequence numbers nor resets them on abort, so every later
-        # batch to that partition would be refused (OutOfOrderSequenceNumber). A new
-        # producer with the same id starts clean.
         await self.stop()
 
-    async def replace(self) -> None:
-        """Start a producer if there is none (the caller knows the partition is still ours)."""
-        if self._producer is None:
-            await self.start()
-
     async def stop(self) -> None:
-        """Close the producer (pending transaction aborted by the broker later). Idempotent."""
         producer, self._producer = self._producer, None
         if producer is not None:
             await _stop_quietly(producer)
 
 
+def _failed(exc: BaseException) -> TransactionFailed:
+    fenced = isinstance(exc, ProducerFenced)
+    if fenced:
+        log.warning("transactional_producer_fenced", by="a new owner's producer")
+    return TransactionFailed(f"{type(exc).__name__}: {exc}", fenced=fenced)
+
+
 async def _stop_quietly(producer: AIOKafkaProducer) -> None:
-    with contextlib.suppress(KafkaError, AssertionError, OSError):
+    with contextlib.suppress(*_FAILURES):
         await producer.stop()
+
+
+class PerPartitionTransactions:
+    """aiokafka's ``Transactions``: a producer per input partition, fenced by its id."""
+
+    seeks_committed = True
+    shared = False
+
+    def __init__(self, group_id: str, prefix: str, new_producer: ProducerFactory) -> None:
+        """``new_producer``: makes a producer (not started) for a transactional id."""
+        self._group_id = group_id
+        self._prefix = prefix
+        self._new_producer = new_producer
+
+    def transactional_id(self, tp: TopicPartition) -> str:
+        """Stable per group and input partition, so that a new owner fences the old one."""
+        return f"{self._prefix}-{self._group_id}-{tp.topic}-{tp.partition}"
+
+    def producer_for(self, tp: TopicPartition) -> PartitionProducer:
+        return PartitionProducer(tp, self.transactional_id(tp), self._new_producer, self._group_id)
 
 
 def transactional_producer(

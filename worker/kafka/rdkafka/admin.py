@@ -1,7 +1,8 @@
-"""The broker questions of ``check`` and the start-up gate on librdkafka's admin API
-(``WORKER_KAFKA_CLIENT=confluent``): the worker's own TLS and SASL configuration asks them.
+"""The broker questions of ``check``, the start-up gate and the commands on librdkafka's
+admin API (``WORKER_KAFKA_CLIENT=confluent``): the worker's own TLS and SASL configuration
+asks them (``worker.kafka.admin.Admin``).
 
-The answers take the shapes of the aiokafka path's (``worker/kafka/aiokafka/probes.py``):
+The answers take the shapes of the aiokafka path's (``worker/kafka/aiokafka/admin.py``):
 the cluster and each topic with its error code and the operations this principal may
 perform as a bit field (``AclOperation`` codes are Kafka's), and the group with its
 error code, state, members and operations. Topics are described, never created.
@@ -10,7 +11,8 @@ librdkafka reports a refused TLS handshake or SASL authentication, and every bro
 being down, through its error callback (served by ``poll``), not through the request,
 which waits for a broker until it times out: a call ends as soon as one is reported,
 ``refusal`` holding a refused handshake (a configuration error) and ``no_answer`` the
-first report of a broker that could not be asked (down, or another security protocol).
+first report of a broker that could not be asked (down, or another security protocol);
+the calls raise them as ``Refused`` and ``Unanswered``.
 
 ``close`` destroys the client before it returns: its librdkafka threads go on retrying a
 refused handshake otherwise, until the process exit frees what they use under them.
@@ -26,18 +28,17 @@ from typing import Any
 
 from aiokafka.errors import for_code
 from confluent_kafka import KafkaError, KafkaException, TopicCollection
-from confluent_kafka.admin import AdminClient
+from confluent_kafka.admin import AdminClient, NewTopic
 
 from worker.flow.bounded import CLOSE_TIMEOUT_S
 from worker.flow.retry import Backoff
+from worker.kafka.admin import Refused, Unanswered, who
 from worker.kafka.rdkafka import config as rdkafka_config
 from worker.kafka.rdkafka import log as rdkafka_log
 from worker.kafka.rdkafka.threads import in_thread, teardown
-from worker.settings import Settings
+from worker.settings import KafkaAuthSettings, KafkaSettings
 
-#: ``KafkaException``: what the admin's calls raise (imported from here by the checks, so
-#: that confluent_kafka is imported in worker.kafka alone).
-__all__ = ["NOT_REPORTED", "Interrupted", "KafkaException", "RdAdmin", "refusal_message"]
+__all__ = ["NOT_REPORTED", "RdAdmin", "refusal_message"]
 
 #: The operations field's value when the broker did not report them (as on the wire).
 NOT_REPORTED = -(2**31)
@@ -57,13 +58,7 @@ def _bits(operations: Sequence[Any] | None) -> int:
     return sum(1 << int(op.value) for op in operations)
 
 
-class Interrupted(KafkaException):
-    """A call ended early: a handshake was refused, or every broker is down."""
-
-
 def _code(exc: BaseException) -> int:
-    if isinstance(exc, Interrupted):
-        raise exc  # not an answer about the topic or group asked for
     if isinstance(exc, KafkaException) and exc.args and isinstance(exc.args[0], KafkaError):
         return int(exc.args[0].code())
     raise exc
@@ -80,10 +75,19 @@ def refusal_message(error: KafkaError, where: str, who: str, mechanism: str | No
 
 
 class RdAdmin:
-    """One librdkafka admin client with the worker's settings; ``close`` when done."""
+    """One librdkafka admin client with the worker's settings (``Admin``); ``close`` when
+    done."""
 
-    def __init__(self, settings: Settings, timeout_s: float) -> None:
+    @classmethod
+    async def open(cls, kafka: KafkaSettings, auth: KafkaAuthSettings, timeout_s: float) -> RdAdmin:
+        """The client (a broker is reached by its first call; ConfigError for a TLS file
+        librdkafka cannot load)."""
+        return cls(kafka, auth, timeout_s)
+
+    def __init__(self, kafka: KafkaSettings, auth: KafkaAuthSettings, timeout_s: float) -> None:
         self._timeout_s = timeout_s
+        self._auth = auth
+        self.where = f"Kafka {kafka.bootstrap_servers}"
         self.refusal: KafkaError | None = None
         self.no_answer: KafkaError | None = None
         self._all_down = False
@@ -101,10 +105,10 @@ class RdAdmin:
                 self._all_down = True
 
         config = {
-            "bootstrap.servers": settings.kafka.bootstrap_servers,
-            "client.id": f"{settings.kafka.client_id}-check",
+            "bootstrap.servers": kafka.bootstrap_servers,
+            "client.id": f"{kafka.client_id}-admin",
             "socket.timeout.ms": int(timeout_s * 1000),
-            **rdkafka_config.security_config(settings.kafka_auth),
+            **rdkafka_config.security_config(auth),
             "logger": rdkafka_log.RdLogger(),
             "error_cb": on_error,
         }
@@ -114,25 +118,62 @@ class RdAdmin:
             raise rdkafka_config.config_refused(exc.args[0].str()) from None
 
     async def _result(self, future: Future[Any]) -> Any:
-        """The admin call's result; KafkaException with the first refusal, or once every
-        broker is down, as librdkafka reports them meanwhile (its error callback is
-        served by ``poll``)."""
+        """The admin call's result (KafkaException with its error); Refused with the first
+        refusal, Unanswered once every broker is down or the call timed out, as librdkafka
+        reports them meanwhile (its error callback is served by ``poll``)."""
         call = asyncio.wrap_future(future)
         try:
             while not call.done():
                 await in_thread(self._poll)
                 if not call.done() and (self.refusal is not None or self._all_down):
-                    reported = self.refusal or self.no_answer
-                    raise Interrupted(reported or KafkaError(KafkaError._ALL_BROKERS_DOWN))
-            return call.result()
+                    self._interrupted(None)
+            try:
+                return call.result()
+            except KafkaException as exc:
+                error = exc.args[0] if exc.args else None
+                if isinstance(error, KafkaError) and error.code() == KafkaError._TIMED_OUT:
+                    self._interrupted(error)
+                raise
         finally:
             # Abandoned (interrupted, or the caller's timeout): librdkafka's later answer
             # is dropped rather than left unretrieved.
             call.cancel()
 
+    def _interrupted(self, error: KafkaError | None) -> None:
+        """Raise what ended a call early: a refused handshake, or no broker answering."""
+        if self.refusal is not None:
+            mechanism = self._auth.sasl_mechanism
+            raise Refused(refusal_message(self.refusal, self.where, who(self._auth), mechanism))
+        reported = self.no_answer or error or KafkaError(KafkaError._ALL_BROKERS_DOWN)
+        raise Unanswered(reported.str().split(" (after ", 1)[0])
+
+    async def create_topics(
+        self, names: Sequence[str], *, partitions: int, replication: int
+    ) -> list[tuple[str, int, str | None]]:
+        """Create the topics; per topic (name, error code, message)."""
+        futures = self._admin.create_topics(
+            [NewTopic(name, partitions, replication) for name in names],
+            request_timeout=self._timeout_s,
+        )
+        answers: list[tuple[str, int, str | None]] = []
+        for name in names:
+            try:
+                await self._result(futures[name])
+            except KafkaException as exc:
+                error = exc.args[0]
+                answers.append((name, _code(exc), error.str() if error else None))
+                continue
+            answers.append((name, 0, None))
+        return answers
+
     async def describe_topics(self, topics: Sequence[str]) -> dict[str, Any]:
         """Brokers, cluster id, and each topic's error code, partitions and operations."""
-        cluster = await self._result(self._admin.describe_cluster(request_timeout=self._timeout_s))
+        try:
+            cluster = await self._result(
+                self._admin.describe_cluster(request_timeout=self._timeout_s)
+            )
+        except KafkaException as exc:
+            raise Unanswered(str(exc.args[0].str() if exc.args else exc)) from None
         names = sorted(set(topics))
         futures = self._admin.describe_topics(
             TopicCollection(names),

@@ -1,15 +1,22 @@
-"""One transactional producer for the whole worker, on librdkafka, fenced by the group (KIP-447).
+"""Transactions on librdkafka: one transactional producer per worker, fenced by the group.
 
 ``send_offsets_to_transaction`` carries the consumer's group metadata (group
-generation or member epoch, member id): the group coordinator refuses the offsets of
+generation or member epoch, member id; KIP-447): the group coordinator refuses the offsets of
 a member that is no longer in the generation that owns the partitions, and the
 transaction is aborted, so a zombie's outcomes never become visible. A new owner
 reads the committed offsets with a stable offset fetch (librdkafka asks for it
 under ``read_committed``), which waits for any transaction still pending on them.
-So one producer per worker is enough, whatever partitions it holds.
+So one producer per worker carries every partition (``shared``), and no seek follows
+an assignment.
 
-Every path through ``run_transaction`` ends in a commit, an abort, or the producer
-closed; the next transaction starts a fresh producer when the last one was closed.
+The transactional id is ``<prefix>-<group>-<client id>-<instance>``, the instance drawn
+once per process: fencing is the group's, so the id need not be stable, and it must be
+unique. Members sharing a client id (one set for quotas) would otherwise fence each
+other's producer at every start, each of them in turn, for ever. A member's transaction
+left open by a crash is aborted by the broker after ``transaction.timeout.ms``
+(``TRANSACTION_TIMEOUT_MS``); until then the stable offset fetch holds that
+partition's new owner back.
+
 A record refused before it is queued (the transaction can take no more: ``_STATE``,
 ``_FATAL``; a topic gone: ``_UNKNOWN_TOPIC``) fails the transaction like a record
 refused by the broker. A commit that fails with a retriable error (``_TIMED_OUT``: the
@@ -24,8 +31,9 @@ import asyncio
 import concurrent.futures
 import contextlib
 import itertools
+import secrets
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 import confluent_kafka
@@ -41,12 +49,28 @@ from worker.kafka.transactions import (
     START_BACKOFF,
     Message,
     ProducerStartFailed,
-    TransactionOutcome,
+    TransactionDeferred,
+    TransactionFailed,
 )
 
-__all__ = ["GroupTransactions"]
+__all__ = [
+    "TRANSACTION_TIMEOUT_MS",
+    "GroupFencedTransactions",
+    "GroupProducer",
+    "transactional_config",
+]
 
 log = structlog.get_logger(__name__)
+
+#: The transactions' timeout: how long a crashed member's open transaction holds back
+#: the new owner of its partitions (far above one transaction's duration).
+TRANSACTION_TIMEOUT_MS = 10_000
+
+#: Batch size of the transactional producer, aiokafka's default (as the per-partition
+#: producers have): a topic refuses a whole batch over its ``max.message.bytes``, and a
+#: refused batch fails the transaction, so larger batches of small results would be refused
+#: together on a topic with a small limit, every transaction (and then sent one by one).
+TRANSACTION_BATCH_BYTES = 16 * 1024
 
 #: Bound on one transactional call (init, offsets, commit, abort).
 _CALL_TIMEOUT_S = 30.0
@@ -70,27 +94,66 @@ _GROUP_FENCED = {
     confluent_kafka.KafkaError._ASSIGNMENT_LOST,
 }
 
+#: Reads the consumer's group metadata (raises while a rebalance is under way).
+GroupMetadata = Callable[[], Awaitable[Any]]
 
-class GroupTransactions:
+
+def transactional_config(
+    producer_config: Mapping[str, Any], *, prefix: str, group_id: str, client_id: str
+) -> dict[str, Any]:
+    """The worker's producer configuration made transactional, with an id of its own."""
+    instance = secrets.token_hex(4)
+    return {
+        **producer_config,
+        "transactional.id": f"{prefix}-{group_id}-{client_id}-{instance}",
+        "transaction.timeout.ms": TRANSACTION_TIMEOUT_MS,
+        "batch.size": min(
+            producer_config.get("batch.size", TRANSACTION_BATCH_BYTES), TRANSACTION_BATCH_BYTES
+        ),
+    }
+
+
+class GroupFencedTransactions:
+    """librdkafka's ``Transactions``: the worker's one producer, fenced by the group."""
+
+    seeks_committed = False
+    shared = True
+
+    def __init__(self, config: Mapping[str, Any], group_metadata: GroupMetadata) -> None:
+        """``config``: a complete transactional configuration (``transactional_config``)."""
+        self.producer = GroupProducer(config, group_metadata)
+
+    def producer_for(self, tp: TopicPartition) -> GroupProducer:
+        return self.producer
+
+
+class GroupProducer:
     """The worker's transactional producer: one transaction at a time, under ``lock``."""
 
-    def __init__(self, config: Mapping[str, Any]) -> None:
+    def __init__(self, config: Mapping[str, Any], group_metadata: GroupMetadata) -> None:
         self.transactional_id = str(config["transactional.id"])
         self._config = dict(config)
+        self._group_metadata = group_metadata
         self._rd: RdProducer | None = None
+        #: The group metadata read when the open transaction began.
+        self._group: Any = None
         #: Producers closed after a failure, still being destroyed (``stop`` waits for them).
         self._retired: set[asyncio.Task[None]] = set()
-        #: Held by a transaction and by stop(), so the producer never stops mid-transaction.
         self.lock = asyncio.Lock()
+
+    #: Its batches hold several records: a refusal names every record of the batch.
+    exact_refusals = False
 
     @property
     def running(self) -> bool:
         return self._rd is not None
 
-    async def start(self) -> None:
+    async def start(self, still_ours: Callable[[], bool] = lambda: True) -> bool:
         """Start and initialise the transactional id (which aborts what a previous producer
         of the same id left open); retry a broker out of reach, not a refused id."""
         for attempt in range(1, START_ATTEMPTS + 1):
+            if not still_ours():
+                return False
             rd = RdProducer(self._config)
             try:
                 await rd.start()
@@ -114,68 +177,58 @@ class GroupTransactions:
                 await asyncio.sleep(START_BACKOFF.delay_s(attempt))
                 continue
             self._rd = rd
-            return
+            return True
+        raise AssertionError("unreachable")  # pragma: no cover
 
-    async def run_transaction(
-        self,
-        messages: Sequence[Message],
-        offsets: Mapping[TopicPartition, int],
-        group: Any,
-        *,
-        one_by_one: bool = False,
-    ) -> TransactionOutcome:
-        """Write ``messages`` and commit ``offsets`` for the group of ``group`` (the consumer's
-        group metadata) in one transaction. The caller holds ``lock``.
+    def _started(self) -> RdProducer:
+        if self._rd is None:
+            raise TransactionFailed("the producer is closed")
+        return self._rd
 
-        Refused for size: aborted, the refused messages named. The broker refuses a
-        whole batch, so each message of it is named: ``one_by_one`` sends each message
-        once the previous one is acknowledged (a batch of its own) and stops at the first
-        refusal, which is then exact. Refused by the group coordinator: aborted,
-        ``fenced``. Any other failure: aborted (or the producer closed when it cannot
-        abort), not committed.
-        """
-        rd = self._rd
-        if rd is None:
-            return TransactionOutcome(committed=False)
-        handle = rd.handle
+    async def begin(self) -> None:
+        """Read the group metadata the offsets will carry, then begin: a rebalance that
+        began (no metadata to read) defers the transaction before anything is begun."""
+        rd = self._started()
         try:
-            handle.begin_transaction()
-            results = await (self._each_alone if one_by_one else self._all)(rd, messages)
-            too_large = tuple(
-                i for i, r in enumerate(results) if isinstance(r, MessageSizeTooLargeError)
-            )
-            failed = next((r for r in results if isinstance(r, BaseException)), None)
-            if failed is not None:
-                await self._abort(f"{type(failed).__name__}: {failed}")
-                return TransactionOutcome(committed=False, too_large=too_large)
-            positions = [
-                confluent_kafka.TopicPartition(tp.topic, tp.partition, offset)
-                for tp, offset in offsets.items()
-            ]
-            await _send_offsets(handle, positions, group)
-            await self._commit(handle)
+            self._group = await self._group_metadata()
+        except Exception as exc:
+            raise TransactionDeferred(f"{type(exc).__name__}: {exc}") from None
+        try:
+            rd.handle.begin_transaction()
         except confluent_kafka.KafkaException as exc:
-            error = exc.args[0]
-            fenced = error.code() in _GROUP_FENCED
-            if fenced:
-                log.warning(
-                    "transactional_producer_fenced", by="group coordinator", error=error.str()
-                )
-            if error.fatal():
-                self._close(f"fatal: {error.str()}")
-            else:
-                await self._abort(error.str())
-            return TransactionOutcome(committed=False, fenced=fenced)
-        return TransactionOutcome(committed=True)
+            raise _failed(exc) from None
 
-    @staticmethod
-    async def _commit(handle: confluent_kafka.Producer) -> None:
-        """Commit; made again while librdkafka calls the failure retriable (raises the others).
+    async def send(self, messages: Sequence[Message], *, one_by_one: bool) -> tuple[int, ...]:
+        """Refused for size: the refused messages named. The broker refuses a whole batch,
+        so each message of it is named: ``one_by_one`` sends each message once the previous
+        one is acknowledged (a batch of its own) and stops at the first refusal, which is
+        then exact."""
+        rd = self._started()
+        results = await (self._each_alone if one_by_one else self._all)(rd, messages)
+        refused = tuple(i for i, r in enumerate(results) if isinstance(r, MessageSizeTooLargeError))
+        failed = next((r for r in results if isinstance(r, BaseException)), None)
+        if failed is not None and not refused:
+            raise TransactionFailed(f"{type(failed).__name__}: {failed}")
+        return refused
+
+    async def send_offsets(self, offsets: Mapping[TopicPartition, int]) -> None:
+        positions = [
+            confluent_kafka.TopicPartition(tp.topic, tp.partition, offset)
+            for tp, offset in offsets.items()
+        ]
+        try:
+            await _send_offsets(self._started().handle, positions, self._group)
+        except confluent_kafka.KafkaException as exc:
+            raise _failed(exc) from None
+
+    async def commit(self) -> None:
+        """Commit; made again while librdkafka calls the failure retriable.
 
         A commit that timed out goes on in the background and may already be accepted by
         the coordinator: an abort and a fresh producer would put the same outcomes in the
         next transaction, visible twice once the first commit completes.
         """
+        handle = self._started().handle
         for attempt in itertools.count(1):
             try:
                 await in_thread(handle.commit_transaction, _CALL_TIMEOUT_S)
@@ -183,7 +236,7 @@ class GroupTransactions:
             except confluent_kafka.KafkaException as exc:
                 error = exc.args[0]
                 if error.fatal() or error.txn_requires_abort() or not error.retriable():
-                    raise
+                    raise _failed(exc) from None
                 log.warning("transaction_commit_retried", attempt=attempt, error=error.str())
             await asyncio.sleep(_COMMIT_RETRY_BACKOFF.delay_s(attempt))
 
@@ -229,7 +282,7 @@ class GroupTransactions:
                 break
         return results
 
-    async def _abort(self, why: str) -> None:
+    async def abandon(self, why: str) -> None:
         """Abort (readers move on at once), then close the producer: the next transaction
         starts a fresh one (same id, new epoch). After a batch refused for its size,
         librdkafka's next transaction on the same producer fails on the sequence gap
@@ -260,11 +313,6 @@ class GroupTransactions:
             self._retired.add(retired)
             retired.add_done_callback(self._retired.discard)
 
-    async def replace(self) -> None:
-        """Start a producer if there is none."""
-        if self._rd is None:
-            await self.start()
-
     async def stop(self) -> None:
         """Close the producer (an open transaction is aborted by the broker), and wait for the
         destruction of those closed before (each bounded). Idempotent."""
@@ -273,6 +321,16 @@ class GroupTransactions:
             await _stop_quietly(rd)
         if self._retired:
             await asyncio.wait(set(self._retired))
+
+
+def _failed(exc: confluent_kafka.KafkaException) -> TransactionFailed:
+    """librdkafka's failure of a step, as a failed transaction (``fenced`` when the group
+    coordinator refused this member's generation)."""
+    error = exc.args[0]
+    fenced = error.code() in _GROUP_FENCED
+    if fenced:
+        log.warning("transactional_producer_fenced", by="group coordinator", error=error.str())
+    return TransactionFailed(error.str(), fenced=fenced)
 
 
 async def _send_offsets(handle: confluent_kafka.Producer, positions: list[Any], group: Any) -> None:

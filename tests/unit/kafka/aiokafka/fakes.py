@@ -34,6 +34,11 @@ class FakeProducer:
         self.calls: list[str] = []
         self.start_error: BaseException | None = None
         self.refuse: set[int] = set()  # indexes of messages refused for size
+        #: Indexes of messages over the producer's own limit: ``send`` itself raises.
+        self.refuse_at_send: set[int] = set()
+        #: Called when a start is tried, and when a message is sent.
+        self.on_start: Callable[[], None] = lambda: None
+        self.on_send: Callable[[], None] = lambda: None
         self.offsets_error: BaseException | None = None
         self.commit_error: BaseException | None = None
         self.sent: list[Message] = []
@@ -44,6 +49,7 @@ class FakeProducer:
 
     async def start(self) -> None:
         self.calls.append("start")
+        self.on_start()
         if self.start_error is not None:
             raise self.start_error
 
@@ -58,6 +64,10 @@ class FakeProducer:
     async def send(
         self, topic: str, value: bytes | None, key: bytes | None, headers: list[Any]
     ) -> asyncio.Future[None]:
+        self.on_send()
+        if len(self.sent) in self.refuse_at_send:
+            self.sent.append((topic, value, key, headers))
+            raise MessageSizeTooLargeError("over max_request_size")
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         if len(self.sent) in self.refuse:
             future.set_exception(MessageSizeTooLargeError())

@@ -21,7 +21,7 @@ from tests.unit.kafka.aiokafka.fakes import Factory, FakeProducer
 from worker.flow.retry import Backoff
 from worker.kafka.aiokafka import transactions
 from worker.kafka.aiokafka.transactions import PartitionProducer
-from worker.kafka.transactions import Message, ProducerStartFailed, TransactionOutcome
+from worker.kafka.transactions import Message, ProducerStartFailed, TransactionFailed
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -81,60 +81,96 @@ async def test_start_refused_transactional_id_fails_at_once() -> None:
     assert len(factory.made) == 1
 
 
+async def _transaction(producer: PartitionProducer, messages: list[Message], point: int) -> None:
+    """begin, send, send the offset, commit: what exactly_once does, in order."""
+    await producer.begin()
+    assert await producer.send(messages, one_by_one=False) == ()
+    await producer.send_offsets({TP: point})
+    await producer.commit()
+
+
 async def test_transaction_commits_messages_and_offset() -> None:
     """Every message, then the next offset, then the commit."""
     factory = Factory(TXN_ID)
     producer = _partition_producer(factory)
     await producer.start()
-    outcome = await producer.run_transaction(MESSAGES, 12)
-    assert outcome == TransactionOutcome(committed=True)
+    await _transaction(producer, MESSAGES, 12)
     made = factory.made[0]
     assert made.sent == MESSAGES
     assert made.offsets == [{TP: OffsetAndMetadata(12, "")}]
     assert made.calls == ["start", "begin", "commit"]
 
 
-async def test_fenced_producer_is_dropped_and_never_recreated_by_itself() -> None:
-    """ProducerFenced: outcome fenced, the producer closed; nothing starts another one."""
+async def test_fenced_producer_is_named_fenced_and_closed_by_the_abandon() -> None:
+    """ProducerFenced: TransactionFailed says fenced; the abandon closes the producer."""
     factory = Factory(TXN_ID, lambda _n, p: setattr(p, "commit_error", ProducerFenced()))
     producer = _partition_producer(factory)
     await producer.start()
-    outcome = await producer.run_transaction(MESSAGES, 12)
-    assert outcome.fenced and not outcome.committed
+    with pytest.raises(TransactionFailed) as failed:
+        await _transaction(producer, MESSAGES, 12)
+    assert failed.value.fenced
+    await producer.abandon(str(failed.value))
     assert not producer.running
-    assert factory.made[0].calls[-1] == "stop"
-    again = await producer.run_transaction(MESSAGES, 12)
-    assert not again.committed
+    assert factory.made[0].calls[-2:] == ["abort", "stop"]
+    with pytest.raises(TransactionFailed, match="closed"):
+        await producer.begin()
     assert len(factory.made) == 1
 
 
-async def test_state_machine_assertion_replaces_the_producer_on_the_next_replace() -> None:
-    """An AssertionError from aiokafka's state machine: stopped; replace() starts a new one."""
+async def test_state_machine_assertion_fails_the_transaction_not_fenced() -> None:
+    """An AssertionError from aiokafka's state machine: a failure, not a fencing; after the
+    abandon, start() makes a new producer that commits."""
     factory = Factory(
         TXN_ID, lambda n, p: setattr(p, "commit_error", AssertionError("state") if n == 0 else None)
     )
     producer = _partition_producer(factory)
     await producer.start()
-    outcome = await producer.run_transaction(MESSAGES, 12)
-    assert not outcome.committed and not outcome.fenced
-    assert not producer.running
-    assert factory.made[0].calls[-1] == "stop"
-    await producer.replace()
-    assert producer.running and len(factory.made) == 2
-    assert (await producer.run_transaction(MESSAGES, 12)).committed
+    with pytest.raises(TransactionFailed) as failed:
+        await _transaction(producer, MESSAGES, 12)
+    assert not failed.value.fenced
+    await producer.abandon(str(failed.value))
+    assert not producer.running and factory.made[0].calls[-1] == "stop"
+    assert await producer.start()
+    await _transaction(producer, MESSAGES, 12)
+    assert factory.made[1].committed == MESSAGES
 
 
-async def test_message_refused_for_size_is_named_and_the_transaction_aborted() -> None:
-    """One message too large: too_large names it, the transaction is aborted, and the
-    producer replaced (aiokafka keeps the refused batch's sequence numbers)."""
+async def test_message_refused_for_size_is_named() -> None:
+    """One message refused by the broker for its size: send names it (the transaction is
+    then abandoned: aborted, and the producer replaced, as aiokafka keeps the refused
+    batch's sequence numbers)."""
     factory = Factory(TXN_ID, lambda n, p: setattr(p, "refuse", {1} if n == 0 else set()))
     producer = _partition_producer(factory)
     await producer.start()
-    outcome = await producer.run_transaction(MESSAGES, 12)
-    assert outcome == TransactionOutcome(committed=False, too_large=(1,))
+    await producer.begin()
+    assert await producer.send(MESSAGES, one_by_one=False) == (1,)
+    await producer.abandon("refused for size")
     first = factory.made[0]
     assert first.calls == ["start", "begin", "abort", "stop"]
     assert first.offsets == []  # the offset never went into the aborted transaction
-    assert not producer.running
-    await producer.replace()
-    assert (await producer.run_transaction([MESSAGES[0], MESSAGES[2]], 12)).committed
+    assert await producer.start()
+    await _transaction(producer, [MESSAGES[0], MESSAGES[2]], 12)
+
+
+async def test_message_over_the_producers_own_limit_is_named_like_a_broker_refusal() -> None:
+    """aiokafka's send() raises MessageSizeTooLargeError itself (its own size check) before
+    anything is queued: the message is named refused, as one the broker refused, and the
+    others are still sent and acknowledged (before, the error failed the transaction as a
+    generic KafkaError, the refused dead letter was never replaced, and its partition's
+    transaction was tried again with a fresh producer every interval, for ever)."""
+    factory = Factory(TXN_ID, lambda _n, p: setattr(p, "refuse_at_send", {0}))
+    producer = _partition_producer(factory)
+    await producer.start()
+    await producer.begin()
+    assert await producer.send(MESSAGES, one_by_one=False) == (0,)
+    assert factory.made[0].sent == MESSAGES
+
+
+async def test_a_start_stops_trying_once_the_partition_is_no_longer_ours() -> None:
+    """A broker out of reach, and the partition moves before the second try: start returns
+    False without initialising the id again (that would fence the new owner)."""
+    ours = iter([True, False])
+    factory = Factory(TXN_ID, lambda _n, p: setattr(p, "start_error", KafkaConnectionError("down")))
+    producer = _partition_producer(factory)
+    assert not await producer.start(lambda: next(ours))
+    assert len(factory.made) == 1 and not producer.running

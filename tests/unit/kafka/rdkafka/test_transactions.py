@@ -21,11 +21,10 @@ from aiokafka.structs import ConsumerRecord, TopicPartition
 
 from tests.unit.delivery.fakes import Edge, completing, record
 from tests.unit.kafka.rdkafka.fakes import Broker, KafkaError, rd_error
-from worker.delivery.exactly_once_group import GroupFencedExactlyOnce
+from worker.delivery import ExactlyOnce
 from worker.delivery.offsets import OffsetTracker
 from worker.errors import OutputTooLarge
 from worker.flow.retry import Backoff
-from worker.kafka.edge import GroupFenced
 from worker.kafka.rdkafka import transactions as rdkafka_transactions
 from worker.observability import Metrics
 from worker.settings import load_settings
@@ -72,23 +71,27 @@ def quick_retries(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(rdkafka_transactions, "_OFFSETS_GRACE_S", 0.1)
 
 
-async def _started() -> GroupFencedExactlyOnce:
-    delivery = GroupFencedExactlyOnce(
+async def _started() -> ExactlyOnce:
+    edge = Edge(PARTITIONS, transactions_only=True)
+    config = rdkafka_transactions.transactional_config(
+        {"bootstrap.servers": "127.0.0.1:9", "batch.size": 512 * 1024},
+        prefix="kafka-triton-worker",
+        group_id="group",
+        client_id="member",
+    )
+    delivery = ExactlyOnce(
         SETTINGS,
         OffsetTracker(),
-        Edge(PARTITIONS, transactions_only=True),
+        edge,
         Metrics(version="test"),
-        transactions=GroupFenced(
-            {"bootstrap.servers": "127.0.0.1:9", "batch.size": 512 * 1024},
-            rdkafka_transactions.GroupTransactions,
-        ),
+        transactions=rdkafka_transactions.GroupFencedTransactions(config, edge.group_metadata),
     )
     await delivery.assigned(set(PARTITIONS))
     return delivery
 
 
 async def _complete(
-    delivery: GroupFencedExactlyOnce,
+    delivery: ExactlyOnce,
     rec: ConsumerRecord[bytes, bytes],
     dead_lettered: asyncio.Event | None = None,
 ) -> Any:
@@ -110,12 +113,12 @@ async def _complete(
     return await completing(delivery, rec, deliver)
 
 
-async def _commit(delivery: GroupFencedExactlyOnce) -> None:
+async def _commit(delivery: ExactlyOnce) -> None:
     await asyncio.wait_for(delivery.commit(), COMMIT_BOUND_S)
 
 
 async def _complete_all(
-    delivery: GroupFencedExactlyOnce, offsets: range, dead_lettered: asyncio.Event | None = None
+    delivery: ExactlyOnce, offsets: range, dead_lettered: asyncio.Event | None = None
 ) -> dict[tuple[int, int], Any]:
     """Records at ``offsets`` of each partition completed, in turn; their tasks by
     (partition, offset)."""
