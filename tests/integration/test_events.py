@@ -11,6 +11,7 @@ model stops the worker before its first record, one line per problem.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ import numpy as np
 import orjson
 import pytest
 
+from devtools.devstack.kafka import run_sync
 from devtools.samples import MLP_EVENTS_MAPPING
 from tests.integration.test_foreign_traffic import LARGE_PRODUCER, LARGE_TOPIC, Out, produce
 from tests.integration.test_replay import _read as read_records
@@ -33,6 +35,8 @@ from tests.support import (
     spawn_worker,
     worker_env,
 )
+from tests.support.worker import clear_settings
+from worker import cli
 from worker.checks.report import run_checks
 from worker.wire import header_value
 
@@ -75,6 +79,25 @@ def features(rng: np.random.Generator) -> list[float]:
     return [float(x) for x in rng.standard_normal(64).astype(np.float32)]
 
 
+#: A CloudEvent's required attributes, which the hostile CloudEvents change.
+ATTRIBUTES = {"specversion": "1.0", "id": "c-1", "source": "/s", "type": "t"}
+
+
+def cloud_event(name: str, mode: str, **changed: str | None) -> Out:
+    """An event of 64 features as a CloudEvent in ``mode`` (binary: ``ce_*`` headers;
+    structured: the envelope), its attributes ``changed`` (None: left out)."""
+    attributes = {k: v for k, v in {**ATTRIBUTES, **changed}.items() if v is not None}
+    data = {"id": name, "features": [0.0] * 64}
+    if mode == "binary":
+        headers: list[tuple[str, bytes | None]] = [
+            (f"ce_{k}", v.encode()) for k, v in attributes.items()
+        ]
+        return Out(orjson.dumps(data), name.encode(), headers)
+    envelope = {**attributes, "data": data}
+    headers = [("content-type", b"application/cloudevents+json")]
+    return Out(orjson.dumps(envelope), name.encode(), headers)
+
+
 @pytest.mark.parametrize("delivery", ["at_least_once", "exactly_once"])
 async def test_mapped_events_get_result_events_and_hostile_ones_dead_letters(
     kafka: KafkaUnderTest, triton: TritonUnderTest, unique: str, tmp_path: Path, delivery: str
@@ -106,6 +129,24 @@ async def test_mapped_events_get_result_events_and_hostile_ones_dead_letters(
         "not-json": ("DECODE_ERROR", raw("not-json", b"amount=12")),
         "an-array": ("DECODE_ERROR", raw("an-array", b"[1, 2, 3]")),
         "deep": ("DECODE_ERROR", raw("deep", deep)),
+        # A CloudEvent's id, source and type without its specversion: still a CloudEvent.
+        "ce-no-specversion": (
+            "DECODE_ERROR",
+            cloud_event("ce-no-specversion", "binary", specversion=None),
+        ),
+        "ce-0.3-binary": (
+            "DECODE_ERROR",
+            cloud_event("ce-0.3-binary", "binary", specversion="0.3"),
+        ),
+        "ce-0.3-structured": (
+            "DECODE_ERROR",
+            cloud_event("ce-0.3-structured", "structured", specversion="0.3"),
+        ),
+        "ce-empty-id": ("DECODE_ERROR", cloud_event("ce-empty-id", "structured", id="")),
+        "ce-empty-source": (
+            "DECODE_ERROR",
+            cloud_event("ce-empty-source", "structured", source=""),
+        ),
     }
     messages = {
         "no-features": "$.features: missing; expected a number (FP32) for input INPUT0 of "
@@ -118,8 +159,22 @@ async def test_mapped_events_get_result_events_and_hostile_ones_dead_letters(
         "xxxxxxxxxxxxxxx... (1048578 characters)",
         "an-array": f"record value: topic '{topics.input}' expects a JSON object (an event), "
         "got list",
+        "ce-no-specversion": "binary CloudEvent: header(s) ce_specversion missing or empty",
+        "ce-0.3-binary": "binary CloudEvent: ce_specversion is '0.3'; this worker reads "
+        "CloudEvents 1.0 only",
+        "ce-0.3-structured": "structured CloudEvent: specversion is '0.3'; this worker reads "
+        "CloudEvents 1.0 only",
+        "ce-empty-id": "structured CloudEvent: attribute(s) id missing, empty or not strings",
+        "ce-empty-source": "structured CloudEvent: attribute(s) source missing, empty or not "
+        "strings",
     }
     events = [event(name, features=values) for name, values in list(good.items())[:3]]
+    # A plain event may carry ce_* headers of no required attribute: it stays plain, and
+    # its result carries none of them.
+    extensions: list[tuple[str, bytes | None]] = [("ce_subject", b"payment"), ("ce_time", b"now")]
+    events[0] = replace(events[0], headers=extensions)
+    # Features this large overflow mlp's layers: every probability is NaN, and no label.
+    events.append(event("overflow", features=[3e38] * 64))
     events += [out for _, out in hostile.values()]
     bom = Out(b"\xef\xbb\xbf" + orjson.dumps({"id": "bom", "features": good["good-3"]}), b"bom")
     events += [bom, *(event(name, features=v) for name, v in list(good.items())[4:])]
@@ -162,6 +217,11 @@ async def test_mapped_events_get_result_events_and_hostile_ones_dead_letters(
         assert header_value(record.headers, "content-type") == b"application/json"
         assert header_value(record.headers, "x-model-name") == b"mlp"
         assert record.key == name.encode()
+        assert [k for k, _ in record.headers if k.lower().startswith("ce_")] == [], name
+    overflow = orjson.loads(got.results["overflow"].value)
+    assert overflow == {"id": "overflow", "probs": [None] * 10, "score": None, "label": None}
+    answered = sorted(name for name in hostile if name not in got.dead_letters)
+    assert answered == [], "answered instead of dead-lettered"
     for name, (code, sent) in hostile.items():
         letter = got.dead_letters[name]
         assert header_value(letter.headers, "x-error-code") == code.encode(), name
@@ -252,6 +312,66 @@ async def test_a_mapping_that_does_not_fit_its_model_stops_the_start_one_line_ea
             "'no_such_model'; load it, or map the topic to a model it serves",
         ),
     }
+
+
+#: Mappings that fit their models, but with defaults their inputs cannot hold.
+OUT_OF_RANGE = """
+[topics.{events}]
+model = "faulty"
+[topics.{events}.inputs.INPUT0]
+datatype = "FP32"
+fields = ["/x"]
+[topics.{events}.inputs.DELAY_MS]
+datatype = "INT32"
+from = "/delay_ms"
+shape = [1]
+default = 3000000000
+
+[topics.{readings}]
+model = "double"
+[topics.{readings}.inputs.INPUT0]
+datatype = "FP32"
+fields = ["/a", "/b"]
+default = 1e39
+"""
+
+
+def test_a_default_its_input_cannot_hold_stops_run_and_check_one_line_each(
+    kafka: KafkaUnderTest,
+    triton: TritonUnderTest,
+    unique: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """An INT32 default past 2**31 and an FP32 default past its range: `run` and `check`
+    exit 2, one line per default naming its topic, input, value and datatype's range."""
+    topics = Topics.fresh(unique)
+    readings = f"readings-{unique}"
+    run_sync(lambda: kafka.create_topics([topics.input, readings, topics.output, topics.dlq]))
+    mapping = write_mapping(tmp_path, topics.input, readings, OUT_OF_RANGE)
+    env = worker_env(
+        kafka, triton, topics, input_topics=f"{topics.input},{readings}", mapping_file=mapping
+    )
+    expected = [
+        f"error: WORKER_MAPPING_FILE: {mapping}: 2 problems:",
+        f"  topics.{topics.input}.inputs.DELAY_MS.default: 3000000000 is outside the range of "
+        "INT32 (-2147483648..2147483647); give a value it can hold",
+        f"  topics.{readings}.inputs.INPUT0.default: 1e+39 is outside the range of FP32 "
+        "(-3.4028235e+38..3.4028235e+38); give a value it can hold",
+    ]
+
+    exited = run_to_exit(env, tmp_path / "w.log", 60.0)
+
+    assert exited.code == 2, exited.lines[-20:]
+    assert [line for line in exited.lines if not line.startswith("{")] == expected
+
+    clear_settings(monkeypatch)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    capsys.readouterr()
+    assert cli.main(["check"]) == 2
+    assert capsys.readouterr().err.splitlines() == expected
 
 
 CLICKS = """

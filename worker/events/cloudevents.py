@@ -35,6 +35,8 @@ STRUCTURED: Final = "application/cloudevents+json"
 SPEC_VERSION: Final = "1.0"
 #: The attributes every CloudEvent has.
 _REQUIRED: Final = ("id", "source", "type", "specversion")
+#: Their headers in binary mode: any one of them makes a record a CloudEvent.
+_REQUIRED_HEADERS: Final = frozenset(f"{CE_PREFIX}{name}" for name in _REQUIRED)
 #: Used where the mapping names no type or source.
 DEFAULT_TYPE: Final = "kafka-triton-worker.result"
 DEFAULT_SOURCE: Final = "kafka-triton-worker"
@@ -81,26 +83,33 @@ def _escape(text: str) -> bytes:
 
 
 def cloud_event_of(headers: Headers, envelope: Any | None) -> CloudEvent | None:
-    """The record's CloudEvent, if it is one: binary when ``ce_specversion`` is a header,
-    structured when ``envelope`` (the parsed value of an ``application/cloudevents+json``
-    record) is given; DecodeError when its required attributes are missing."""
+    """The record's CloudEvent, if it is one: structured when ``envelope`` (the parsed
+    value of an ``application/cloudevents+json`` record) is given, binary when any header
+    of a required attribute (``ce_specversion``, ``ce_id``, ``ce_source``, ``ce_type``)
+    is there; DecodeError when a required attribute is missing or empty, or the event is
+    not of CloudEvents 1.0."""
     if envelope is not None:
         if not isinstance(envelope, dict):
             raise DecodeError("structured CloudEvent: expected a JSON object")
-        missing = [name for name in _REQUIRED if not isinstance(envelope.get(name), str)]
+        missing = [name for name in _REQUIRED if not _non_empty(envelope.get(name))]
         if missing:
             raise DecodeError(
-                f"structured CloudEvent: attribute(s) {', '.join(missing)} missing or not strings"
+                f"structured CloudEvent: attribute(s) {', '.join(missing)} missing, empty "
+                "or not strings"
             )
+        _check_version("structured CloudEvent: specversion", envelope["specversion"])
         if "data_base64" in envelope:
             raise DecodeError("structured CloudEvent: data_base64 given; expected JSON data")
         return CloudEvent("structured", envelope["id"])
-    if header_text(headers, f"{CE_PREFIX}specversion") is None:
+    # Any one required attribute's header makes it a CloudEvent: one missing the others
+    # (its specversion most often) is refused, not taken for a plain event.
+    if not any(name.lower() in _REQUIRED_HEADERS for name, _ in headers):
         return None
     values = {name: header_text(headers, f"{CE_PREFIX}{name}") for name in _REQUIRED}
     missing = [f"{CE_PREFIX}{name}" for name, value in values.items() if not value]
     if missing:
         raise DecodeError(f"binary CloudEvent: header(s) {', '.join(missing)} missing or empty")
+    _check_version(f"binary CloudEvent: {CE_PREFIX}specversion", values["specversion"] or "")
     content_type = (header_text(headers, CONTENT_TYPE) or "application/json").lower()
     media = content_type.split(";", 1)[0].strip()
     if media != "application/json" and not media.endswith("+json"):
@@ -109,6 +118,20 @@ def cloud_event_of(headers: Headers, envelope: Any | None) -> CloudEvent | None:
             "(application/json)"
         )
     return CloudEvent("binary", values["id"] or "")
+
+
+def _non_empty(value: Any) -> bool:
+    """True for a non-empty string: what a required attribute must be (CloudEvents 1.0)."""
+    return isinstance(value, str) and bool(value)
+
+
+def _check_version(where: str, version: str) -> None:
+    # Another version's attributes may differ in name and meaning (0.3's schemaurl, a
+    # later one's): reading it as 1.0 could answer with the wrong correlation.
+    if version != SPEC_VERSION:
+        raise DecodeError(
+            f"{where} is {version!r}; this worker reads CloudEvents {SPEC_VERSION} only"
+        )
 
 
 def is_structured(headers: Headers) -> bool:

@@ -21,6 +21,7 @@ from worker.errors import DecodeError, InferenceError, InvalidRequest, TooLarge
 from worker.events.cloudevents import CloudEvent, cloud_event_of, is_structured
 from worker.events.mapping import Argmax, InputMap, OutputRef, TopicMapping
 from worker.events.paths import MISSING, EventPath
+from worker.events.values import expected
 from worker.wire import tensors
 from worker.wire.bytes_tensor import serialize_bytes_tensor
 from worker.wire.headers import CONTENT_TYPE, X_REQUEST_ID, Headers, Source, header_text
@@ -31,16 +32,6 @@ __all__ = ["MappedEvent", "decode_event"]
 
 #: How much of a wrong value a message shows.
 _SHOWN: Final = 40
-_EXPECTED: Final = {"BOOL": "true or false", "BYTES": "a string"}
-
-
-def _expected(datatype: str) -> str:
-    if datatype in _EXPECTED:
-        return _EXPECTED[datatype]
-    if datatype.startswith("FP"):
-        return f"a number ({datatype})"
-    info = np.iinfo(tensors.DATATYPES[datatype].dtype)
-    return f"an integer in {int(info.min)}..{int(info.max)} ({datatype})"
 
 
 def _show(value: Any) -> str:
@@ -131,7 +122,15 @@ class MappedEvent:
             raise InferenceError(
                 f"result field {name!r}: argmax of {source.output}, which has no numbers"
             )
-        best = int(np.argmax(flat))
+        nan = np.isnan(flat) if flat.dtype.kind == "f" else None
+        if nan is not None and nan.any():
+            # numpy's argmax picks the first NaN; a NaN is no score, so it is passed over,
+            # and a row of NaNs has no label (null) rather than the first one's.
+            if nan.all():
+                return None
+            best = int(np.nanargmax(flat))
+        else:
+            best = int(np.argmax(flat))
         if best >= len(source.labels):
             raise InferenceError(
                 f"result field {name!r}: {source.output}'s largest element is at {best}, "
@@ -290,7 +289,7 @@ def _default(spec: InputMap, path: EventPath, found: Any, mapping: TopicMapping)
         return spec.default
     what = "null" if found is None else "missing"
     raise InvalidRequest(
-        f"{path}: {what}; expected {_expected(spec.datatype)} for input {spec.name} of model "
+        f"{path}: {what}; expected {expected(spec.datatype)} for input {spec.name} of model "
         f"{mapping.model!r} (the mapping of topic {mapping.topic!r} gives no default)"
     )
 
@@ -343,7 +342,7 @@ def _raw(datatype: str, values: list[Any], place: Any) -> bytes:
         index = _failed_index(str(error))
         shown = _show(values[index]) if index is not None else ""
         where = place(index) if index is not None else "value"
-        raise InvalidRequest(f"{where}: expected {_expected(datatype)}, got {shown}") from None
+        raise InvalidRequest(f"{where}: expected {expected(datatype)}, got {shown}") from None
     if dt.dtype is None:
         try:
             return serialize_bytes_tensor([text.encode() for text in checked])
@@ -355,7 +354,7 @@ def _raw(datatype: str, values: list[Any], place: Any) -> bytes:
         limit = int(np.iinfo(dt.dtype).max)
         index = next(i for i, v in enumerate(checked) if v > limit)
         raise InvalidRequest(
-            f"{place(index)}: expected {_expected(datatype)}, got {_show(checked[index])}"
+            f"{place(index)}: expected {expected(datatype)}, got {_show(checked[index])}"
         ) from None
 
 

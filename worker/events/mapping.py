@@ -32,6 +32,7 @@ from typing import Any, Final
 
 from worker.events.cloudevents import CloudEventsOut
 from worker.events.paths import EventPath, parse_path
+from worker.events.values import default_problem
 from worker.settings import ConfigError
 from worker.wire.tensors import DATATYPES
 
@@ -286,8 +287,10 @@ def _input(name: str, spec: Any, where: str, problems: list[str]) -> InputMap | 
         fields = tuple(path for path in parsed if path is not None)
     shape = _shape(spec, fields, where, problems)
     default = spec.get("default")
-    if default is not None and not _scalar_fits(datatype, default):
-        problems.append(f"{where}.default: {default!r} is not a {datatype} value")
+    if default is not None:
+        problem = default_problem(datatype, default)
+        if problem is not None:
+            problems.append(f"{where}.default: {problem}")
     if shape is None or (source is None and not fields):
         return None
     return InputMap(name, datatype, shape, source, fields, default)
@@ -317,16 +320,6 @@ def _shape(
         )
         return None
     return tuple(shape)
-
-
-def _scalar_fits(datatype: str, value: Any) -> bool:
-    if datatype == "BYTES":
-        return isinstance(value, str)
-    if datatype == "BOOL":
-        return isinstance(value, bool)
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return False
-    return datatype.startswith("FP") or isinstance(value, int)
 
 
 def _result(table: Any, where: str, problems: list[str]) -> ResultForm | None:

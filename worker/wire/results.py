@@ -173,8 +173,10 @@ def result_headers(
     `served_model_version` is the version Triton reports having used, when known;
     `extra` are further headers of the worker's (a stream's x-response-*).
     """
-    if request.event is not None and request.event.cloud is not None:
-        # A CloudEvent's attributes describe the request; the result's are its own.
+    if request.event is not None:
+        # A CloudEvent's attributes describe the request; the result's are its own, and a
+        # plain event's result is no CloudEvent: a ce_* header it came with (ce_subject,
+        # say) would make it look like one.
         request_headers = [(n, v) for n, v in request_headers if not n.lower().startswith("ce_")]
     added = [
         (X_REQUEST_ID, request.request_id.encode()),

@@ -111,9 +111,16 @@ def test_the_result_id_is_the_request_record_s_coordinates_whoever_answers(
 
 
 def test_a_plain_event_is_answered_by_a_plain_event(tmp_path: Path) -> None:
-    request = decode_event(mapping(tmp_path), b'{"x": 1, "y": 2}', [], SOURCE, LIMITS)
-    _, headers = answered(request, [])
-    assert [k for k in headers if k.startswith("ce_")] == []
+    """A ce_* header of no required attribute leaves an event plain; its result carries
+    none of the request's ce_* headers, the other headers pass through."""
+    extensions = [("ce_subject", b"button"), ("Ce_Time", b"2026-12-06T08:00:00Z")]
+    headers_in = [*extensions, ("trace", b"t-1")]
+    request = decode_event(mapping(tmp_path), b'{"x": 1, "y": 2}', headers_in, SOURCE, LIMITS)
+    assert request.event.cloud is None and request.request_id == "clicks-1-99"
+    value, headers = answered(request, headers_in)
+    assert orjson.loads(value) == {"x": 1, "y": 2, "doubled": {"OUTPUT0": [2.0, 4.0]}}
+    assert [k for k in headers if k.lower().startswith("ce_")] == []
+    assert headers["trace"] == b"t-1"
 
 
 @pytest.mark.parametrize(
@@ -132,7 +139,33 @@ def test_a_plain_event_is_answered_by_a_plain_event(tmp_path: Path) -> None:
         (
             [("content-type", b"application/cloudevents+json")],
             b'{"specversion": "1.0", "id": "1", "data": {}}',
-            r"^structured CloudEvent: attribute\(s\) source, type missing or not strings$",
+            r"^structured CloudEvent: attribute\(s\) source, type missing, empty or not strings$",
+        ),
+        (
+            [("content-type", b"application/cloudevents+json")],
+            b'{"specversion": "1.0", "id": "", "source": "", "type": "t", "data": {}}',
+            r"^structured CloudEvent: attribute\(s\) id, source missing, empty or not strings$",
+        ),
+        (
+            [("content-type", b"application/cloudevents+json")],
+            b'{"specversion": "0.3", "id": "1", "source": "s", "type": "t", "data": {}}',
+            r"^structured CloudEvent: specversion is '0.3'; this worker reads CloudEvents 1.0 "
+            r"only$",
+        ),
+        (
+            [("ce_specversion", b"0.3"), *BINARY[1:]],
+            b"{}",
+            r"^binary CloudEvent: ce_specversion is '0.3'; this worker reads CloudEvents 1.0 only$",
+        ),
+        (
+            BINARY[1:],
+            b"{}",
+            r"^binary CloudEvent: header\(s\) ce_specversion missing or empty$",
+        ),
+        (
+            [("CE_Type", b"t"), ("content-type", b"application/json")],
+            b"{}",
+            r"^binary CloudEvent: header\(s\) ce_id, ce_source, ce_specversion missing or empty$",
         ),
         (
             [("content-type", b"application/cloudevents+json")],

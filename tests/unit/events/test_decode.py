@@ -249,6 +249,24 @@ def test_the_result_is_a_new_event_of_the_chosen_fields(
 
 
 @pytest.mark.parametrize(
+    ("probs", "label"),
+    [
+        ([np.nan, 0.25, 0.125], "mid"),
+        ([0.5, np.nan, 0.625], "high"),
+        ([np.nan, np.nan, np.nan], None),
+        ([-np.inf, -np.inf, -np.inf], "low"),
+    ],
+)
+def test_an_argmax_passes_over_nan_and_a_row_of_nan_has_no_label(
+    mappings: dict[str, TopicMapping], probs: list[float], label: str | None
+) -> None:
+    """A NaN is no score: the label is the largest number's; all NaN, it is null."""
+    request = decode(mappings["grid"], {"id": 1, "cells": [[1], [2]], "name": "a"})
+    value, _ = encode_result(request, response(PROBS=np.array(probs)))
+    assert orjson.loads(value)["label"] == label
+
+
+@pytest.mark.parametrize(
     ("outputs", "message"),
     [
         ({"OTHER": np.ones(3)}, r"reads output 'PROBS', which Triton did not return"),

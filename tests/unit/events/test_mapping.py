@@ -6,11 +6,15 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+from worker.events import decode_event
 from worker.events.mapping import Argmax, OutputRef, load_mappings
 from worker.events.paths import MISSING, EventPath, parse_path
 from worker.settings import ConfigError
+from worker.wire import DecodeLimits, Source
+from worker.wire.tensors import DATATYPES
 
 PAYMENTS = """
 [topics.payments]
@@ -166,6 +170,64 @@ y = "P[one]"
         "topics.unconsumed.result.fields.x.labels: expected a list of strings, got []",
         "topics.unconsumed.result.fields.y: 'P[one]' is neither an event path nor an output",
     ]
+
+
+@pytest.mark.parametrize(
+    ("datatype", "default", "problem"),
+    [
+        ("INT8", "1000", "1000 is outside the range of INT8 (-128..127)"),
+        ("UINT8", "-1", "-1 is outside the range of UINT8 (0..255)"),
+        (
+            "UINT64",
+            "18446744073709551616",
+            "18446744073709551616 is outside the range of UINT64 (0..18446744073709551615)",
+        ),
+        ("FP16", "70000", "70000 is outside the range of FP16 (-65504..65504)"),
+        ("FP32", "1e39", "1e+39 is outside the range of FP32 (-3.4028235e+38..3.4028235e+38)"),
+        ("FP32", "nan", "nan is outside the range of FP32 (-3.4028235e+38..3.4028235e+38)"),
+    ],
+)
+def test_a_default_its_datatype_cannot_hold_is_refused_at_load(
+    tmp_path: Path, datatype: str, default: str, problem: str
+) -> None:
+    """A default out of its input's range would refuse every event missing the field."""
+    text = f"""
+[topics.payments]
+model = "m"
+[topics.payments.inputs.X]
+datatype = "{datatype}"
+fields = ["/a", "/b"]
+default = {default}
+"""
+    assert problems_of(tmp_path, text) == [
+        f"topics.payments.inputs.X.default: {problem}; give a value it can hold"
+    ]
+
+
+@pytest.mark.parametrize(
+    ("datatype", "default", "value"),
+    [
+        ("INT8", "-128", -128),
+        ("UINT64", "18446744073709551615", 2**64 - 1),
+        ("FP16", "-65504", -65504),
+    ],
+)
+def test_a_default_at_its_datatype_s_limit_loads_and_fills_a_missing_field(
+    tmp_path: Path, datatype: str, default: str, value: float
+) -> None:
+    text = f"""
+[topics.payments]
+model = "m"
+[topics.payments.inputs.X]
+datatype = "{datatype}"
+from = "/a"
+shape = [1]
+default = {default}
+"""
+    mapping = load_mappings(write(tmp_path, text), ("payments",))["payments"]
+    request = decode_event(mapping, b"{}", [], Source("payments", 0, 0), DecodeLimits(1024))
+    raw = request.infer_request.raw_input_contents[0]
+    assert np.frombuffer(raw, DATATYPES[datatype].dtype).tolist() == [value]
 
 
 @pytest.mark.parametrize(
