@@ -167,7 +167,9 @@ DLQ_MAX_BYTES = 65_536
 async def test_exactly_once_outcomes_refused_for_size_do_not_stall_the_partition(
     kafka: KafkaUnderTest, triton: TritonUnderTest, unique: str
 ) -> None:
-    """exactly_once: a result over the output topic's limit and a dead letter over the DLQ's."""
+    """exactly_once: a result over the output topic's limit, dead letters over the DLQ's (one
+    of a gzip request over the request limit once decompressed, one whose key alone is too
+    large); every request around them answered, once."""
     topics = Topics.fresh(unique)
     await kafka.create_topics([topics.input], partitions=1)
     await kafka.create_topics(
@@ -187,24 +189,26 @@ async def test_exactly_once_outcomes_refused_for_size_do_not_stall_the_partition
         big_dead_letter,
         faulty_request(rng, "good-2"),
     ]
-    after = [faulty_request(rng, "good-3")]
+    after = [faulty_request(rng, f"good-{i}") for i in range(3, 43)]
     settings = settings_for(kafka, triton, topics, delivery="exactly_once")
     async with running_worker(settings) as worker:
         await send(kafka.bootstrap_servers, topics.input, first, partition=0)
         got = await collect(kafka.bootstrap_servers, topics, len(first), timeout_s=60)
-        # The partition keeps flowing: the next request is answered too.
+        oversized = await _send_oversized(kafka.bootstrap_servers, topics.input)
+        # The partition keeps flowing: the requests after them are answered too.
         await send(kafka.bootstrap_servers, topics.input, after, partition=0)
-        got = await collect(kafka.bootstrap_servers, topics, len(first) + 1, 60, into=got)
+        expected = len(first) + len(oversized) + len(after)
+        got = await collect(kafka.bootstrap_servers, topics, expected, 60, into=got)
         omitted = _counter(worker.metrics.dead_letter_values_omitted_total)
     everything = await read_all(kafka.bootstrap_servers, topics)
     report(
-        "exactly_once, a result and a dead letter over their topics' limits",
-        len(first) + len(after),
+        "exactly_once, a result and dead letters over their topics' limits",
+        expected,
         everything,
     )
     assert everything.duplicates == 0
-    assert set(everything.results) == {"good-0", "good-1", "good-2", "good-3"}
-    assert set(everything.dead_letters) == {"big-result", "big-dead-letter"}
+    assert set(everything.results) == {f"good-{i}" for i in range(43)}
+    assert set(everything.dead_letters) == {"big-result", "big-dead-letter", *oversized}
     too_large = everything.dead_letters["big-result"]
     assert headers_dict(too_large.headers)["x-error-code"] == b"OUTPUT_TOO_LARGE"
     assert too_large.value == big_result.value  # the request as it came
@@ -214,7 +218,45 @@ async def test_exactly_once_outcomes_refused_for_size_do_not_stall_the_partition
     assert slim_headers["x-value-omitted"] == b"true"
     assert slim_headers["x-original-value-bytes"] == str(len(big_dead_letter.value)).encode()
     assert not slim.value
-    assert omitted == 1
+    for request_id, (code, value, key) in oversized.items():
+        letter = everything.dead_letters[request_id]
+        names = [name for name, _ in letter.headers]
+        assert headers_dict(letter.headers)["x-error-code"] == code
+        assert (letter.value, letter.key) == (b"", None if len(key) > DLQ_MAX_BYTES else key)
+        # One description of the original value, even after a second slimming (the key).
+        assert names.count("x-original-value-bytes") == 1, (request_id, names)
+        original = headers_dict(letter.headers)["x-original-value-bytes"]
+        assert original == str(len(value)).encode(), request_id
+    assert omitted == 3
+
+
+async def _send_oversized(bootstrap: str, topic: str) -> dict[str, tuple[bytes, bytes, bytes]]:
+    """Two requests whose dead letters the 64 KiB DLQ refuses, to partition 0: a JSON request
+    of 9 MiB sent gzip-compressed (TOO_LARGE: over the 8 MiB request limit once
+    decompressed; aiokafka's producer refused its dead letter in ``send`` itself, which
+    looped the partition's transaction for ever), and an undecodable one whose 100 KB key
+    alone is over the DLQ's limit (its dead letter loses its value, then its key). Returns
+    each one's expected code, value and key by request id."""
+    huge = b'{"id": "huge-gzip", "pad": "' + b"x" * (9 * 2**20) + b'"}'
+    bad = b'{"inputs": [' + bytes(70_000)
+    sent = {
+        "huge-gzip": (b"TOO_LARGE", huge, b"huge-gzip"),
+        "big-key": (b"DECODE_ERROR", bad, b"k" * 100_000),
+    }
+    producer = AIOKafkaProducer(
+        bootstrap_servers=bootstrap,
+        acks="all",
+        compression_type="gzip",
+        max_request_size=16 * 2**20,
+    )
+    await producer.start()
+    try:
+        for request_id, (_, value, key) in sent.items():
+            headers = [("content-type", b"application/json"), ("x-request-id", request_id.encode())]
+            await producer.send_and_wait(topic, value, key=key, headers=headers, partition=0)
+    finally:
+        await producer.stop()
+    return sent
 
 
 # -- a transactional id the broker refuses ------------------------------------------

@@ -176,7 +176,9 @@ def _check_exactly_once(sent: list[SampleRequest], everything: Collected) -> Non
 async def test_exactly_once_hand_over_under_load_one_two_one(
     kafka: KafkaUnderTest, triton: TritonUnderTest, unique: str, tmp_path: Path
 ) -> None:
-    """exactly_once, members 1 → 2 → 1 under load, drains timing out: each request once."""
+    """exactly_once, members 1 → 2 → 1 under load, drains timing out, both members with the
+    same WORKER_CLIENT_ID (one set for quotas): each request once. (With the client id in
+    librdkafka's transactional id, each member's start fenced the other's producer.)"""
     topics = Topics.fresh(unique)
     await create(kafka, topics, partitions=4)
     rng = np.random.default_rng(61)
@@ -200,6 +202,7 @@ async def test_exactly_once_hand_over_under_load_one_two_one(
         "revoke_timeout_s": "1",
         "shutdown_timeout_s": "15",  # a stop waits for the straggler (10 s) too
         "max_in_flight": "16",
+        "client_id": "shared-for-quotas",
     }
     ports = [free_port(), free_port()]
     logs = [tmp_path / "a.log", tmp_path / "b.log"]
@@ -245,6 +248,10 @@ async def test_exactly_once_hand_over_under_load_one_two_one(
     _check_exactly_once(flow.sent, everything)
     timeouts = [e for e in _events(logs[0]) if e["event"] == "revoke_drain_timeout"]
     assert timeouts, "no revocation drain timed out: the scenario did not happen"
+    # Neither member's transactional producer was fenced by the other's.
+    for log in logs:
+        fenced = [e for e in _events(log) if "fenced by a newer instance" in str(e.get("error"))]
+        assert fenced == [], f"{log.name}: {fenced[:2]}"
 
 
 async def test_exactly_once_zombie_is_fenced_and_rejoins(

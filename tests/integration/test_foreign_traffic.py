@@ -609,18 +609,23 @@ def _consume_all(
         consumer.close()
 
 
+@pytest.mark.parametrize("delivery", ["at_least_once", "exactly_once"])
 async def test_large_dead_letter_kept_whole_when_the_dlq_allows_it(
-    kafka: KafkaUnderTest, triton: TritonUnderTest, unique: str
+    kafka: KafkaUnderTest, triton: TritonUnderTest, unique: str, delivery: str
 ) -> None:
-    """A 1.5 MiB invalid value on a 4 MiB topic: its dead letter (4 MiB DLQ) keeps every byte."""
+    """A 1.5 MiB value on a 4 MiB topic, over a 1 MiB request limit (TOO_LARGE, half a MiB
+    over it): its dead letter (4 MiB DLQ) keeps every byte, in both delivery modes. Before,
+    the producers' own limit was the larger of the request and result limits plus 64 KiB:
+    librdkafka's refused the dead letter, which was written without its value."""
     topics = Topics.fresh(unique)
     await kafka.create_topics([topics.input, topics.dlq], partitions=1, configs=LARGE_TOPIC)
     await kafka.create_topics([topics.output], partitions=1)
     bootstrap = kafka.bootstrap_servers
     rng = np.random.default_rng(5)
     big = _large_invalid_request(rng, "large-kept")
+    settings = settings_for(kafka, triton, topics, delivery=delivery, max_request_bytes="1MiB")
     async with (
-        running_worker(settings_for(kafka, triton, topics)) as worker,
+        running_worker(settings) as worker,
         Answers(kafka, topics) as answers,
     ):
         big_offset, next_offset = await produce(
@@ -630,7 +635,7 @@ async def test_large_dead_letter_kept_whole_when_the_dlq_allows_it(
             LARGE_PRODUCER,
         )
         await answers.through(next_offset)
-        letter = answers.dead_letter(big_offset, "DECODE_ERROR")
+        letter = answers.dead_letter(big_offset, "TOO_LARGE")
         assert letter.value == big.value
         assert letter.key == big.key
         for header in big.headers:
@@ -640,7 +645,9 @@ async def test_large_dead_letter_kept_whole_when_the_dlq_allows_it(
         assert_result(answers, next_offset, follow)
         assert_running(worker)
         answers.report(
-            "1.5 MiB invalid value, DLQ max.message.bytes 4 MiB (kept whole)", [big_offset]
+            f"1.5 MiB value over a 1 MiB request limit, DLQ max.message.bytes 4 MiB, {delivery} "
+            "(kept whole)",
+            [big_offset],
         )
 
 
