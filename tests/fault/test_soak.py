@@ -96,6 +96,9 @@ WORKER_SETTINGS = {
     "shutdown_timeout_s": "20",
     "sequence_from_key": "true",
     "debug_endpoints": "true",  # /debug/inflight: where the records were in a stall
+    # Every worker of the run under one client id, as one set for quotas would be (each
+    # exactly_once member's transactional id must still be its own).
+    "client_id": "soak-shared-client",
 }
 #: A partition with records waiting must commit at least every STALL_INTERVALS commit
 #: intervals outside the faults that make progress impossible.

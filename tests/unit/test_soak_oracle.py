@@ -120,16 +120,25 @@ def test_the_first_round_starts_with_the_modes_kinds_and_has_every_kind(delivery
 def test_the_traffic_mixes_every_kind_and_sums_its_sequences() -> None:
     """Every kind appears, a seed replays the same records, sequences sum their steps."""
     traffic, replay = (Traffic(3, 1, librdkafka=True, tag="t") for _ in range(2))
-    made = [traffic.make(seq) for seq in range(3000)]
+    made = [traffic.make(seq) for seq in range(8000)]
     again = [replay.make(seq) for seq in range(50)]
     assert [m.value for m in made[:50]] == [m.value for m in again]
     kinds = {m.sent.kind for m in made}
-    assert {"unserved-model", "tokens", "sequence", "result-too-large", "plain"} <= kinds
+    expected = {"unserved-model", "tokens", "sequence", "result-too-large", "plain"}
+    assert expected | {"big-key", "big-header", "compressed-too-large"} <= kinds
     unknown = [m.sent.model for m in made if m.sent.kind == "unserved-model"]
     assert len(set(unknown)) == len(unknown)  # a new name each time
     for big in (m for m in made if m.sent.kind == "result-too-large"):
         assert big.value is not None
         assert OUTPUT_MAX_BYTES < len(big.value) <= samples.BAD_SAMPLES_MAX_REQUEST_BYTES
+    for big in (m for m in made if m.sent.kind in ("big-key", "big-header")):
+        parts = [big.key or b"", *(v or b"" for _, v in big.headers)]
+        assert max(len(p) for p in parts) > OUTPUT_MAX_BYTES > len(big.value or b"")
+    for huge in (m for m in made if m.sent.kind == "compressed-too-large"):
+        assert len(huge.value or b"") > 2**20  # over the dead-letter topic's default limit
+    uncompressed = Traffic(3, 1, librdkafka=True, tag="t", compressed=False)
+    kinds = {uncompressed.make(seq).sent.kind for seq in range(3000)}
+    assert "compressed-too-large" not in kinds
     steps = [m for m in made if m.sent.sequence is not None]
     assert all(m.key == m.sent.sequence.encode() for m in steps if m.sent.sequence)
     by_key: dict[str, list[Sent]] = {}

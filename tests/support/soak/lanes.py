@@ -22,7 +22,7 @@ from aiokafka.errors import KafkaError
 from aiokafka.structs import TopicPartition
 
 from tests.support.soak.events import EventTraffic
-from tests.support.soak.traffic import Sent, Traffic
+from tests.support.soak.traffic import PRODUCER_MAX_BYTES, Sent, Traffic
 
 
 @dataclass(frozen=True)
@@ -105,7 +105,10 @@ class LaneSpec:
     def traffic(self, *, librdkafka: bool) -> Traffic | EventTraffic:
         if self.events:
             return EventTraffic(self.seed, self.number, librdkafka=librdkafka)
-        return Traffic(self.seed, self.number, librdkafka=librdkafka, tag=self.tag)
+        compressed = self.compression != "none"
+        return Traffic(
+            self.seed, self.number, librdkafka=librdkafka, tag=self.tag, compressed=compressed
+        )
 
 
 class ConfluentLane:
@@ -123,6 +126,7 @@ class ConfluentLane:
                 "enable.idempotence": True,
                 "compression.type": spec.compression,
                 "linger.ms": 10,
+                "message.max.bytes": PRODUCER_MAX_BYTES,
                 # Longer than any broker restart of the soak: librdkafka retries until then.
                 "message.timeout.ms": 120_000,
             },
@@ -183,6 +187,7 @@ class AiokafkaLane:
             enable_idempotence=True,
             compression_type=spec.compression,
             linger_ms=10,
+            max_request_size=PRODUCER_MAX_BYTES,
             request_timeout_ms=120_000,
         )
         await producer.start()

@@ -29,6 +29,14 @@ OUTPUT_MAX_BYTES = 64 * 1024
 #: Floats of an oversized ``double`` request: a 80 kB input (within the request limit),
 #: so a result of 80 kB, over OUTPUT_MAX_BYTES in every encoding that can carry it.
 OVERSIZED_WIDTH = 20_000
+#: A key, or one header's value, just over the output topic's limit on a small request:
+#: its result is refused for what it copies of the request, not for its value.
+BIG_PART_BYTES = OUTPUT_MAX_BYTES + 512
+#: A JSON request padded to this size: over the request limit and over the dead-letter
+#: topic's (the broker's default 1 MiB) once decompressed; a few kB compressed. The
+#: producers' own limit lets it through.
+COMPRESSED_HUGE_BYTES = 3 * 2**19
+PRODUCER_MAX_BYTES = 4 * 2**20
 _BAD = {s.request_id.removeprefix("bad-"): s for s in samples.bad_requests()}
 #: Hostile kinds: every bad sample, plus two a librdkafka producer can send.
 HOSTILE_KINDS = (*sorted(_BAD), "null-record", "header-not-utf8")
@@ -40,6 +48,8 @@ _SHARES = (
     ("tokens", 0.11),
     ("sequence", 0.17),
     ("result-too-large", 0.171),
+    ("big-key-or-header", 0.172),
+    ("compressed-too-large", 0.173),
 )
 
 _INPUTS = {
@@ -102,11 +112,16 @@ class Traffic:
     Triton's eight sequence slots.
     """
 
-    def __init__(self, seed: int, partition: int, *, librdkafka: bool, tag: str) -> None:
+    def __init__(
+        self, seed: int, partition: int, *, librdkafka: bool, tag: str, compressed: bool = True
+    ) -> None:
+        """``compressed``: the partition's producer compresses (else a request over the
+        topic's limit as it is would be refused: none is made)."""
         self._rng = np.random.default_rng([seed, partition])
         self._partition = partition
         self._tag = tag  # in sequence keys: a run's sequences are its own in Triton
         self._librdkafka = librdkafka
+        self._compressed = compressed
         self._open: _Sequence | None = None
         self._sequences = 0
 
@@ -121,6 +136,8 @@ class Traffic:
             "tokens": self._tokens,
             "sequence": self._sequence_step,
             "result-too-large": self._oversized,
+            "big-key-or-header": self._big_key_or_header,
+            "compressed-too-large": self._compressed_too_large,
             "plain": self._plain,
         }[kind](rid)
         made.sent.produced_ms = int(time.time() * 1000)
@@ -190,6 +207,32 @@ class Traffic:
             rid, self._partition, "result-too-large", "OUTPUT_TOO_LARGE", "double", encoding
         )
         return Produced(sent, rid.encode(), value, _named(headers, rid))
+
+    def _big_key_or_header(self, rid: str) -> Produced:
+        """A small good ``double`` request whose key, or one header, is just over the output
+        topic's limit: its result is OUTPUT_TOO_LARGE for what it copies of the request (the
+        ceiling on results must not be learnt from it: the results around it are answered)."""
+        value, headers = encode_request("double", samples.double_inputs(self._rng), "json", rid)
+        big = bytes(self._rng.integers(97, 123, BIG_PART_BYTES, dtype=np.uint8))
+        key, named = rid.encode(), _named(headers, rid)
+        kind = "big-key" if self._rng.random() < 0.5 else "big-header"
+        if kind == "big-key":
+            key = big
+        else:
+            named.append(("x-big", big))
+        sent = Sent(rid, self._partition, kind, "OUTPUT_TOO_LARGE", "double", "json")
+        return Produced(sent, key, value, named)
+
+    def _compressed_too_large(self, rid: str) -> Produced:
+        """A JSON request of 1.5 MiB, mostly padding: TOO_LARGE, and its dead letter over the
+        dead-letter topic's limit (written without its value). Sent compressed, a few kB on
+        the wire; on a partition whose producer does not compress, a plain request instead."""
+        if not self._compressed:
+            return self._plain(rid)
+        value, headers = encode_request("double", samples.double_inputs(self._rng), "json", rid)
+        padded = value[:-1] + b', "pad": "' + b"x" * COMPRESSED_HUGE_BYTES + b'"}'
+        sent = Sent(rid, self._partition, "compressed-too-large", "TOO_LARGE", "double", "json")
+        return Produced(sent, rid.encode(), padded, _named(headers, rid))
 
     def _tokens(self, rid: str) -> Produced:
         """A token stream of 1 to 12 responses, a few ms apart, its final flag alone or not."""
