@@ -258,7 +258,7 @@ class BatchPath:
             for i, c in enumerate(batch):
                 try:
                     value, headers = steps.encode_row(
-                        together, i, c.rows, c.request, c.record.headers, c.source
+                        together, i, c.rows, c.request, c.record, c.source
                     )
                     results.append((value, headers, served))
                 except Exception:  # OUTPUT_TOO_LARGE, or a bug: the per-record path says which
@@ -270,7 +270,7 @@ class BatchPath:
             return None
         for c, part in zip(batch, parts, strict=True):
             try:
-                value, headers = steps.encode(c.request, part, c.record.headers, c.source)
+                value, headers = steps.encode(c.request, part, c.record, c.source)
                 results.append((value, headers, part.model_version))
             except Exception:
                 results.append(None)

@@ -198,7 +198,7 @@ class SinglePath:
         if spec.decoupled:
             with self._tracing.infer(request.model_name, request.model_version):
                 outcome.streamed = await self._streams.evaluate(
-                    request, budget, outcome.source, record.headers
+                    request, budget, record, outcome.source
                 )
             outcome.served_version = outcome.streamed.model_version
             return
@@ -206,9 +206,7 @@ class SinglePath:
             trace = self._tracing.to_triton(record.headers)
             response = await self._infer(request, spec, budget, trace)
         outcome.served_version = response.model_version
-        outcome.value, outcome.headers = steps.encode(
-            request, response, record.headers, outcome.source
-        )
+        outcome.value, outcome.headers = steps.encode(request, response, record, outcome.source)
 
     @staticmethod
     async def _take_turn(turn: Ticket, needed: bool, budget: Budget) -> None:
@@ -252,7 +250,8 @@ class SinglePath:
                     await self._sink.publish_result(outcome.record, outcome.value, outcome.headers)
             except errors.WorkerError as error:  # OUTPUT_TOO_LARGE, or a stream failing midway
                 if isinstance(error, errors.OutputTooLarge) and streamed is None and outcome.value:
-                    self._steps.refusals.refused(len(outcome.value))
+                    # The record the broker judged: the result with the request's key.
+                    self._steps.refusals.refused(outcome.record.key, outcome.value, outcome.headers)
                 self._fail(outcome, error, streamed.attempts if streamed is not None else 1)
             except _CONTROL_FLOW:
                 raise

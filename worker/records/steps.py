@@ -27,7 +27,7 @@ from worker.flow.model_health import ModelHealth
 from worker.flow.retry import Retrier
 from worker.kafka.types import ConsumerRecord
 from worker.observability import Metrics
-from worker.records.refusals import OutputRefusals
+from worker.records.refusals import OutputRefusals, record_bytes
 from worker.records.rules import RecordRules
 from worker.wire import Headers, Source
 from worker.wire.batch_results import BatchResults
@@ -133,16 +133,17 @@ class Steps:
         self,
         request: wire.DecodedRequest,
         response: Any,
-        record_headers: Headers,
+        record: ConsumerRecord[bytes, bytes],
         source: Source,
         extra: Sequence[tuple[str, bytes]] = (),
     ) -> tuple[bytes, Written]:
-        """A response as a result: its value (OutputTooLarge over the limit) and headers."""
+        """A response as the record's result: its value (OutputTooLarge over the limit) and
+        headers."""
         value, encoding = wire.encode_result(
             request, response, max_result_bytes=self.rules.max_output_bytes
         )
         served = response.model_version
-        return self._result(request, value, encoding, record_headers, source, served, extra=extra)
+        return self._result(request, value, encoding, record, source, served, extra=extra)
 
     def encode_row(
         self,
@@ -150,42 +151,48 @@ class Steps:
         index: int,
         rows: int,
         request: wire.DecodedRequest,
-        record_headers: Headers,
+        record: ConsumerRecord[bytes, bytes],
         source: Source,
     ) -> tuple[bytes, Written]:
-        """The ``index``-th record's part of a batched response as a result (as ``encode``
+        """The ``index``-th record's part of a batched response as its result (as ``encode``
         makes it of that part alone)."""
         value, encoding = results.encode(index, rows, request, self.rules.max_output_bytes)
         served = results.model_version
-        return self._result(request, value, encoding, record_headers, source, served)
+        return self._result(request, value, encoding, record, source, served)
 
     def _result(
         self,
         request: wire.DecodedRequest,
         value: bytes,
         encoding: Sequence[tuple[str, bytes]],
-        record_headers: Headers,
+        record: ConsumerRecord[bytes, bytes],
         source: Source,
         served_version: str,
         *,
         extra: Sequence[tuple[str, bytes]] = (),
     ) -> tuple[bytes, Written]:
-        """The value checked against the output topic's known ceiling, and its headers."""
-        ceiling = self.refusals.ceiling()
-        if ceiling is not None and len(value) >= ceiling:
-            raise errors.OutputTooLarge(
-                f"result of model {request.model_name!r} is {len(value)} bytes; the output "
-                f"topic refused one of {ceiling} bytes for its size less than "
-                f"{self.refusals.remember_s:.0f} s ago: raise the topic's max.message.bytes"
-            )
+        """The value and its headers, the whole result checked against the output topic's
+        known ceiling."""
         headers = wire.result_headers(
-            record_headers,
+            record.headers,
             request,
             encoding,
             source,
             served_model_version=served_version,
             extra=extra,
         )
+        ceiling = self.refusals.ceiling()
+        if ceiling is not None:
+            # Measured as the broker measures it: the result carries the request's key and
+            # headers, and the ceiling was learnt from such a whole record.
+            size = record_bytes(record.key, value, headers)
+            if size >= ceiling:
+                raise errors.OutputTooLarge(
+                    f"result of model {request.model_name!r} is {size} bytes with its key and "
+                    f"headers ({len(value)} of value); the output topic refused one of "
+                    f"{ceiling} bytes for its size less than {self.refusals.remember_s:.0f} s "
+                    "ago: raise the topic's max.message.bytes"
+                )
         return value, headers
 
     def dead_letter(
