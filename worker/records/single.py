@@ -11,7 +11,6 @@ record's task around both, and has the delivery mode mark it done only then.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
@@ -25,30 +24,16 @@ from worker.kafka.types import ConsumerRecord, TopicPartition
 from worker.observability import InFlightRegistry
 from worker.observability.inflight import DETACHED, InFlight
 from worker.observability.tracing import Tracing
+from worker.records.outcome import Outcome
 from worker.records.steps import Steps
-from worker.records.stream import StreamCalls, Streamed
+from worker.records.stream import StreamCalls
 from worker.triton.batching import MicroBatcher
 from worker.triton.pool import TritonPool
 from worker.wire import Source
 from worker.wire.sequences import apply_sequence
 from worker.wire.validation import ModelSpec
 
-__all__ = ["Outcome", "SinglePath"]
-
-
-@dataclass(slots=True)
-class Outcome:
-    """How a record ends: a result value with its headers, or an error for a dead letter."""
-
-    record: ConsumerRecord[bytes, bytes]
-    source: Source
-    started: float
-    request: wire.DecodedRequest | None = None
-    value: bytes | None = None
-    headers: list[tuple[str, bytes | None]] = field(default_factory=list)
-    error: errors.WorkerError | None = None
-    served_version: str | None = None
-    streamed: Streamed | None = None  # a decoupled model's results (or live stream)
+__all__ = ["SinglePath"]
 
 
 #: Exceptions that are not a record's failure: they end the record's task as they are.

@@ -125,6 +125,32 @@ def test_results_of_a_group_are_counted_per_model_and_end_a_run_of_bugs() -> Non
     assert sample(metrics, "worker_fast_path_records_total") == 2
 
 
+async def test_a_result_is_booked_alike_on_either_path() -> None:
+    """ended (per-record path) and published_many (batch path) book a result the same: one
+    result of its model, one end-to-end latency; the batch count only on the batch path."""
+    books = []
+    for path in ("single", "batch"):
+        metrics = Metrics(version="test")
+        steps = steps_for(metrics=metrics)
+        rec = good_record()
+        request = steps.decode(rec.value, rec.headers, Source.of(rec))
+        if path == "single":
+            await steps.ended(
+                rec, request, error=None, served_version="1", started=0.0, counted=False
+            )
+        else:
+            steps.published_many([mock.Mock(record=rec, request=request)])
+        books.append(
+            (
+                sample(metrics, "worker_results_published_total", model="double"),
+                sample(metrics, "worker_end_to_end_latency_seconds_count"),
+            )
+        )
+        fast = sample(metrics, "worker_fast_path_records_total")
+        assert fast == (1 if path == "batch" else 0)
+    assert books == [(1, 1), (1, 1)]
+
+
 def test_bugs_in_a_row_stop_the_worker_at_the_limit() -> None:
     """internal_failure: logged and counted each time; TooManyInternalErrors at the limit."""
     metrics = Metrics(version="test")
