@@ -288,6 +288,50 @@ async def test_results_as_large_as_one_refused_are_dead_lettered_without_a_try(
         assert b"refused one of" in messages[r.request_id]["x-error-message"], r.request_id
 
 
+@pytest.mark.parametrize("delivery", ["at_least_once", "exactly_once"])
+async def test_a_result_refused_for_its_huge_key_leaves_ordinary_results_alone(
+    kafka: KafkaUnderTest, triton: TritonUnderTest, unique: str, delivery: str
+) -> None:
+    """A request whose key nearly fills the output topic's limit, amid ordinary requests:
+    only its result is OUTPUT_TOO_LARGE; every ordinary one, before and after, is published
+    (the broker judged key, value and headers, so no ceiling is learnt from its value)."""
+    topics = Topics.fresh(unique)
+    await kafka.create_topics([topics.input, topics.dlq], partitions=1)
+    # Over aiokafka's 16 KiB batches, so the huge-keyed result is alone in its own: a
+    # transaction's refused batch would take its neighbours with it.
+    limit = 20_000
+    await kafka.create_topics(
+        [topics.output], partitions=1, configs={"max.message.bytes": str(limit)}
+    )
+    rng = np.random.default_rng(14)
+
+    def request(rid: str, width: int) -> samples.SampleRequest:
+        value, headers = samples.encode_request(
+            "double", samples.double_inputs(rng, 1, width), "json", rid
+        )
+        return samples.SampleRequest(value, headers, "double", "json", rid)
+
+    # Its value is smaller than every ordinary one's: a ceiling learnt from the value
+    # alone would refuse them all.
+    huge = request("huge", 1)
+    huge_key = b"k" * (limit - 100)
+    before = [request(f"before-{i}", 8) for i in range(10)]
+    after = [request(f"after-{i}", 8) for i in range(10)]
+    around = [*before[:5], huge, *before[5:]]
+    keys = [r.request_id.encode() if r is not huge else huge_key for r in around]
+    async with running_worker(settings_for(kafka, triton, topics, delivery=delivery)):
+        await send(kafka.bootstrap_servers, topics.input, around, keys=keys)
+        got = await collect(kafka.bootstrap_servers, topics, len(around))
+        # Sent once the refusal was seen: a ceiling it taught would meet every one.
+        await send(kafka.bootstrap_servers, topics.input, after)
+        got = await collect(kafka.bootstrap_servers, topics, len(around) + len(after), into=got)
+    letters = {rid: headers_dict(r.headers) for rid, r in got.dead_letters.items()}
+    assert {rid[:8]: h["x-error-code"] for rid, h in letters.items()} == {
+        "kkkkkkkk": b"OUTPUT_TOO_LARGE"
+    }, {rid[:12]: h["x-error-message"] for rid, h in letters.items()}
+    assert set(got.results) == {r.request_id for r in (*before, *after)}
+
+
 @pytest.mark.parametrize("ordering", ["key", "partition"])
 async def test_ordering_holds_under_concurrency(
     kafka: KafkaUnderTest, triton: TritonUnderTest, unique: str, ordering: str

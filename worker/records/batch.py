@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,7 +42,7 @@ from worker.kafka.types import ConsumerRecord, TopicPartition
 from worker.observability import InFlight, InFlightRegistry
 from worker.observability.tracing import Tracing
 from worker.records.admission import Admissions
-from worker.records.single import Outcome
+from worker.records.outcome import HandOver, Outcome
 from worker.records.steps import Steps
 from worker.triton.batching import batch_key
 from worker.triton.merging import merge, split
@@ -52,7 +51,7 @@ from worker.wire import Source
 from worker.wire.batch_results import BatchResults
 from worker.wire.validation import ModelSpec
 
-__all__ = ["BatchPath", "Candidate", "HandOver"]
+__all__ = ["BatchPath", "Candidate"]
 
 
 @dataclass(slots=True)
@@ -69,10 +68,6 @@ class Candidate:
     started: float
     settled: bool = False  # done, or handed to the per-record path
 
-
-#: Hands a record (its slot and in-flight entry with it) to the per-record path; with its
-#: encoded outcome when only its publishing is left to do.
-HandOver = Callable[[ConsumerRecord[bytes, bytes], int, Outcome | None, InFlight], None]
 
 #: A record's result: its value and headers, the served version.
 _Result = tuple[bytes, list[tuple[str, bytes | None]], str]
@@ -258,7 +253,7 @@ class BatchPath:
             for i, c in enumerate(batch):
                 try:
                     value, headers = steps.encode_row(
-                        together, i, c.rows, c.request, c.record.headers, c.source
+                        together, i, c.rows, c.request, c.record, c.source
                     )
                     results.append((value, headers, served))
                 except Exception:  # OUTPUT_TOO_LARGE, or a bug: the per-record path says which
@@ -270,7 +265,7 @@ class BatchPath:
             return None
         for c, part in zip(batch, parts, strict=True):
             try:
-                value, headers = steps.encode(c.request, part, c.record.headers, c.source)
+                value, headers = steps.encode(c.request, part, c.record, c.source)
                 results.append((value, headers, part.model_version))
             except Exception:
                 results.append(None)

@@ -24,7 +24,8 @@ from worker.kafka.types import ConsumerRecord, TopicPartition
 from worker.observability import InFlight, InFlightRegistry
 from worker.observability.tracing import Tracing
 from worker.records.batch import BatchPath
-from worker.records.single import Outcome, SinglePath
+from worker.records.outcome import Outcome
+from worker.records.single import SinglePath
 from worker.records.steps import Steps
 from worker.records.stream import StreamCalls, StreamRules
 from worker.settings import Settings

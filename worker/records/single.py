@@ -11,7 +11,6 @@ record's task around both, and has the delivery mode mark it done only then.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
@@ -25,30 +24,16 @@ from worker.kafka.types import ConsumerRecord, TopicPartition
 from worker.observability import InFlightRegistry
 from worker.observability.inflight import DETACHED, InFlight
 from worker.observability.tracing import Tracing
+from worker.records.outcome import Outcome
 from worker.records.steps import Steps
-from worker.records.stream import StreamCalls, Streamed
+from worker.records.stream import StreamCalls
 from worker.triton.batching import MicroBatcher
 from worker.triton.pool import TritonPool
 from worker.wire import Source
 from worker.wire.sequences import apply_sequence
 from worker.wire.validation import ModelSpec
 
-__all__ = ["Outcome", "SinglePath"]
-
-
-@dataclass(slots=True)
-class Outcome:
-    """How a record ends: a result value with its headers, or an error for a dead letter."""
-
-    record: ConsumerRecord[bytes, bytes]
-    source: Source
-    started: float
-    request: wire.DecodedRequest | None = None
-    value: bytes | None = None
-    headers: list[tuple[str, bytes | None]] = field(default_factory=list)
-    error: errors.WorkerError | None = None
-    served_version: str | None = None
-    streamed: Streamed | None = None  # a decoupled model's results (or live stream)
+__all__ = ["SinglePath"]
 
 
 #: Exceptions that are not a record's failure: they end the record's task as they are.
@@ -198,7 +183,7 @@ class SinglePath:
         if spec.decoupled:
             with self._tracing.infer(request.model_name, request.model_version):
                 outcome.streamed = await self._streams.evaluate(
-                    request, budget, outcome.source, record.headers
+                    request, budget, record, outcome.source
                 )
             outcome.served_version = outcome.streamed.model_version
             return
@@ -206,9 +191,7 @@ class SinglePath:
             trace = self._tracing.to_triton(record.headers)
             response = await self._infer(request, spec, budget, trace)
         outcome.served_version = response.model_version
-        outcome.value, outcome.headers = steps.encode(
-            request, response, record.headers, outcome.source
-        )
+        outcome.value, outcome.headers = steps.encode(request, response, record, outcome.source)
 
     @staticmethod
     async def _take_turn(turn: Ticket, needed: bool, budget: Budget) -> None:
@@ -252,7 +235,8 @@ class SinglePath:
                     await self._sink.publish_result(outcome.record, outcome.value, outcome.headers)
             except errors.WorkerError as error:  # OUTPUT_TOO_LARGE, or a stream failing midway
                 if isinstance(error, errors.OutputTooLarge) and streamed is None and outcome.value:
-                    self._steps.refusals.refused(len(outcome.value))
+                    # The record the broker judged: the result with the request's key.
+                    self._steps.refusals.refused(outcome.record.key, outcome.value, outcome.headers)
                 self._fail(outcome, error, streamed.attempts if streamed is not None else 1)
             except _CONTROL_FLOW:
                 raise

@@ -1,7 +1,8 @@
 """The steps both paths share, written once: admit, encode, and record how a record ended.
 
 ``single`` calls them record by record, ``batch`` once per micro-batch or per group (the
-``_many`` forms, which do the per-record part in one loop). What a record's outcome
+``_many`` forms, which do the per-record part in one loop; a record of the per-record path
+is booked by the same code as a group of one). What a record's outcome
 updates (latencies, the adaptive limiter, the circuit breaker, the models' health, the
 counters, the audit trail, the internal-error log and stop rule) is updated here and
 nowhere else, so a new signal is written once and both paths have it.
@@ -12,7 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from datetime import UTC, datetime
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import structlog
 
@@ -27,7 +28,7 @@ from worker.flow.model_health import ModelHealth
 from worker.flow.retry import Retrier
 from worker.kafka.types import ConsumerRecord
 from worker.observability import Metrics
-from worker.records.refusals import OutputRefusals
+from worker.records.refusals import OutputRefusals, record_bytes
 from worker.records.rules import RecordRules
 from worker.wire import Headers, Source
 from worker.wire.batch_results import BatchResults
@@ -45,13 +46,21 @@ FALLBACK_REASONS = ("inference", "encode", "publish", "internal")
 
 
 class Answered(Protocol):
-    """A record answered by the batch path: the record and its decoded request."""
+    """A record whose outcome the broker has: the record, and its decoded request when a
+    result of it is to be counted (None: a dead letter, or results counted already)."""
 
     @property
     def record(self) -> ConsumerRecord[bytes, bytes]: ...
 
     @property
-    def request(self) -> wire.DecodedRequest: ...
+    def request(self) -> wire.DecodedRequest | None: ...
+
+
+class _Ended(NamedTuple):
+    """A record of the per-record path, ended: the books of a group of one."""
+
+    record: ConsumerRecord[bytes, bytes]
+    request: wire.DecodedRequest | None
 
 
 class Steps:
@@ -133,16 +142,17 @@ class Steps:
         self,
         request: wire.DecodedRequest,
         response: Any,
-        record_headers: Headers,
+        record: ConsumerRecord[bytes, bytes],
         source: Source,
         extra: Sequence[tuple[str, bytes]] = (),
     ) -> tuple[bytes, Written]:
-        """A response as a result: its value (OutputTooLarge over the limit) and headers."""
+        """A response as the record's result: its value (OutputTooLarge over the limit) and
+        headers."""
         value, encoding = wire.encode_result(
             request, response, max_result_bytes=self.rules.max_output_bytes
         )
         served = response.model_version
-        return self._result(request, value, encoding, record_headers, source, served, extra=extra)
+        return self._result(request, value, encoding, record, source, served, extra=extra)
 
     def encode_row(
         self,
@@ -150,42 +160,48 @@ class Steps:
         index: int,
         rows: int,
         request: wire.DecodedRequest,
-        record_headers: Headers,
+        record: ConsumerRecord[bytes, bytes],
         source: Source,
     ) -> tuple[bytes, Written]:
-        """The ``index``-th record's part of a batched response as a result (as ``encode``
+        """The ``index``-th record's part of a batched response as its result (as ``encode``
         makes it of that part alone)."""
         value, encoding = results.encode(index, rows, request, self.rules.max_output_bytes)
         served = results.model_version
-        return self._result(request, value, encoding, record_headers, source, served)
+        return self._result(request, value, encoding, record, source, served)
 
     def _result(
         self,
         request: wire.DecodedRequest,
         value: bytes,
         encoding: Sequence[tuple[str, bytes]],
-        record_headers: Headers,
+        record: ConsumerRecord[bytes, bytes],
         source: Source,
         served_version: str,
         *,
         extra: Sequence[tuple[str, bytes]] = (),
     ) -> tuple[bytes, Written]:
-        """The value checked against the output topic's known ceiling, and its headers."""
-        ceiling = self.refusals.ceiling()
-        if ceiling is not None and len(value) >= ceiling:
-            raise errors.OutputTooLarge(
-                f"result of model {request.model_name!r} is {len(value)} bytes; the output "
-                f"topic refused one of {ceiling} bytes for its size less than "
-                f"{self.refusals.remember_s:.0f} s ago: raise the topic's max.message.bytes"
-            )
+        """The value and its headers, the whole result checked against the output topic's
+        known ceiling."""
         headers = wire.result_headers(
-            record_headers,
+            record.headers,
             request,
             encoding,
             source,
             served_model_version=served_version,
             extra=extra,
         )
+        ceiling = self.refusals.ceiling()
+        if ceiling is not None:
+            # Measured as the broker measures it: the result carries the request's key and
+            # headers, and the ceiling was learnt from such a whole record.
+            size = record_bytes(record.key, value, headers)
+            if size >= ceiling:
+                raise errors.OutputTooLarge(
+                    f"result of model {request.model_name!r} is {size} bytes with its key and "
+                    f"headers ({len(value)} of value); the output topic refused one of "
+                    f"{ceiling} bytes for its size less than {self.refusals.remember_s:.0f} s "
+                    "ago: raise the topic's max.message.bytes"
+                )
         return value, headers
 
     def dead_letter(
@@ -225,21 +241,20 @@ class Steps:
 
     # -- calls to Triton -----------------------------------------------------------------
 
-    def inferred(self, model_name: str, latency_s: float) -> None:
-        """One inference answered (per-record path): its latency, the adaptive limit."""
-        self._children(model_name)[1].observe(latency_s)
-        if self._limiter is not None:
-            self._limiter.on_success(latency_s)
-
-    def inferred_many(self, model: tuple[str, str], latency_s: float, count: int) -> None:
-        """A micro-batch of ``count`` requests answered at once: as ``count`` inferences of
-        that latency (the limiter's sample windows are counted in requests), then the
-        breakers, once."""
-        latency, limiter = self._children(model[0])[1], self._limiter
+    def inferred(self, model_name: str, latency_s: float, count: int = 1) -> None:
+        """``count`` inferences of the model answered in ``latency_s`` (per-record path: one;
+        a micro-batch: its requests, at once): each one's latency and adaptive-limit sample
+        (the limiter's sample windows are counted in requests)."""
+        latency, limiter = self._children(model_name)[1], self._limiter
         for _ in range(count):
             latency.observe(latency_s)
             if limiter is not None:
                 limiter.on_success(latency_s)
+
+    def inferred_many(self, model: tuple[str, str], latency_s: float, count: int) -> None:
+        """A micro-batch of ``count`` requests answered at once: ``inferred`` for them, then
+        the breakers, once (the per-record path tells them through ``answered``)."""
+        self.inferred(model[0], latency_s, count)
         self._breaker.record_success()
         if self._health is not None:
             self._health.succeeded_many(model, count)
@@ -297,16 +312,18 @@ class Steps:
         started: float,
         counted: bool,
     ) -> None:
-        """A record's outcome is published (per-record path): counted unless ``counted``
-        already (a stream's results), audited, its end-to-end latency observed.
+        """A record's outcome is published (per-record path): booked as a group of one
+        (``_acknowledged``; its result counted unless ``counted`` already, a stream's), a
+        dead letter counted by its code, then audited.
 
         Raises AuditWriteFailed when the audit topic never takes its audit record.
         """
         if error is not None:
             self._metrics.dead_letters_total.labels(code=error.code).inc()
-        elif not counted:
+            self._acknowledged((_Ended(record, None),))
+        else:
             assert request is not None
-            self.published(request.model_name)
+            self._acknowledged((_Ended(record, None if counted else request),))
         await self._audit.record(
             record,
             request_id=request.request_id if request else None,
@@ -316,26 +333,30 @@ class Steps:
             error_code=error.code if error else None,
             latency_s=time.monotonic() - started,
         )
-        self._metrics.end_to_end_latency_seconds.observe(
-            max(0.0, time.time() - record.timestamp / 1000)
-        )
 
     def published_many(self, done: Sequence[Answered]) -> None:
-        """Results of the batch path acknowledged: their end-to-end latencies, the results
-        per model (one increment each), the batch path's count; a run of bugs ends."""
+        """Results of the batch path acknowledged: ``_acknowledged``, the batch path's count;
+        a run of bugs ends."""
         if not done:
             return
+        self._acknowledged(done)
+        self._metrics.fast_path_records_total.inc(len(done))
+        self._guard.observe(False)
+
+    def _acknowledged(self, done: Sequence[Answered]) -> None:
+        """Outcomes the broker has, of either path: each one's end-to-end latency; the
+        results of those with a request counted per model, one increment per model."""
         now = time.time()
         observe = self._metrics.end_to_end_latency_seconds.observe
         per_model: dict[str, int] = {}
         for answered in done:
             observe(max(0.0, now - answered.record.timestamp / 1000))
-            model = answered.request.model_name
-            per_model[model] = per_model.get(model, 0) + 1
+            request = answered.request
+            if request is not None:
+                model = request.model_name
+                per_model[model] = per_model.get(model, 0) + 1
         for model, count in per_model.items():
-            self._children(model)[0].inc(count)
-        self._metrics.fast_path_records_total.inc(len(done))
-        self._guard.observe(False)
+            self.published(model, count)
 
     def fallback_counters(self) -> dict[str, Any]:
         """The counters of records the batch path hands over, by reason (made when the batch

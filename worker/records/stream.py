@@ -70,7 +70,7 @@ class _Origin:
 
     request: wire.DecodedRequest
     source: Source
-    record_headers: Headers
+    record: ConsumerRecord[bytes, bytes]
 
 
 class _Reader:
@@ -159,10 +159,15 @@ class StreamCalls:
         self._steps = steps
 
     async def evaluate(
-        self, request: wire.DecodedRequest, budget: Budget, source: Source, headers: Headers
+        self,
+        request: wire.DecodedRequest,
+        budget: Budget,
+        record: ConsumerRecord[bytes, bytes],
+        source: Source,
     ) -> Streamed:
-        """Send the request (retrying as the rules allow); its results, or its live stream."""
-        streamed = Streamed(_Origin(request, source, headers))
+        """Send the record's request (retrying as the rules allow); its results, or its live
+        stream."""
+        streamed = Streamed(_Origin(request, source, record))
         model = (request.model_name, request.model_version)
         if self.rules.output == "each" and not self.rules.exactly_once:
 
@@ -236,9 +241,7 @@ class StreamCalls:
         return _Live(reader, first)
 
     def _result(self, origin: _Origin, response: Any, extra: Sequence[tuple[str, bytes]]) -> Result:
-        return self._steps.encode(
-            origin.request, response, origin.record_headers, origin.source, extra
-        )
+        return self._steps.encode(origin.request, response, origin.record, origin.source, extra)
 
     # -- publication ------------------------------------------------------------------
 

@@ -79,11 +79,13 @@ def record(
     )
 
 
-def good_record(offset: int = 7, key: bytes | None = b"k") -> ConsumerRecord[bytes, bytes]:
-    """A JSON request of model ``double``: INPUT0 = [0, 1, 2, 3], request id r1."""
-    values = np.arange(4, dtype=np.float32)
+def good_record(
+    offset: int = 7, key: bytes | None = b"k", width: int = 4
+) -> ConsumerRecord[bytes, bytes]:
+    """A JSON request of model ``double``: INPUT0 = [0, 1, ..., width - 1], request id r1."""
+    values = np.arange(width, dtype=np.float32)
     value, headers = encode_request(
-        "double", [Tensor("INPUT0", "FP32", (4,), values)], "json", "r1"
+        "double", [Tensor("INPUT0", "FP32", (width,), values)], "json", "r1"
     )
     return record(value, key, headers, offset)
 

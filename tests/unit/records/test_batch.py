@@ -34,8 +34,8 @@ from worker.flow.window import Window
 from worker.observability import InFlightRegistry, Metrics
 from worker.observability.trace_context import Tracing
 from worker.records.batch import BatchPath, Candidate
+from worker.records.outcome import Outcome
 from worker.records.rules import RecordRules
-from worker.records.single import Outcome
 from worker.records.steps import Steps
 from worker.settings import Settings, load_settings
 from worker.wire.validation import ModelSpec, TensorSpec

@@ -92,12 +92,24 @@ async def test_a_result_refused_for_its_size_sets_the_ceiling_of_later_results()
     large is dead-lettered without reaching the sink."""
     sink = FakeSink(result_error=errors.OutputTooLarge("larger than 'out' accepts"))
     h, _ = handler(FakeTriton(), sink)
-    await h.deliver(await h.evaluate(good_record(offset=1)))
+    await h.deliver(await h.evaluate(good_record(offset=1, width=100)))
     sink.result_error = None
-    await h.deliver(await h.evaluate(good_record(offset=2)))
+    await h.deliver(await h.evaluate(good_record(offset=2, width=100)))
     assert sink.results == []
     assert [d["x-error-code"] for d in sink.dead_letters] == [b"OUTPUT_TOO_LARGE"] * 2
     assert b"refused one of" in sink.dead_letters[1]["x-error-message"]
+
+
+async def test_a_result_refused_for_its_huge_key_sets_no_ceiling() -> None:
+    """The sink refuses a result whose key is most of it: OUTPUT_TOO_LARGE for it alone;
+    the next record's result, its value as large, is published."""
+    sink = FakeSink(result_error=errors.OutputTooLarge("larger than 'out' accepts"))
+    h, _ = handler(FakeTriton(), sink)
+    await h.deliver(await h.evaluate(good_record(offset=1, key=b"k" * 100_000)))
+    sink.result_error = None
+    await h.deliver(await h.evaluate(good_record(offset=2)))
+    assert len(sink.results) == 1
+    assert [d["x-error-code"] for d in sink.dead_letters] == [b"OUTPUT_TOO_LARGE"]
 
 
 async def test_a_dead_letter_that_fails_is_written_without_the_records_headers() -> None:

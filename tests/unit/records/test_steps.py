@@ -23,6 +23,7 @@ from worker.flow.limiter import AdaptiveLimiter
 from worker.flow.model_health import ModelHealth
 from worker.flow.retry import Budget
 from worker.observability import Metrics
+from worker.records.refusals import record_bytes
 from worker.records.steps import FALLBACK_REASONS, Steps
 from worker.wire import Source
 
@@ -124,6 +125,32 @@ def test_results_of_a_group_are_counted_per_model_and_end_a_run_of_bugs() -> Non
     assert sample(metrics, "worker_fast_path_records_total") == 2
 
 
+async def test_a_result_is_booked_alike_on_either_path() -> None:
+    """ended (per-record path) and published_many (batch path) book a result the same: one
+    result of its model, one end-to-end latency; the batch count only on the batch path."""
+    books = []
+    for path in ("single", "batch"):
+        metrics = Metrics(version="test")
+        steps = steps_for(metrics=metrics)
+        rec = good_record()
+        request = steps.decode(rec.value, rec.headers, Source.of(rec))
+        if path == "single":
+            await steps.ended(
+                rec, request, error=None, served_version="1", started=0.0, counted=False
+            )
+        else:
+            steps.published_many([mock.Mock(record=rec, request=request)])
+        books.append(
+            (
+                sample(metrics, "worker_results_published_total", model="double"),
+                sample(metrics, "worker_end_to_end_latency_seconds_count"),
+            )
+        )
+        fast = sample(metrics, "worker_fast_path_records_total")
+        assert fast == (1 if path == "batch" else 0)
+    assert books == [(1, 1), (1, 1)]
+
+
 def test_bugs_in_a_row_stop_the_worker_at_the_limit() -> None:
     """internal_failure: logged and counted each time; TooManyInternalErrors at the limit."""
     metrics = Metrics(version="test")
@@ -170,11 +197,11 @@ def test_admission_decodes_allows_and_checks() -> None:
     steps.allow("elsewhere", "double")
 
 
-def double_response() -> service_pb2.ModelInferResponse:
-    """Model double's answer of one FP32 value, version 3."""
+def double_response(width: int = 1) -> service_pb2.ModelInferResponse:
+    """Model double's answer of ``width`` FP32 values (1.0), version 3."""
     response = service_pb2.ModelInferResponse(model_name="double", model_version="3")
-    response.outputs.add(name="OUTPUT0", datatype="FP32", shape=[1])
-    response.raw_output_contents.append(b"\x00\x00\x80\x3f")
+    response.outputs.add(name="OUTPUT0", datatype="FP32", shape=[width])
+    response.raw_output_contents.append(b"\x00\x00\x80\x3f" * width)
     return response
 
 
@@ -185,32 +212,48 @@ def test_a_response_is_encoded_with_the_result_headers_and_bounded() -> None:
     rec = good_record()
     steps = steps_for()
     request = steps.decode(rec.value, rec.headers, Source.of(rec))
-    value, headers = steps.encode(request, response, rec.headers, Source.of(rec), [("x-e", b"1")])
+    value, headers = steps.encode(request, response, rec, Source.of(rec), [("x-e", b"1")])
     found = dict(headers)
     assert b"OUTPUT0" in value
     assert (found["x-request-id"], found["x-model-version"]) == (b"r1", b"3")
     assert (found["x-source-offset"], found["x-e"]) == (b"7", b"1")
     small = steps_for(settings(max_output_bytes="8"))
     with pytest.raises(errors.OutputTooLarge):
-        small.encode(request, response, rec.headers, Source.of(rec))
+        small.encode(request, response, rec, Source.of(rec))
 
 
 def test_a_result_as_large_as_one_the_topic_refused_lately_is_not_sent() -> None:
     """encode: once the output topic refused a result for its size, a result at least as
-    large is OUTPUT_TOO_LARGE at once, naming the refused size and what to raise; a smaller
-    one is encoded."""
-    response = double_response()
+    large (key, value and headers) is OUTPUT_TOO_LARGE at once, naming the refused size and
+    what to raise; a smaller one is encoded."""
+    response = double_response(100)
     rec = good_record()
     steps = steps_for()
     request = steps.decode(rec.value, rec.headers, Source.of(rec))
-    value, _ = steps.encode(request, response, rec.headers, Source.of(rec))
-    steps.refusals.refused(len(value) + 1)
-    assert steps.encode(request, response, rec.headers, Source.of(rec))[0] == value
-    steps.refusals.refused(len(value))
+    value, headers = steps.encode(request, response, rec, Source.of(rec))
+    size = record_bytes(rec.key, value, headers)
+    steps.refusals.refused(rec.key, value, [*headers, ("pad", b"")])  # one record larger
+    assert steps.encode(request, response, rec, Source.of(rec))[0] == value
+    steps.refusals.refused(rec.key, value, headers)
     with pytest.raises(errors.OutputTooLarge) as raised:
-        steps.encode(request, response, rec.headers, Source.of(rec))
-    assert f"refused one of {len(value)} bytes" in raised.value.message
+        steps.encode(request, response, rec, Source.of(rec))
+    assert f"is {size} bytes with its key and headers" in raised.value.message
+    assert f"refused one of {size} bytes" in raised.value.message
     assert "max.message.bytes" in raised.value.message
+
+
+def test_a_ceiling_compares_whole_results_not_values() -> None:
+    """encode: a result refused with the same value as this one but a longer key sets a
+    ceiling this result stays under (encoded); the same result with that key is not."""
+    response = double_response(100)
+    rec = good_record(key=b"k" * 20)
+    steps = steps_for()
+    request = steps.decode(rec.value, rec.headers, Source.of(rec))
+    value, headers = steps.encode(request, response, rec, Source.of(rec))
+    steps.refusals.refused(b"k" * 40, value, headers)
+    assert steps.encode(request, response, rec, Source.of(rec))[0] == value
+    with pytest.raises(errors.OutputTooLarge):
+        steps.encode(request, response, good_record(key=b"k" * 40), Source.of(rec))
 
 
 def test_a_dead_letter_names_the_group_and_is_logged() -> None:

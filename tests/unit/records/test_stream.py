@@ -142,7 +142,7 @@ def _texts(results: Sequence[tuple[bytes, Any]]) -> list[list[str]]:
 
 
 async def _evaluate(calls: StreamCalls) -> Any:
-    return await calls.evaluate(_request(), Budget.lasting(10), wire.Source("in", 0, 7), [])
+    return await calls.evaluate(_request(), Budget.lasting(10), _record(), wire.Source("in", 0, 7))
 
 
 async def test_final_mode_joins_the_tokens_and_counts_them() -> None:
