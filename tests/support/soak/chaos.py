@@ -126,15 +126,16 @@ class Chaos:
         name = f"w{len(self.workers)}"
         codec = self._codecs.choice(WORKER_CODECS)
         port = free_port()
+        # Its own client id unless the run's settings give every worker one.
+        settings = {"client_id": f"soak-{name}", **self.settings}
         env = worker_env(
             self.stack.kafka,
             self.stack.tritons[0],
             self.topics,
-            **self.settings,
+            **settings,
             triton_url=",".join(t.grpc_address for t in self.stack.tritons),
             metrics_port=str(port),
             compression_type=codec,
-            client_id=f"soak-{name}",
         )
         worker = WorkerProcess(name, env, self.logs / f"{name}.log", port)
         self.workers.append(worker)

@@ -213,7 +213,8 @@ class Traffic:
         topic's limit: its result is OUTPUT_TOO_LARGE for what it copies of the request (the
         ceiling on results must not be learnt from it: the results around it are answered)."""
         value, headers = encode_request("double", samples.double_inputs(self._rng), "json", rid)
-        big = bytes(self._rng.integers(97, 123, BIG_PART_BYTES, dtype=np.uint8))
+        # Random bytes: the worker's producers compress, and the broker judges what they send.
+        big = bytes(self._rng.integers(0, 256, BIG_PART_BYTES, dtype=np.uint8))
         key, named = rid.encode(), _named(headers, rid)
         kind = "big-key" if self._rng.random() < 0.5 else "big-header"
         if kind == "big-key":
