@@ -7,11 +7,12 @@ hold without the audit trail itself carrying anyone's data.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, NamedTuple
 
 import orjson
 import structlog
@@ -75,6 +76,18 @@ def audit_record(
     }
 
 
+class AuditEntry(NamedTuple):
+    """What ``Audit.record`` takes of one finished request, for several at once."""
+
+    record: ConsumerRecord[bytes, bytes]
+    request_id: str | None
+    model_name: str | None
+    model_version: str | None
+    outcome: str
+    error_code: str | None
+    latency_s: float
+
+
 class Audit:
     """Writes audit records to a log stream and/or an audit topic, per ``WORKER_AUDIT``."""
 
@@ -126,6 +139,34 @@ class Audit:
             _audit_logger().info(AUDIT_EVENT, **entry)
         if self._to_topic:
             await self._write(entry)
+
+    async def record_many(self, entries: Sequence[AuditEntry]) -> None:
+        """Audit several finished requests at once: their log lines, then every topic
+        write sent before the acknowledgements are awaited (AuditWriteFailed if one never
+        comes)."""
+        if not (self._to_log or self._to_topic):
+            return
+        worker_id, now = self._settings.kafka.client_id, datetime.now(UTC)
+        records = [
+            audit_record(
+                e.record,
+                worker_id=worker_id,
+                request_id=e.request_id,
+                model_name=e.model_name,
+                model_version=e.model_version,
+                outcome=e.outcome,
+                error_code=e.error_code,
+                latency_s=e.latency_s,
+                now=now,
+            )
+            for e in entries
+        ]
+        if self._to_log:
+            logger = _audit_logger()
+            for entry in records:
+                logger.info(AUDIT_EVENT, **entry)
+        if self._to_topic:
+            await asyncio.gather(*(self._write(entry) for entry in records))
 
     async def _write(self, entry: dict[str, Any]) -> None:
         topic = self._topic

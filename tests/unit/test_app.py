@@ -178,20 +178,19 @@ async def test_running_connects_the_intake_to_the_dispatcher_and_the_delivery_mo
     ("settings", "batch_path"),
     [
         pytest.param({}, True, id="at_least_once"),
-        pytest.param({"delivery": "exactly_once"}, False, id="exactly_once"),
-        pytest.param({"ordering": "key"}, False, id="ordered"),
-        pytest.param({"audit": "log"}, False, id="audited"),
+        pytest.param({"delivery": "exactly_once"}, True, id="exactly_once"),
+        pytest.param({"ordering": "key"}, True, id="ordered"),
+        pytest.param({"audit": "log"}, True, id="audited"),
         pytest.param({"fast_path": "false"}, False, id="off"),
     ],
 )
-async def test_the_batch_path_is_built_only_where_it_may_run(
+async def test_the_group_path_is_built_in_every_mode(
     make_worker: MakeWorker, settings: dict[str, str], batch_path: bool
 ) -> None:
-    """The dispatcher gets a batch path only when the delivery mode takes batches and
-    nothing asks for the per-record path (ordering, audit, WORKER_FAST_PATH)."""
+    """The dispatcher gets the group path whatever the delivery mode, ordering or audit;
+    only WORKER_FAST_PATH=false leaves it out."""
     worker = make_worker(**settings)
     assert (worker.dispatcher.batch is not None) is batch_path
-    assert worker.delivery.takes_batches is ("delivery" not in settings)
 
 
 async def test_stop_closes_once(make_worker: MakeWorker) -> None:

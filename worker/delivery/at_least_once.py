@@ -18,7 +18,15 @@ from collections.abc import Awaitable, Callable, Iterable, Sequence
 import structlog
 
 from worker.delivery import metadata
-from worker.delivery.base import CommitEdge, OnSafe, Publishing, Sink, TrackingDelivery
+from worker.delivery.base import (
+    CommitEdge,
+    OnSafe,
+    Publishing,
+    Refused,
+    Sink,
+    Then,
+    TrackingDelivery,
+)
 from worker.delivery.offsets import OffsetTracker
 from worker.kafka.types import (
     CommitFailedError,
@@ -40,9 +48,6 @@ MAX_METADATA_BYTES = 2048
 
 class AtLeastOnce(TrackingDelivery):
     """Outcomes straight to the broker; offsets (and done runs) committed by the consumer."""
-
-    #: Results straight to the broker need no order among them: several go at once.
-    takes_batches = True
 
     def __init__(
         self,
@@ -98,17 +103,29 @@ class AtLeastOnce(TrackingDelivery):
         self,
         results: Sequence[tuple[ConsumerRecord[bytes, bytes], bytes, Headers]],
         tickets: Sequence[int],
-    ) -> list[BaseException | None]:
+        *,
+        on_safe: OnSafe = lambda: None,
+        on_refused: Refused = lambda _i, _e: None,
+        then: Then | None = None,
+    ) -> None:
         acks = await self._sink.publish_many(results)
-        done: dict[tuple[TopicPartition, int], list[int]] = {}
-        for (record, _, _), ticket, ack in zip(results, tickets, acks, strict=True):
+        on_safe()
+        acked = []
+        for i, ack in enumerate(acks):
             if ack is None:
-                tp = TopicPartition(record.topic, record.partition)
-                done.setdefault((tp, ticket), []).append(record.offset)
+                acked.append(i)
+            else:
+                on_refused(i, ack)
+        if then is not None and acked:
+            await then(acked)  # before they are done: an audit write that fails stops that
+        done: dict[tuple[TopicPartition, int], list[int]] = {}
+        for i in acked:
+            record = results[i][0]
+            tp = TopicPartition(record.topic, record.partition)
+            done.setdefault((tp, tickets[i]), []).append(record.offset)
         for (tp, ticket), offsets in done.items():
             # False: the partition was revoked meanwhile; its next owner redoes the records.
             self.offsets.done_many(tp, offsets, ticket)
-        return acks
 
     async def commit(self, only: Iterable[TopicPartition] | None = None) -> None:
         """Commit each partition whose commit point or done runs moved since the last commit."""

@@ -24,12 +24,18 @@ __all__ = [
     "Delivery",
     "OnSafe",
     "Publishing",
+    "Refused",
     "Sink",
+    "Then",
     "TrackingDelivery",
 ]
 
 #: Called once a record's outcome can no longer be reordered (acked, or staged in order).
 OnSafe = Callable[[], None]
+#: Awaited with the indexes of the results of ``complete_many`` the broker has.
+Then = Callable[[list[int]], Awaitable[None]]
+#: Told of a result of ``complete_many`` kept out: its index, and why.
+Refused = Callable[[int, BaseException], None]
 
 
 class Sink(Protocol):
@@ -93,11 +99,6 @@ class Delivery(Protocol):
         """False while ``tp`` has run ``max_uncommitted`` records past its commit point."""
         ...
 
-    @property
-    def takes_batches(self) -> bool:
-        """True when the mode completes several records' results at once (``complete_many``)."""
-        ...
-
     async def complete(
         self,
         record: ConsumerRecord[bytes, bytes],
@@ -113,11 +114,22 @@ class Delivery(Protocol):
         self,
         results: Sequence[tuple[ConsumerRecord[bytes, bytes], bytes, Headers]],
         tickets: Sequence[int],
-    ) -> list[BaseException | None]:
-        """Publish several records' results together (no order among them) and mark done
-        those acknowledged, per partition at once; ``tickets[i]`` is ``track``'s for
-        ``results[i]``. Per result: None once done, else the error that kept it out (its
-        record stays not done: the caller completes it alone). Only when ``takes_batches``.
+        *,
+        on_safe: OnSafe = lambda: None,
+        on_refused: Refused = lambda _i, _e: None,
+        then: Then | None = None,
+    ) -> None:
+        """Publish several records' results together (each partition's in the order given)
+        and mark them done, per partition at once; ``tickets[i]`` is ``track``'s for
+        ``results[i]``. ``on_safe`` is called once later records may be published (every
+        result acknowledged, or staged in its transaction). ``on_refused(i, error)`` is
+        called, as soon as it is known, for a result kept out: the caller completes its
+        record alone (at_least_once left it not done; exactly_once holds its partition's
+        commit below it until its dead letter is staged, so the group's other results
+        wait for that). A ``PartitionRevoked`` error: the record's partition moved away.
+        ``then`` is awaited with the indexes of the results the broker has (acknowledged,
+        or committed) before the mode's bookkeeping ends with them (at_least_once marks
+        them done after it). Returns once every result is settled.
         """
         ...
 
@@ -166,16 +178,6 @@ class TrackingDelivery:
         self._max_uncommitted = max_uncommitted
         self._fatal: errors.Fatal | None = None
         self._fatal_set = asyncio.Event()
-
-    #: Whether the mode completes several records at once; see ``Delivery``.
-    takes_batches = False
-
-    async def complete_many(
-        self,
-        results: Sequence[tuple[ConsumerRecord[bytes, bytes], bytes, Headers]],
-        tickets: Sequence[int],
-    ) -> list[BaseException | None]:
-        raise NotImplementedError(f"{type(self).__name__} completes one record at a time")
 
     def track(self, record: ConsumerRecord[bytes, bytes]) -> int:
         tp = TopicPartition(record.topic, record.partition)

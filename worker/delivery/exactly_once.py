@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 import structlog
 
 from worker import wire
-from worker.delivery.base import CommitEdge, OnSafe, Sink, TrackingDelivery
+from worker.delivery.base import CommitEdge, OnSafe, Refused, Sink, Then, TrackingDelivery
 from worker.delivery.offsets import OffsetTracker
 from worker.errors import OutputTooLarge, PartitionRevoked, WriteFailed
 from worker.kafka.publisher import dead_letter_value
@@ -100,6 +100,10 @@ class _Lost(Exception):
     """A partition of the transaction is no longer ours."""
 
 
+def _tp(record: ConsumerRecord[bytes, bytes]) -> TopicPartition:
+    return TopicPartition(record.topic, record.partition)
+
+
 class ExactlyOnce(TrackingDelivery):
     """The exactly_once mode: stage outcomes per partition, commit them with their offsets."""
 
@@ -159,7 +163,9 @@ class ExactlyOnce(TrackingDelivery):
         # and the next flush starts a fresh producer for it.
         if self._partitions.get(tp) is not part:
             raise PartitionRevoked(str(tp))
-        if not self.offsets.done(tp, record.offset, ticket):
+        # A record whose result its group's transaction refused is done already: its
+        # partition's commit stays below it until its dead letter is staged.
+        if record.offset not in part.replacing and not self.offsets.done(tp, record.offset, ticket):
             raise PartitionRevoked(str(tp))
         # Done when staged (deliver stages it before its first pause); deliver returns
         # once the transaction carrying the outcome and the offset has committed.
@@ -168,6 +174,52 @@ class ExactlyOnce(TrackingDelivery):
             await deliver()
         finally:
             self._on_staged.pop((tp, record.offset), None)
+
+    async def complete_many(
+        self,
+        results: Sequence[tuple[ConsumerRecord[bytes, bytes], bytes, Headers]],
+        tickets: Sequence[int],
+        *,
+        on_safe: OnSafe = lambda: None,
+        on_refused: Refused = lambda _i, _e: None,
+        then: Then | None = None,
+    ) -> None:
+        """Stage every result in its partition's next transaction (each partition's in the
+        order given) and mark them done; ``on_safe`` once all are staged; a result refused
+        (for its size: its dead letter must follow at once) or whose partition went is told
+        to ``on_refused`` as soon as it is known; return once the others have committed
+        (``then`` awaited first)."""
+        parts: dict[TopicPartition, _Partition | None] = {}
+        for tp, ticket in {(_tp(r), t) for (r, _, _), t in zip(results, tickets, strict=True)}:
+            try:
+                part = await self._partition_of(tp, ticket)
+                await part.ready.wait()
+            except PartitionRevoked:
+                part = None
+            parts[tp] = part if self._partitions.get(tp) is part else None
+        output = self._topics.output_topic
+        pending: dict[asyncio.Future[None], int] = {}
+        for i, ((record, value, headers), ticket) in enumerate(zip(results, tickets, strict=True)):
+            tp = _tp(record)
+            part = parts[tp]
+            if part is None or not self.offsets.done(tp, record.offset, ticket):
+                on_refused(i, PartitionRevoked(str(tp)))
+                continue
+            messages: list[Message] = [(output, value, record.key, headers)]
+            pending[self._put(part, record, messages, is_result=True)] = i
+        on_safe()
+        committed: list[int] = []
+        while pending:
+            finished, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_EXCEPTION)
+            for future in finished:
+                i = pending.pop(future)
+                error = future.exception()
+                if error is None:
+                    committed.append(i)
+                else:
+                    on_refused(i, error)
+        if then is not None and committed:
+            await then(sorted(committed))
 
     async def _partition_of(self, tp: TopicPartition, ticket: int) -> _Partition:
         """The record's partition state; PartitionRevoked once the record's assignment ended.
@@ -214,18 +266,31 @@ class ExactlyOnce(TrackingDelivery):
     async def _stage(
         self, record: ConsumerRecord[bytes, bytes], messages: list[Message], *, is_result: bool
     ) -> None:
-        tp = TopicPartition(record.topic, record.partition)
+        tp = _tp(record)
         part = self._partitions.get(tp)
         if part is None:
             raise PartitionRevoked(str(tp))
-        assert record.offset not in part.staged, f"{tp}@{record.offset} staged twice"
-        part.replacing.discard(record.offset)
-        staged = _Staged(record, messages, asyncio.get_running_loop().create_future(), is_result)
-        part.staged[record.offset] = staged
+        committed = self._put(part, record, messages, is_result=is_result)
         on_staged = self._on_staged.pop((tp, record.offset), None)
         if on_staged is not None:
             on_staged()
-        await staged.committed
+        await committed
+
+    @staticmethod
+    def _put(
+        part: _Partition,
+        record: ConsumerRecord[bytes, bytes],
+        messages: list[Message],
+        *,
+        is_result: bool,
+    ) -> asyncio.Future[None]:
+        """Stage the record's messages for its partition's next transaction; the future is
+        settled when that transaction has committed (or the record's outcome must change)."""
+        assert record.offset not in part.staged, f"{_tp(record)}@{record.offset} staged twice"
+        part.replacing.discard(record.offset)
+        staged = _Staged(record, messages, asyncio.get_running_loop().create_future(), is_result)
+        part.staged[record.offset] = staged
+        return staged.committed
 
     # -- commits ---------------------------------------------------------------------
 

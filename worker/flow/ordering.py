@@ -10,7 +10,7 @@ waits for the previous ticket of the same key before its turn.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 
 
 class Ticket:
@@ -47,6 +47,15 @@ class Ticket:
             self._finish()
         else:
             previous.add_done_callback(lambda _: self._finish())
+
+    def then(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` once every earlier ticket of the same key is done (at once when
+        they are): a turn handed on through several holders is given back after the last."""
+        previous = self._previous
+        if previous is None or previous.done():
+            callback()
+        else:
+            previous.add_done_callback(lambda _: callback())
 
     def _finish(self) -> None:
         if not self._mine.done():

@@ -9,11 +9,15 @@ headers carry (a new trace when it has none):
   micro-batch included; its context is what Triton is handed;
 - ``publish <topic>`` (PRODUCER): writing the result or the dead letter, until the
   broker's acknowledgement.
+
+Records answered together (the group path) get the same trees, made once the group is
+done from the times it recorded (``group_spans``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import time
+from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager
 from types import TracebackType
 from typing import Any
@@ -26,7 +30,12 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExport
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from worker.observability.trace_context import TraceMetadata, Tracing, record_context
+from worker.observability.trace_context import (
+    GroupSpan,
+    TraceMetadata,
+    Tracing,
+    record_context,
+)
 from worker.settings import ConfigError
 from worker.wire.headers import Headers
 
@@ -120,6 +129,15 @@ def _describe_outcome(span: trace.Span, outcome: Any, output_topic: str, dlq_top
         span.set_status(Status(StatusCode.ERROR, error.code))
 
 
+def _infer_attributes(model_name: str, model_version: str) -> dict[str, str]:
+    return {
+        "rpc.system": "grpc",
+        "rpc.service": "inference.GRPCInferenceService",
+        "worker.model.name": model_name,
+        "worker.model.version": model_version,
+    }
+
+
 class OtelTracing(Tracing):
     """Spans through ``provider``; ``owned``: shut it down (flush) with the worker."""
 
@@ -141,9 +159,12 @@ class OtelTracing(Tracing):
         self._owned = owned
 
     def consume(self, record: Any) -> AbstractContextManager[trace.Span]:
+        return _Span(self._consume_span(record))
+
+    def _consume_span(self, record: Any, start_time: int | None = None) -> trace.Span:
         carrier = dict(record_context(record.headers))
         parent = _W3C.extract(carrier) if carrier else otel_context.Context()
-        span = self._tracer.start_span(
+        return self._tracer.start_span(
             f"consume {record.topic}",
             context=parent,
             kind=SpanKind.CONSUMER,
@@ -155,19 +176,14 @@ class OtelTracing(Tracing):
                 "messaging.kafka.offset": record.offset,
                 "messaging.consumer.group.name": self._group_id,
             },
+            start_time=start_time,
         )
-        return _Span(span)
 
     def infer(self, model_name: str, model_version: str) -> AbstractContextManager[trace.Span]:
         span = self._tracer.start_span(
             f"infer {model_name}",
             kind=SpanKind.CLIENT,
-            attributes={
-                "rpc.system": "grpc",
-                "rpc.service": "inference.GRPCInferenceService",
-                "worker.model.name": model_name,
-                "worker.model.version": model_version,
-            },
+            attributes=_infer_attributes(model_name, model_version),
         )
         return _Span(span)
 
@@ -178,6 +194,41 @@ class OtelTracing(Tracing):
             attributes={"messaging.system": "kafka", "messaging.operation.type": "send"},
         )
         return _Span(span, outcome, self._topics)
+
+    def group_spans(self, answered: Sequence[GroupSpan]) -> None:
+        """Each record's span tree, as ``consume``, ``infer`` and ``publish`` would have made
+        it, from the times its group recorded (monotonic, turned into the wall clock)."""
+        offset_ns = time.time_ns() - time.monotonic_ns()
+        output_topic = self._topics[0]
+        for item in answered:
+
+            def at(moment: float) -> int:
+                return offset_ns + int(moment * 1e9)
+
+            consumed = self._consume_span(item.record, at(item.taken))
+            parent = trace.set_span_in_context(consumed)
+            infer = self._tracer.start_span(
+                f"infer {item.model_name}",
+                context=parent,
+                kind=SpanKind.CLIENT,
+                attributes=_infer_attributes(item.model_name, item.model_version),
+                start_time=at(item.sent),
+            )
+            infer.end(end_time=at(item.answered))
+            publish = self._tracer.start_span(
+                f"publish {output_topic}",
+                context=parent,
+                kind=SpanKind.PRODUCER,
+                attributes={
+                    "messaging.system": "kafka",
+                    "messaging.operation.type": "send",
+                    "messaging.destination.name": output_topic,
+                    "worker.outcome": "result",
+                },
+                start_time=at(item.answered),
+            )
+            publish.end(end_time=at(item.published))
+            consumed.end(end_time=at(item.published))
 
     def to_triton(self, headers: Headers) -> TraceMetadata:
         """The current span's context (the record's infer span), if it is sampled."""

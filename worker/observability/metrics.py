@@ -102,7 +102,9 @@ METRICS_SPEC: tuple[MetricSpec, ...] = (
                "published with the other records of their fetch, no task of their own)."),
     MetricSpec("fast_path_fallbacks_total", "worker_fast_path_fallbacks_total", "counter",
                ("reason",), "Fast-path records handed to the per-record path: reason "
-               "inference (their micro-batch failed), encode, or publish (their send failed)."),
+               "inference (their micro-batch failed), encode, publish (their send failed), "
+               "order (after such a record of their partition, WORKER_ORDERING=partition) or "
+               "internal."),
     MetricSpec("internal_errors_total", "worker_internal_errors_total", "counter",
                (), "Records that met a bug in the worker (dead-lettered INTERNAL_ERROR)."),
     MetricSpec("dead_letter_values_omitted_total", "worker_dead_letter_values_omitted_total",

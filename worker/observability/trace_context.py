@@ -7,17 +7,32 @@ the ``otel`` extra (``worker.observability._otel``).
 
 from __future__ import annotations
 
-from typing import Any, Final
+from collections.abc import Sequence
+from typing import Any, Final, NamedTuple
 
 from worker.wire.headers import TRACEPARENT, TRACESTATE, Headers, header_value
 
-__all__ = ["TraceMetadata", "Tracing", "record_context", "sampled"]
+__all__ = ["GroupSpan", "TraceMetadata", "Tracing", "record_context", "sampled"]
 
 #: gRPC metadata of a record's trace context: ``(("traceparent", ...), ("tracestate", ...))``.
 TraceMetadata = tuple[tuple[str, str], ...]
 
 #: ``00-<32 hex trace id>-<16 hex parent id>-<2 hex flags>``
 _TRACEPARENT_CHARS: Final = 55
+
+
+class GroupSpan(NamedTuple):
+    """A record answered by the group path, for its spans: the record (its trace context),
+    its model and version, and when (``time.monotonic()``) it was taken, sent to Triton,
+    answered and published."""
+
+    record: Any
+    model_name: str
+    model_version: str
+    taken: float
+    sent: float
+    answered: float
+    published: float
 
 
 def record_context(headers: Headers) -> TraceMetadata:
@@ -78,6 +93,10 @@ class Tracing:
     def publish(self, outcome: Any) -> Any:
         """The span of publishing the record's outcome (result or dead letter)."""
         return _NO_SPAN
+
+    def group_spans(self, answered: Sequence[GroupSpan]) -> None:
+        """The span trees of records answered together (the group path), after the fact:
+        each record's ``consume`` → ``infer`` → ``publish``, at the times of its group."""
 
     def to_triton(self, headers: Headers) -> TraceMetadata:
         """The trace context to hand to Triton for this record: () when not sampled."""

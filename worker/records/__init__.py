@@ -6,8 +6,8 @@ record ends, where the paths meet; ``steps`` admit, encode and keep the books of
 outcome, for all of them.
 """
 
-from worker.records.dispatch import Dispatcher, build_dispatcher, fast_path_allowed
+from worker.records.dispatch import Dispatcher, build_dispatcher
 from worker.records.rules import RecordRules
 from worker.records.steps import Steps
 
-__all__ = ["Dispatcher", "RecordRules", "Steps", "build_dispatcher", "fast_path_allowed"]
+__all__ = ["Dispatcher", "RecordRules", "Steps", "build_dispatcher"]

@@ -30,19 +30,21 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
 
 from worker import errors, wire
-from worker.delivery.base import Delivery
+from worker.delivery.base import Delivery, Then
+from worker.flow.ordering import Ticket, Turns
 from worker.flow.window import Window
 from worker.kafka.types import ConsumerRecord, TopicPartition
 from worker.observability import InFlight, InFlightRegistry
+from worker.observability.trace_context import GroupSpan
 from worker.observability.tracing import Tracing
 from worker.records.admission import Admissions
-from worker.records.outcome import HandOver, Outcome
+from worker.records.outcome import Handed, HandOver, Outcome
 from worker.records.steps import Steps
 from worker.triton.batching import batch_key
 from worker.triton.merging import merge, split
@@ -51,7 +53,7 @@ from worker.wire import Source
 from worker.wire.batch_results import BatchResults
 from worker.wire.validation import ModelSpec
 
-__all__ = ["BatchPath", "Candidate"]
+__all__ = ["BatchPath", "Candidate", "Group"]
 
 
 @dataclass(slots=True)
@@ -67,12 +69,60 @@ class Candidate:
     entry: InFlight
     started: float
     settled: bool = False  # done, or handed to the per-record path
+    #: Its place among its key's records (ordering ``key``): held until its outcome is safe.
+    key_turn: Ticket | None = None
+    #: When (``time.monotonic()``) its micro-batch was sent, and answered (for its spans).
+    sent: float = 0.0
+    answered: float = 0.0
+
+    @property
+    def tp(self) -> TopicPartition:
+        return TopicPartition(self.record.topic, self.record.partition)
+
+
+@dataclass(slots=True)
+class Group:
+    """Candidates answered together, in dispatch order (see ``dispatch._Groups``): at most
+    one per ordering key, each with its key's turn; with ``partition`` ordering one turn
+    per partition, taken when its first record joined (its records publish together, in
+    offset order, once the turn comes)."""
+
+    candidates: list[Candidate] = field(default_factory=list)
+    partition_turns: dict[TopicPartition, Ticket] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class _Ready:
+    """A result ready to go out: its candidate, value, headers and served version."""
+
+    candidate: Candidate
+    value: bytes
+    headers: list[tuple[str, bytes | None]]
+    served: str
+
+    def outcome(self) -> Outcome:
+        """The result as an outcome the per-record path only has to publish."""
+        candidate = self.candidate
+        outcome = Outcome(candidate.record, candidate.source, candidate.started, candidate.request)
+        outcome.value, outcome.headers, outcome.served_version = (
+            self.value,
+            self.headers,
+            self.served,
+        )
+        return outcome
+
+
+@dataclass(slots=True)
+class _Failed:
+    """A candidate for the per-record path: why, and its outcome when it has one."""
+
+    candidate: Candidate
+    reason: str
+    outcome: Outcome | None = None
 
 
 #: A record's result: its value and headers, the served version.
 _Result = tuple[bytes, list[tuple[str, bytes | None]], str]
-#: A result ready to go out: the candidate, its value and headers, the served version.
-_Ready = tuple[Candidate, bytes, list[tuple[str, bytes | None]], str]
 
 
 class BatchPath:
@@ -89,8 +139,6 @@ class BatchPath:
         tracing: Tracing,
         batch_max_size: int,
     ) -> None:
-        """``delivery``: a mode that takes batches (``complete_many``)."""
-        assert delivery.takes_batches, "the batch path needs a delivery mode that takes batches"
         self._steps = steps
         self._pool = pool
         self._delivery = delivery
@@ -139,62 +187,132 @@ class BatchPath:
         rows = int(request.infer_request.inputs[0].shape[0])
         return Candidate(record, generation, source, request, spec, rows, entry, time.monotonic())
 
-    async def run(self, candidates: list[Candidate], hand_over: HandOver) -> None:
-        """Answer the candidates; what fails goes to the per-record path by ``hand_over``.
+    async def run(self, group: Group, hand_over: HandOver) -> None:
+        """Answer the group; what fails goes to the per-record path by ``hand_over``.
         Never raises for a record's sake; a forced stop (cancelled) leaves the records
-        not done."""
+        not done. Every turn the group holds is given back, or handed on."""
+        candidates, passed = group.candidates, set[TopicPartition]()
         try:
-            await self._run(candidates, hand_over)
+            await self._run(group, hand_over, passed)
         except errors.Fatal:
             raise
         except Exception as exc:
             # A bug in the group's bookkeeping: the records not done yet get a second
             # chance, each on its own (their results may appear twice: at least once).
             structlog.contextvars.bind_contextvars(records=len(candidates))
-            self._hand_over([c for c in candidates if not c.settled], "internal", hand_over)
+            failed = [_Failed(c, "internal") for c in candidates if not c.settled]
+            self._hand_over(group, failed, hand_over, passed)
             self._steps.internal_failure(exc)
         finally:
+            for candidate in candidates:
+                if candidate.key_turn is not None and not candidate.settled:
+                    candidate.key_turn.done()
+            for tp, turn in group.partition_turns.items():
+                if tp not in passed:
+                    turn.done()
             self._release([c for c in candidates if not c.settled])
 
-    async def _run(self, candidates: list[Candidate], hand_over: HandOver) -> None:
+    async def _run(self, group: Group, hand_over: HandOver, passed: set[TopicPartition]) -> None:
+        candidates = group.candidates
+        for candidate in candidates:
+            if candidate.key_turn is not None:
+                # Ordering ``key``: the key's earlier records are published first.
+                candidate.entry.state = "waiting_turn"
+                await candidate.key_turn.wait()
         batches = self._micro_batches(candidates)
         if len(batches) == 1:
             answers = [await self._infer(batches[0])]
         else:
             answers = await asyncio.gather(*(self._infer(batch) for batch in batches))
         ready: list[_Ready] = []
+        failed: list[_Failed] = []
         for batch, response in zip(batches, answers, strict=True):
             results = None if response is None else self._results(batch, response)
             if results is None:
-                self._hand_over(batch, "inference", hand_over)
+                failed += [_Failed(c, "inference") for c in batch]
                 continue
             for candidate, result in zip(batch, results, strict=True):
                 if result is None:
-                    self._hand_over([candidate], "encode", hand_over)
+                    failed.append(_Failed(candidate, "encode"))
                     continue
                 candidate.entry.state = "publishing"
-                ready.append((candidate, *result))
+                ready.append(_Ready(candidate, *result))
+        cut: set[TopicPartition] = set()
+        if group.partition_turns:
+            ready, failed = _cut_at_failures(group, ready, failed)
+            cut = {f.candidate.tp for f in failed}
+            for turn in group.partition_turns.values():
+                await turn.wait()  # the partitions' earlier records are published first
+        else:
+            self._hand_over(group, failed, hand_over, passed)
+            failed = []
         if ready:
-            acks = await self._delivery.complete_many(
-                [(c.record, v, h) for c, v, h, _ in ready], [item[0].generation for item in ready]
-            )
-            self._settle(ready, acks, hand_over)
 
-    def _settle(
-        self, ready: list[_Ready], acks: list[BaseException | None], hand_over: HandOver
-    ) -> None:
-        """Count the records done (delivery marked them), hand over those refused."""
+            def safe() -> None:
+                # Each key's and partition's next records may go: the results are safe
+                # (acknowledged, or staged in order); a partition with records handed
+                # over keeps its turn until they are.
+                _pass_key_turns(ready)
+                for tp, turn in group.partition_turns.items():
+                    if tp not in cut:
+                        turn.done()
+
+            def refused(index: int, error: BaseException) -> None:
+                # At once: under exactly_once the group's other results wait for this
+                # one's dead letter (its partition commits below it until then).
+                item = ready[index]
+                if isinstance(error, errors.PartitionRevoked):
+                    item.candidate.settled = True  # its next owner redoes it
+                    return
+                self._hand_over(group, [_Failed(item.candidate, "publish", item.outcome())],
+                                hand_over, passed, turns=False)  # fmt: skip
+
+            await self._delivery.complete_many(
+                [(r.candidate.record, r.value, r.headers) for r in ready],
+                [r.candidate.generation for r in ready],
+                on_safe=safe,
+                on_refused=refused,
+                then=self._auditing(ready) if self._steps.audits else None,
+            )
+            self._settle(ready)
+        self._hand_over(group, failed, hand_over, passed)
+
+    def _auditing(self, ready: list[_Ready]) -> Then:
+        async def audit(indexes: list[int]) -> None:
+            await self._steps.audit_many(
+                [
+                    (r.candidate.record, r.candidate.request, r.served, r.candidate.started)
+                    for r in (ready[i] for i in indexes)
+                ]
+            )
+
+        return audit
+
+    def _settle(self, ready: list[_Ready]) -> None:
+        """Count the records done (delivery marked them; those refused were handed over)."""
         finished: list[Candidate] = []
-        for (candidate, value, headers, served), ack in zip(ready, acks, strict=True):
-            if ack is not None:
-                record = candidate.record
-                outcome = Outcome(record, candidate.source, candidate.started, candidate.request)
-                outcome.value, outcome.headers, outcome.served_version = value, headers, served
-                self._hand_over([candidate], "publish", hand_over, outcome)
-                continue
-            candidate.settled = True
-            finished.append(candidate)
+        for item in ready:
+            candidate = item.candidate
+            if not candidate.settled:
+                candidate.settled = True
+                finished.append(candidate)
         self._steps.published_many(finished)
+        if self._tracing.enabled:
+            published = time.monotonic()
+            self._tracing.group_spans(
+                [
+                    GroupSpan(
+                        c.record,
+                        c.request.model_name,
+                        c.request.model_version,
+                        c.started,
+                        c.sent,
+                        c.answered,
+                        published,
+                    )
+                    for c in finished
+                ]
+            )
         # Their slots and entries go now (the caller's finally sees them settled).
         self._release(finished)
 
@@ -229,9 +347,12 @@ class BatchPath:
             # an overload lowers the limit once here (the per-record path tells the rest).
             self._steps.overloaded(exc)
             return None
+        answered = time.monotonic()
+        for candidate in batch:
+            candidate.sent, candidate.answered = started, answered
         request = batch[0].request
         self._steps.inferred_many(
-            (request.model_name, request.model_version), time.monotonic() - started, len(batch)
+            (request.model_name, request.model_version), answered - started, len(batch)
         )
         return response
 
@@ -273,19 +394,46 @@ class BatchPath:
 
     def _hand_over(
         self,
-        candidates: list[Candidate],
-        reason: str,
+        group: Group,
+        failed: list[_Failed],
         hand_over: HandOver,
-        outcome: Outcome | None = None,
+        passed: set[TopicPartition],
+        *,
+        turns: bool = True,
     ) -> None:
-        """Give the records (their slots and entries: their age goes on) to the per-record
-        path."""
-        for candidate in candidates:
+        """Give the records (their slots, entries and key turns: their age goes on) to the
+        per-record path. With ``partition`` ordering (and ``turns``) each partition's records
+        go in offset order, each after the one before it, and the group's turn of the
+        partition is given back once the last of them is safe. A result the broker refused
+        goes without a partition turn: its group's turn was given back when it was sent."""
+        chains: dict[TopicPartition, Turns] = {}
+        for item in failed:
+            candidate = item.candidate
             candidate.settled = True
-            if outcome is None:
+            if item.outcome is None:
                 candidate.entry.state = "decoding"  # it starts over
-            hand_over(candidate.record, candidate.generation, outcome, candidate.entry)
-        self._fallbacks[reason].inc(len(candidates))
+            publish_turn = None
+            tp = candidate.tp
+            turn = group.partition_turns.get(tp) if turns else None
+            if turn is not None:
+                chain = chains.get(tp)
+                if chain is None:
+                    chain = chains[tp] = Turns()
+                publish_turn = chain.ticket(tp)
+            hand_over(
+                Handed(
+                    candidate.record,
+                    candidate.generation,
+                    item.outcome,
+                    candidate.entry,
+                    candidate.key_turn,
+                    publish_turn,
+                )
+            )
+            self._fallbacks[item.reason].inc()
+        for tp, chain in chains.items():
+            passed.add(tp)
+            chain.ticket(tp).then(group.partition_turns[tp].done)
 
     def _release(self, candidates: list[Candidate]) -> None:
         """Give back the slots and entries of records done here (or abandoned)."""
@@ -297,3 +445,33 @@ class BatchPath:
             self._inflight.remove(candidate.entry)
         for tp, count in per_partition.items():
             self._window.release_many(tp, count)
+
+
+def _pass_key_turns(ready: list[_Ready]) -> None:
+    """The results are safe (acknowledged, or staged): each key's next record may go."""
+    for item in ready:
+        if item.candidate.key_turn is not None:
+            item.candidate.key_turn.done()
+
+
+def _cut_at_failures(
+    group: Group, ready: list[_Ready], failed: list[_Failed]
+) -> tuple[list[_Ready], list[_Failed]]:
+    """``partition`` ordering: a partition's records after its first failed one cannot be
+    published before it; they join it on the per-record path, in offset order."""
+    first_failed: dict[TopicPartition, int] = {}
+    for gone in failed:
+        tp, offset = gone.candidate.tp, gone.candidate.record.offset
+        first_failed[tp] = min(first_failed.get(tp, offset), offset)
+    if not first_failed:
+        return ready, failed
+    kept: list[_Ready] = []
+    for item in ready:
+        candidate = item.candidate
+        cut = first_failed.get(candidate.tp)
+        if cut is not None and candidate.record.offset > cut:
+            failed.append(_Failed(candidate, "order", item.outcome()))
+        else:
+            kept.append(item)
+    failed.sort(key=lambda f: (f.candidate.tp, f.candidate.record.offset))
+    return kept, failed

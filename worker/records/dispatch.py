@@ -21,10 +21,10 @@ from worker.flow.ordering import Turns
 from worker.flow.window import Window
 from worker.kafka.feed import Dispatch
 from worker.kafka.types import ConsumerRecord, TopicPartition
-from worker.observability import InFlight, InFlightRegistry
+from worker.observability import InFlightRegistry
 from worker.observability.tracing import Tracing
-from worker.records.batch import BatchPath
-from worker.records.outcome import Outcome
+from worker.records.batch import BatchPath, Candidate, Group
+from worker.records.outcome import Handed
 from worker.records.single import SinglePath
 from worker.records.steps import Steps
 from worker.records.stream import StreamCalls, StreamRules
@@ -33,22 +33,7 @@ from worker.settings.fields import Ordering
 from worker.triton.batching import MicroBatcher
 from worker.triton.pool import TritonPool
 
-__all__ = ["Dispatcher", "build_dispatcher", "fast_path_allowed"]
-
-
-def fast_path_allowed(
-    settings: Settings, *, takes_batches: bool, audit_enabled: bool, tracing: Tracing
-) -> bool:
-    """True when records may take the batch path at all (see ``worker.records.batch``):
-    ``WORKER_FAST_PATH``, a delivery mode that ``takes_batches``, ``unordered``
-    ordering, and no per-record audit or spans."""
-    return (
-        settings.flow.fast_path
-        and takes_batches
-        and settings.delivery.ordering == "unordered"
-        and not audit_enabled
-        and not tracing.enabled
-    )
+__all__ = ["Dispatcher", "build_dispatcher"]
 
 
 class Dispatcher:
@@ -85,9 +70,10 @@ class Dispatcher:
         return self.dispatch_many
 
     def dispatch_many(self, records: Sequence[ConsumerRecord[bytes, bytes]]) -> None:
-        """Start the records of one dispatch pass (each holds its window slot)."""
+        """Start the records of one dispatch pass (each holds its window slot): those the
+        group path takes in groups, each other in a task of its own."""
         batch = self.batch if self.batch is not None and self.batch.open else None
-        delivery, chosen = self._delivery, []
+        delivery, groups = self._delivery, _Groups(self._ordering, self._turns)
         for record in records:
             generation = delivery.track(record)
             if delivery.settle_if_done(record, generation):
@@ -95,20 +81,23 @@ class Dispatcher:
                 self._window.release(TopicPartition(record.topic, record.partition))
                 continue
             candidate = batch.select(record, generation) if batch is not None else None
-            if candidate is not None:
-                chosen.append(candidate)
-            else:
+            if candidate is None:
+                groups.passing(record)
                 self._dispatch_one(record, generation)
-        if chosen:
-            assert batch is not None
-            self._spawn(batch.run(chosen, self._fall_back))
+            else:
+                groups.add(candidate)
+        for group in groups.made:
+            if group.candidates:
+                assert batch is not None
+                self._spawn(batch.run(group, self._fall_back))
 
     def _dispatch_one(self, record: ConsumerRecord[bytes, bytes], generation: int) -> None:
         tp = TopicPartition(record.topic, record.partition)
         # Tickets are taken here, synchronously, because dispatch runs in offset order.
         # With sequences keyed by Kafka key every keyed record takes one: its model, known
         # only once decoded, says whether it waits its turn (see SinglePath.evaluate).
-        # A batch-path record never takes one: its model keeps no sequences.
+        # A group path record takes one only for ordering ``key``: its model keeps no
+        # sequences.
         mode = self._ordering
         key_turn = (
             self._turns.ticket((tp, record.key))
@@ -118,16 +107,19 @@ class Dispatcher:
         publish_turn = self._turns.ticket(tp) if mode == "partition" else None
         self._spawn(self._single.run(record, generation, key_turn, publish_turn))
 
-    def _fall_back(
-        self,
-        record: ConsumerRecord[bytes, bytes],
-        generation: int,
-        outcome: Outcome | None,
-        entry: InFlight,
-    ) -> None:
-        """A batch-path record (with its slot and in-flight ``entry``) goes the per-record
-        way: from the start, or, given its ``outcome``, only to be published."""
-        self._spawn(self._single.run(record, generation, None, None, outcome, entry))
+    def _fall_back(self, handed: Handed) -> None:
+        """A group path record (with its slot, in-flight entry and turns) goes the
+        per-record way: from the start, or, given its outcome, only to be published."""
+        self._spawn(
+            self._single.run(
+                handed.record,
+                handed.generation,
+                handed.key_turn,
+                handed.publish_turn,
+                handed.outcome,
+                handed.entry,
+            )
+        )
 
     def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
         group = self._group
@@ -170,9 +162,7 @@ def build_dispatcher(
         key_mode=settings.delivery.ordering == "key",
     )
     batch = None
-    if fast_path_allowed(
-        settings, takes_batches=delivery.takes_batches, audit_enabled=steps.audits, tracing=tracing
-    ):
+    if settings.flow.fast_path:
         batch = BatchPath(
             steps,
             pool=pool,
@@ -190,3 +180,43 @@ def build_dispatcher(
         ordering=settings.delivery.ordering,
         sequence_from_key=settings.delivery.sequence_from_key,
     )
+
+
+class _Groups:
+    """The groups of one dispatch pass, made in offset order with their ordering turns
+    (taken here, synchronously, so in offset order).
+
+    ``unordered``: one group. ``key``: waves, the n-th record of each key of the pass in
+    the n-th group (a group holds one record per key, and waits for its keys' turns).
+    ``partition``: one group until a record of one of its partitions goes the per-record
+    way; the partition's later candidates then go in a group after it (each group holds
+    one turn per partition).
+    """
+
+    def __init__(self, ordering: Ordering, turns: Turns) -> None:
+        self._ordering = ordering
+        self._turns = turns
+        self.made: list[Group] = [Group()]
+        self._seen: dict[tuple[TopicPartition, bytes], int] = {}
+
+    def add(self, candidate: Candidate) -> None:
+        record, tp = candidate.record, candidate.tp
+        if self._ordering == "key" and record.key is not None:
+            key = (tp, record.key)
+            wave = self._seen.get(key, 0)
+            self._seen[key] = wave + 1
+            while len(self.made) <= wave:
+                self.made.append(Group())
+            candidate.key_turn = self._turns.ticket(key)
+            self.made[wave].candidates.append(candidate)
+            return
+        group = self.made[-1] if self._ordering == "partition" else self.made[0]
+        if self._ordering == "partition" and tp not in group.partition_turns:
+            group.partition_turns[tp] = self._turns.ticket(tp)
+        group.candidates.append(candidate)
+
+    def passing(self, record: ConsumerRecord[bytes, bytes]) -> None:
+        """A record of the pass goes the per-record way (its turn taken after this)."""
+        tp = TopicPartition(record.topic, record.partition)
+        if self._ordering == "partition" and tp in self.made[-1].partition_turns:
+            self.made.append(Group())

@@ -9,14 +9,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from worker import errors, wire
+from worker.flow.ordering import Ticket
 from worker.kafka.types import ConsumerRecord
 from worker.observability.inflight import InFlight
 from worker.records.stream import Streamed
 from worker.wire import Source
 
-__all__ = ["HandOver", "Outcome"]
+__all__ = ["HandOver", "Handed", "Outcome"]
 
 
 @dataclass(slots=True)
@@ -34,6 +36,18 @@ class Outcome:
     streamed: Streamed | None = None  # a decoupled model's results (or live stream)
 
 
-#: Hands a record (its slot and in-flight entry with it) to the per-record path; with its
-#: encoded outcome when only its publishing is left to do.
-HandOver = Callable[[ConsumerRecord[bytes, bytes], int, Outcome | None, InFlight], None]
+class Handed(NamedTuple):
+    """A record the group path hands to the per-record path, with its slot, its in-flight
+    entry and its ordering turns (released by the per-record path once it is safe)."""
+
+    record: ConsumerRecord[bytes, bytes]
+    generation: int
+    #: Its encoded outcome when only its publishing is left to do; None: from the start.
+    outcome: Outcome | None
+    entry: InFlight
+    key_turn: Ticket | None = None
+    publish_turn: Ticket | None = None
+
+
+#: Hands a record to the per-record path.
+HandOver = Callable[[Handed], None]

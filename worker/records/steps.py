@@ -18,7 +18,7 @@ from typing import Any, NamedTuple, Protocol
 import structlog
 
 from worker import errors, wire
-from worker.audit import Audit
+from worker.audit import Audit, AuditEntry
 from worker.events import decode_event
 from worker.flow.breaker import CircuitBreaker
 from worker.flow.guard import InternalErrorGuard
@@ -42,7 +42,7 @@ log = structlog.get_logger(__name__)
 Written = list[tuple[str, bytes | None]]
 
 #: Why the batch path hands a record to the per-record path.
-FALLBACK_REASONS = ("inference", "encode", "publish", "internal")
+FALLBACK_REASONS = ("inference", "encode", "publish", "order", "internal")
 
 
 class Answered(Protocol):
@@ -332,6 +332,28 @@ class Steps:
             outcome="dead_letter" if error else "result",
             error_code=error.code if error else None,
             latency_s=time.monotonic() - started,
+        )
+
+    async def audit_many(
+        self, done: Sequence[tuple[ConsumerRecord[bytes, bytes], wire.DecodedRequest, str, float]]
+    ) -> None:
+        """Audit results of the group path the broker has: (record, request, served version,
+        when it was taken); with an audit topic, returns once every audit record is
+        acknowledged (AuditWriteFailed when one never is)."""
+        now = time.monotonic()
+        await self._audit.record_many(
+            [
+                AuditEntry(
+                    record,
+                    request_id=request.request_id,
+                    model_name=request.model_name,
+                    model_version=served or request.model_version,
+                    outcome="result",
+                    error_code=None,
+                    latency_s=now - started,
+                )
+                for record, request, served, started in done
+            ]
         )
 
     def published_many(self, done: Sequence[Answered]) -> None:

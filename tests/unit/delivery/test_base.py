@@ -45,14 +45,6 @@ def test_a_partition_is_tracked_from_its_first_record() -> None:
     assert delivery.offsets.pending(TP) == 2
 
 
-def test_the_base_completes_one_record_at_a_time() -> None:
-    """A mode takes no batches unless it says so; complete_many is then refused."""
-    delivery = Counting(1.0)
-    assert not delivery.takes_batches
-    with pytest.raises(NotImplementedError, match="one record at a time"):
-        asyncio.run(delivery.complete_many([], []))
-
-
 async def test_the_commit_loop_commits_and_gauges_the_lag_each_interval() -> None:
     """Every interval: a commit, then each partition's lag (its end minus its commit point)."""
     delivery = Counting(0.01)

@@ -189,12 +189,86 @@ async def test_no_partition_commits_before_the_offsets_of_every_assigned_one_are
     await delivery.close()
 
 
-async def test_exactly_once_completes_one_record_at_a_time() -> None:
-    """No batches: each outcome is staged in its partition's transaction, in offset order."""
-    delivery = await _started(Factory("kafka-triton-worker-group-in-0"))
-    assert not delivery.takes_batches
-    with pytest.raises(NotImplementedError, match="one record at a time"):
-        await delivery.complete_many([(record(0), b"r0", [])], [delivery.track(record(0))])
+async def test_a_group_of_results_is_staged_at_once_and_returns_once_committed() -> None:
+    """complete_many: three results staged together (on_safe once they are), one
+    transaction carries them and the next offset; each result's outcome is None, and
+    ``then`` is awaited with every index after the commit."""
+    factory = Factory("kafka-triton-worker-group-in-0")
+    delivery = await _started(factory)
+    records = [record(o) for o in range(3)]
+    tickets = [delivery.track(r) for r in records]
+    safe, audited = asyncio.Event(), []
+
+    async def then(indexes: list[int]) -> None:
+        audited.append(list(indexes))
+
+    completing = asyncio.create_task(
+        delivery.complete_many(
+            [(r, b"in-%d" % r.offset, []) for r in records],
+            tickets,
+            on_safe=safe.set,
+            then=then,
+        )
+    )
+    await safe.wait()
+    assert not completing.done()  # staged, not committed yet
+    await delivery.commit()
+    await completing
+    assert audited == [[0, 1, 2]]
+    assert _values(factory.made[0].committed) == [b"in-0", b"in-1", b"in-2"]
+    assert factory.made[0].offsets == [{TP: OffsetAndMetadata(3, "")}]
+    await delivery.close()
+
+
+async def test_a_result_of_a_group_refused_for_size_is_returned_and_replaced_alone() -> None:
+    """The transaction refuses the second result of a group for its size: it is told at
+    once as OutputTooLarge, while the others wait (their partition commits below it); its
+    record (done already) completes alone with its dead letter, and the next transaction
+    carries all three in offset order."""
+    factory = Factory(
+        "kafka-triton-worker-group-in-0",
+        lambda n, p: setattr(p, "refuse", {1} if n == 0 else set()),
+    )
+    delivery = await _started(factory)
+    records = [record(o) for o in range(3)]
+    tickets = [delivery.track(r) for r in records]
+    refused: list[tuple[int, BaseException]] = []
+    staged, told = asyncio.Event(), asyncio.Event()
+
+    def on_refused(index: int, error: BaseException) -> None:
+        refused.append((index, error))
+        told.set()
+
+    completing = asyncio.create_task(
+        delivery.complete_many(
+            [(r, b"in-%d" % r.offset, []) for r in records],
+            tickets,
+            on_safe=staged.set,
+            on_refused=on_refused,
+        )
+    )
+    await staged.wait()
+    await delivery.commit()  # refused: the transaction is abandoned
+    await told.wait()  # at once: the group's other results wait for its dead letter
+    [(index, error)] = refused
+    assert index == 1 and isinstance(error, errors.OutputTooLarge)
+    assert not completing.done()
+
+    async def deliver() -> None:
+        await delivery.publish_dead_letter(records[1], [("x-error-code", b"OUTPUT_TOO_LARGE")])
+
+    alone = asyncio.create_task(delivery.complete(records[1], tickets[1], deliver, lambda: None))
+    await asyncio.sleep(0)  # the record's own path stages its dead letter
+    await delivery.commit()
+    await asyncio.gather(completing, alone)
+    assert delivery.offsets.commit_point(TP) == 3
+    committed = [m for p in factory.made for m in p.committed]
+    assert [(t, v) for t, v, _, _ in committed] == [
+        ("out", b"in-0"),
+        ("dlq", b"v"),
+        ("out", b"in-2"),
+    ]
+    assert [o for p in factory.made for o in p.offsets][-1] == {TP: OffsetAndMetadata(3, "")}
     await delivery.close()
 
 
@@ -309,7 +383,7 @@ async def test_one_transaction_carries_every_partition() -> None:
     record's completion returns once it commits."""
     delivery, transactions = await _shared()
     producer = transactions.producer
-    assert producer.starts == 1 and not delivery.takes_batches
+    assert producer.starts == 1
     tasks = [await _complete(delivery, 0, TP0), await _complete(delivery, 5, TP1)]
     assert not any(task.done() for task in tasks)
     await delivery.commit()

@@ -156,8 +156,6 @@ class AckedDelivery:
     """A delivery mode over real offsets whose outcomes are safe once delivered (as
     at_least_once's); ``fail`` makes ``complete`` raise after delivering."""
 
-    takes_batches = False
-
     def __init__(self, sink: Any = None) -> None:
         self.sink = sink if sink is not None else FakeSink()
         self.offsets = OffsetTracker()

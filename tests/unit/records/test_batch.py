@@ -33,8 +33,8 @@ from worker.flow.model_health import ModelHealth
 from worker.flow.window import Window
 from worker.observability import InFlightRegistry, Metrics
 from worker.observability.trace_context import Tracing
-from worker.records.batch import BatchPath, Candidate
-from worker.records.outcome import Outcome
+from worker.records.batch import BatchPath, Candidate, Group
+from worker.records.outcome import Handed, Outcome
 from worker.records.rules import RecordRules
 from worker.records.steps import Steps
 from worker.settings import Settings, load_settings
@@ -214,13 +214,11 @@ class Harness:
             batch_max_size=4,
         )
 
-    def hand_over(
-        self, r: ConsumerRecord[bytes, bytes], _: int, outcome: Outcome | None, entry: Any
-    ) -> None:
-        self.fallbacks.append((r.offset, outcome))
+    def hand_over(self, handed: Handed) -> None:
+        self.fallbacks.append((handed.record.offset, handed.outcome))
 
     async def run(self, candidates: list[Candidate]) -> None:
-        await self.fast.run(candidates, self.hand_over)
+        await self.fast.run(Group(candidates), self.hand_over)
 
     def take(self, records: list[ConsumerRecord[bytes, bytes]]) -> list[Candidate]:
         """Track and select the records as dispatch does; all must qualify."""
@@ -402,19 +400,3 @@ async def test_an_overloaded_micro_batch_lowers_the_adaptive_limit_once() -> Non
     assert limiter.on_overload.call_count == 1
     assert limiter.on_success.call_count == 0
     assert h.sample("worker_fast_path_fallbacks_total", reason="inference") == 3
-
-
-def test_the_batch_path_needs_a_delivery_mode_that_takes_batches() -> None:
-    """Built over a mode that completes one record at a time, the batch path refuses."""
-    h = Harness()
-    h.delivery.takes_batches = False
-    with pytest.raises(AssertionError, match="takes batches"):
-        BatchPath(
-            h.steps,
-            pool=h.pool,  # type: ignore[arg-type]
-            delivery=h.delivery,
-            window=h.window,
-            inflight=h.inflight,
-            tracing=Tracing(),
-            batch_max_size=4,
-        )

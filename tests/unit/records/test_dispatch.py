@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -22,10 +23,13 @@ from tests.unit.records.test_batch import Harness
 from tests.unit.records.test_batch import record as batch_record
 from worker import errors
 from worker.delivery import build_delivery
+from worker.flow.ordering import Ticket
 from worker.flow.window import Window
 from worker.kafka.aiokafka.transactions import PerPartitionTransactions
+from worker.kafka.types import TopicPartition
 from worker.observability.trace_context import Tracing
-from worker.records.dispatch import Dispatcher, build_dispatcher, fast_path_allowed
+from worker.records.batch import Group
+from worker.records.dispatch import Dispatcher, build_dispatcher
 from worker.settings import Settings
 from worker.wire.validation import ModelSpec
 
@@ -38,6 +42,7 @@ class FakeSingle:
 
     def __init__(self) -> None:
         self.runs: list[tuple[int, bool, bool, bool]] = []
+        self.order: list[int] = []  # offsets, as their turns come
         self.release = asyncio.Event()
         self.release.set()
         self.waiting = 0
@@ -60,22 +65,53 @@ class FakeSingle:
         await self.release.wait()
         for turn in (key_turn, publish_turn):
             if turn is not None:
+                await turn.wait()
+        self.order.append(record.offset)
+        for turn in (key_turn, publish_turn):
+            if turn is not None:
                 turn.done()
 
 
+@dataclass
+class FakeCandidate:
+    """What the dispatcher reads and writes of a candidate."""
+
+    record: ConsumerRecord[bytes, bytes]
+    key_turn: Ticket | None = None
+
+    @property
+    def tp(self) -> TopicPartition:
+        return TopicPartition(self.record.topic, self.record.partition)
+
+
 class FakeBatch:
-    """The batch path: takes the records whose offset is in ``takes``; records each group."""
+    """The group path: takes the records whose offset is in ``takes``; records each group
+    (its offsets, and whether each has a key turn), and gives its turns back as it runs."""
 
     def __init__(self, takes: set[int]) -> None:
         self.takes = takes
         self.open = True
         self.groups: list[list[int]] = []
+        self.turns: list[list[bool]] = []
+        self.partition_turns: list[int] = []
+        self.order: list[int] = []  # offsets, as the groups' turns come
 
     def select(self, record: ConsumerRecord[bytes, bytes], generation: int) -> Any:
-        return record if record.offset in self.takes else None
+        return FakeCandidate(record) if record.offset in self.takes else None
 
-    async def run(self, candidates: Sequence[Any], hand_over: Any) -> None:
-        self.groups.append([c.offset for c in candidates])
+    async def run(self, group: Group, hand_over: Any) -> None:
+        candidates: Sequence[Any] = group.candidates
+        self.groups.append([c.record.offset for c in candidates])
+        self.turns.append([c.key_turn is not None for c in candidates])
+        self.partition_turns.append(len(group.partition_turns))
+        turns = [*(c.key_turn for c in candidates), *group.partition_turns.values()]
+        for turn in turns:
+            if turn is not None:
+                await turn.wait()
+        self.order += [c.record.offset for c in candidates]
+        for turn in turns:
+            if turn is not None:
+                turn.done()
 
 
 class SkippingDelivery(AckedDelivery):
@@ -197,40 +233,64 @@ def test_dispatching_before_the_worker_runs_is_a_bug() -> None:
         d.dispatch_many(records(0))
 
 
-def test_the_settings_that_need_the_per_record_path_turn_the_batch_path_off() -> None:
-    """A mode that takes no batches, ordering, audit, spans or WORKER_FAST_PATH=false:
-    no batch path at all."""
-    plain = Tracing()
-    allowed = {"takes_batches": True, "audit_enabled": False, "tracing": plain}
-    assert fast_path_allowed(settings(), **allowed)  # type: ignore[arg-type]
-    assert not fast_path_allowed(settings(), **{**allowed, "takes_batches": False})  # type: ignore[arg-type]
-    assert not fast_path_allowed(settings(ordering="key"), **allowed)  # type: ignore[arg-type]
-    assert not fast_path_allowed(settings(ordering="partition"), **allowed)  # type: ignore[arg-type]
-    assert not fast_path_allowed(settings(fast_path="false"), **allowed)  # type: ignore[arg-type]
-    assert not fast_path_allowed(settings(), **{**allowed, "audit_enabled": True})  # type: ignore[arg-type]
-    spans = Tracing()
-    spans.enabled = True
-    assert not fast_path_allowed(settings(), **{**allowed, "tracing": spans})  # type: ignore[arg-type]
+async def test_ordering_key_makes_waves_one_record_per_key_each_with_its_turn() -> None:
+    """Keys a, a, b, a, a, a (offset 4 per-record): the first record of each key in the
+    first group, the second in the next, and so on; each candidate holds its key's turn,
+    taken in offset order, so key a's records are answered in offset order, the
+    per-record one among them."""
+    batch = FakeBatch(takes={0, 1, 2, 3, 5})
+    d, single, window = dispatcher(settings(ordering="key"), batch=batch)
+    keyed = [good_record(o, k) for o, k in enumerate([b"a", b"a", b"b", b"a", b"a", b"a"])]
+    acquired(window, 6)
+    async with asyncio.TaskGroup() as group:
+        d.run(group)(keyed)
+    assert batch.groups == [[0, 2], [1], [3], [5]]
+    assert batch.turns == [[True, True], [True], [True], [True]]
+    assert [run[:3] for run in single.runs] == [(4, True, False)]
 
 
-@pytest.mark.parametrize(("mode", "batches"), [("at_least_once", True), ("exactly_once", False)])
-def test_the_delivery_mode_says_whether_there_is_a_batch_path(mode: str, batches: bool) -> None:
-    """build_dispatcher asks the delivery mode (takes_batches), not the setting's name."""
-    s = settings(delivery=mode)
+async def test_ordering_partition_cuts_the_group_where_a_record_goes_alone() -> None:
+    """Offsets 0, 1 (per-record), 2, 3 of one partition: 0 in one group, 2 and 3 in the
+    next, each group with one turn of the partition; the turns come in offset order."""
+    batch = FakeBatch(takes={0, 2, 3})
+    d, single, window = dispatcher(settings(ordering="partition"), batch=batch)
+    acquired(window, 4)
+    async with asyncio.TaskGroup() as group:
+        d.run(group)(records(0, 1, 2, 3))
+    assert batch.groups == [[0], [2, 3]]
+    assert batch.partition_turns == [1, 1]
+    assert single.runs == [(1, False, True, False)]
+
+
+@pytest.mark.parametrize(
+    "env",
+    [
+        pytest.param({}, id="defaults"),
+        pytest.param({"delivery": "exactly_once"}, id="exactly_once"),
+        pytest.param({"ordering": "key"}, id="key"),
+        pytest.param({"ordering": "partition"}, id="partition"),
+        pytest.param({"audit": "log"}, id="audit"),
+    ],
+)
+def test_every_mode_has_the_group_path(env: dict[str, str]) -> None:
+    """The delivery mode, the ordering and the audit do not choose the path: the group path
+    is built in every mode (only WORKER_FAST_PATH=false leaves it out)."""
     h = Harness()
-    transactions = PerPartitionTransactions("g", "p", lambda _id: None)
-    delivery = build_delivery(s, h.sink, h.delivery._edge, h.metrics, transactions=transactions)  # type: ignore[arg-type]
-    built = build_dispatcher(
-        s,
-        steps=h.steps,
-        pool=h.pool,  # type: ignore[arg-type]
-        batcher=None,  # type: ignore[arg-type]
-        delivery=delivery,
-        window=h.window,
-        inflight=h.inflight,
-        tracing=Tracing(),
-    )
-    assert (built.batch is not None) is batches
+    transactions = PerPartitionTransactions("g", "p", lambda _id: None)  # type: ignore[arg-type]
+    for fast_path, built in (("true", True), ("false", False)):
+        s = settings(fast_path=fast_path, **env)
+        delivery = build_delivery(s, h.sink, h.delivery._edge, h.metrics, transactions=transactions)  # type: ignore[arg-type]
+        dispatcher = build_dispatcher(
+            s,
+            steps=h.steps,
+            pool=h.pool,  # type: ignore[arg-type]
+            batcher=None,  # type: ignore[arg-type]
+            delivery=delivery,
+            window=h.window,
+            inflight=h.inflight,
+            tracing=Tracing(),
+        )
+        assert (dispatcher.batch is not None) is built
 
 
 class HeldTriton(FakeTritonBase):
