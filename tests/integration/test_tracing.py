@@ -67,7 +67,9 @@ def broken(request_id: str, trace_id: str) -> SampleRequest:
 async def test_result_and_dead_letter_keep_the_context_and_each_record_has_its_spans(
     kafka: KafkaUnderTest, triton: TritonUnderTest, unique: str
 ) -> None:
-    """A good and a bad traced record: both outcomes keep traceparent/tracestate; two trees."""
+    """A good and a bad traced record: both outcomes keep traceparent/tracestate; two trees.
+    Then three traced records of the now known model, answered together by the group path:
+    a tree each, as the per-record path makes it."""
     topics = Topics.fresh(unique)
     await create(kafka, topics)
     good_id, bad_id = "4bf92f3577b34da6a3ce929d0e0e4736", "5bf92f3577b34da6a3ce929d0e0e4737"
@@ -76,11 +78,17 @@ async def test_result_and_dead_letter_keep_the_context_and_each_record_has_its_s
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     settings = settings_for(kafka, triton, topics)
     tracing = OtelTracing(provider, output_topic=topics.output, dlq_topic=topics.dlq, group_id="g")
-    async with running_worker(settings, Worker(settings, tracing=tracing)):
+    grouped_ids = [f"{i}cf92f3577b34da6a3ce929d0e0e473{i}" for i in range(3)]
+    async with running_worker(settings, Worker(settings, tracing=tracing)) as worker:
         await send(
             kafka.bootstrap_servers, topics.input, [double("good", good_id), broken("bad", bad_id)]
         )
         got = await collect(kafka.bootstrap_servers, topics, expected=2)
+        grouped = [double(f"grouped-{i}", trace_id) for i, trace_id in enumerate(grouped_ids)]
+        await send(kafka.bootstrap_servers, topics.input, grouped)
+        await collect(kafka.bootstrap_servers, topics, expected=5, into=got)
+    sample = worker.metrics.registry.get_sample_value
+    assert sample("worker_fast_path_records_total", {}) == len(grouped)
     result = headers_dict(got.results["good"].headers)
     letter = headers_dict(got.dead_letters["bad"].headers)
     assert result["traceparent"] == traceparent(good_id)
@@ -93,12 +101,17 @@ async def test_result_and_dead_letter_keep_the_context_and_each_record_has_its_s
     by_trace: dict[str, list[Any]] = {}
     for span in spans:
         by_trace.setdefault(format(span.context.trace_id, "032x"), []).append(span)
-    assert set(by_trace) == {good_id, bad_id}
+    assert set(by_trace) == {good_id, bad_id, *grouped_ids}
     good = {s.name: s for s in by_trace[good_id]}
     assert set(good) == {f"consume {topics.input}", "infer double", f"publish {topics.output}"}
     bad = {s.name: s for s in by_trace[bad_id]}
     assert set(bad) == {f"consume {topics.input}", f"publish {topics.dlq}"}
-    for tree in (good, bad):
+    trees = [good, bad]
+    for trace_id in grouped_ids:
+        tree = {s.name: s for s in by_trace[trace_id]}
+        assert set(tree) == {f"consume {topics.input}", "infer double", f"publish {topics.output}"}
+        trees.append(tree)
+    for tree in trees:
         root = tree[f"consume {topics.input}"]
         assert root.parent is not None and format(root.parent.span_id, "016x") == "00f067aa0ba902b7"
         for name, span in tree.items():

@@ -30,6 +30,7 @@ from worker.flow.breaker import CircuitBreaker
 from worker.flow.holds import ModelGate
 from worker.flow.limiter import AdaptiveLimiter
 from worker.flow.model_health import ModelHealth
+from worker.flow.ordering import Turns
 from worker.flow.window import Window
 from worker.observability import InFlightRegistry, Metrics
 from worker.observability.trace_context import Tracing
@@ -195,6 +196,7 @@ class Harness:
         self.models = ModelGate(seen_ready=lambda *_: True, listed=_true, ready=_true)
         self.health = ModelHealth.from_settings(self.settings.retry, lambda *_: None)
         self.fallbacks: list[tuple[int, Outcome | None]] = []
+        self.handed: list[Handed] = []
         self.steps = Steps(
             RecordRules.from_settings(self.settings),
             metrics=self.metrics,
@@ -216,6 +218,7 @@ class Harness:
 
     def hand_over(self, handed: Handed) -> None:
         self.fallbacks.append((handed.record.offset, handed.outcome))
+        self.handed.append(handed)
 
     async def run(self, candidates: list[Candidate]) -> None:
         await self.fast.run(Group(candidates), self.hand_over)
@@ -329,6 +332,56 @@ async def test_a_failed_micro_batch_falls_back_record_by_record() -> None:
     assert len(h.inflight) == 5  # and their entries: the per-record path removes them
     assert h.sample("worker_fast_path_fallbacks_total", reason="inference") == 5
     assert h.sample("worker_fast_path_records_total") == 0
+
+
+async def test_partition_order_hands_over_the_rest_of_the_partition_in_turn() -> None:
+    """ordering=partition: record 1's result does not encode, so 2 cannot go before it;
+    0 is published, 1 and 2 go to the per-record path each after the one before, and the
+    group's turn of the partition (which the next group waits for) comes back only after
+    both (before, the group path did not run under this ordering at all)."""
+    h = Harness(max_output_bytes=1000)
+    turns = Turns()
+    group = Group(
+        [*h.take([record(i, request_id="x" * 2000 if i == 1 else "r") for i in range(3)])],
+        partition_turns={TP: turns.ticket(TP)},
+    )
+    next_group = turns.ticket(TP)
+    await h.fast.run(group, h.hand_over)
+    assert h.sink.calls == [[0]]
+    assert [(f.record.offset, f.outcome is not None) for f in h.handed] == [(1, False), (2, True)]
+    first, second = (f.publish_turn for f in h.handed)
+    assert first is not None and second is not None
+    waiting = asyncio.create_task(next_group.wait())
+    await first.wait()
+    second_waits = asyncio.create_task(second.wait())
+    await asyncio.sleep(0)
+    assert not second_waits.done() and not waiting.done()
+    first.done()
+    await second_waits
+    await asyncio.sleep(0)
+    assert not waiting.done()
+    second.done()
+    await asyncio.wait_for(waiting, 1)
+    assert h.sample("worker_fast_path_fallbacks_total", reason="order") == 1
+
+
+async def test_key_turns_are_waited_for_before_inference_and_passed_once_safe() -> None:
+    """ordering=key: a group's record waits for its key's earlier record, and its turn goes
+    to the key's next record once its result is acknowledged."""
+    h = Harness()
+    turns = Turns()
+    earlier = turns.ticket((TP, b"k"))
+    [candidate] = h.take([record(0)])
+    candidate.key_turn = turns.ticket((TP, b"k"))
+    later = turns.ticket((TP, b"k"))
+    running = asyncio.create_task(h.fast.run(Group([candidate]), h.hand_over))
+    for _ in range(5):  # the group runs until it blocks on its key's turn (no I/O here)
+        await asyncio.sleep(0)
+    assert h.pool.rows_sent == []  # its key's earlier record is not published yet
+    earlier.done()
+    await running
+    assert h.pool.rows_sent == [1] and h.sink.calls == [[0]]
+    await asyncio.wait_for(later.wait(), 1)
 
 
 async def test_a_refused_send_goes_to_the_per_record_delivery_with_its_result() -> None:
