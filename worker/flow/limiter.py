@@ -103,10 +103,10 @@ class AdaptiveLimiter:
         """The lowest window-average latency seen (inf before the first window)."""
         return self._floor_s
 
-    def on_success(self, latency_s: float) -> None:
-        """A request completed in ``latency_s`` seconds."""
-        self._count += 1
-        self._sum_s += latency_s
+    def on_success(self, latency_s: float, count: int = 1) -> None:
+        """``count`` requests completed in ``latency_s`` seconds (a micro-batch: together)."""
+        self._count += count
+        self._sum_s += latency_s * count
         self._peak_in_flight = max(self._peak_in_flight, self._window.in_flight)
         self._maybe_close_window()
 

@@ -28,6 +28,7 @@ from worker.flow.model_health import ModelHealth
 from worker.flow.retry import Retrier
 from worker.kafka.types import ConsumerRecord
 from worker.observability import Metrics
+from worker.observability.metrics import observe_all, observe_times
 from worker.records.refusals import OutputRefusals, record_bytes
 from worker.records.rules import RecordRules
 from worker.wire import Headers, Source
@@ -245,11 +246,9 @@ class Steps:
         """``count`` inferences of the model answered in ``latency_s`` (per-record path: one;
         a micro-batch: its requests, at once): each one's latency and adaptive-limit sample
         (the limiter's sample windows are counted in requests)."""
-        latency, limiter = self._children(model_name)[1], self._limiter
-        for _ in range(count):
-            latency.observe(latency_s)
-            if limiter is not None:
-                limiter.on_success(latency_s)
+        observe_times(self._children(model_name)[1], latency_s, count)
+        if self._limiter is not None:
+            self._limiter.on_success(latency_s, count)
 
     def inferred_many(self, model: tuple[str, str], latency_s: float, count: int) -> None:
         """A micro-batch of ``count`` requests answered at once: ``inferred`` for them, then
@@ -369,10 +368,12 @@ class Steps:
         """Outcomes the broker has, of either path: each one's end-to-end latency; the
         results of those with a request counted per model, one increment per model."""
         now = time.time()
-        observe = self._metrics.end_to_end_latency_seconds.observe
+        observe_all(
+            self._metrics.end_to_end_latency_seconds,
+            [max(0.0, now - answered.record.timestamp / 1000) for answered in done],
+        )
         per_model: dict[str, int] = {}
         for answered in done:
-            observe(max(0.0, now - answered.record.timestamp / 1000))
             request = answered.request
             if request is not None:
                 model = request.model_name
