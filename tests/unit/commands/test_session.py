@@ -58,7 +58,7 @@ def test_produce_needs_no_worker_topics_and_takes_kafka_from_the_environment() -
         _args("produce", "--file", "-"), optional=["input_topics"], env=env
     )
     assert connection.bootstrap_servers == "broker-1:9093"
-    assert connection.client_kwargs["sasl_plain_username"] == "alice"
+    assert connection.auth.sasl_username == "alice"
     assert "input_topics" not in connection.values
 
 
