@@ -1,10 +1,11 @@
 """Kafka written and read without a group on librdkafka (``worker.kafka.direct``).
 
 The writer is the publisher's ``RdProducer`` (idempotent, ``acks=all``), named for the
-command. The reader is a ``confluent_kafka.Consumer`` used with ``assign``: its blocking
-calls (fetching, asking offsets, closing) run on daemon threads, off the event loop, one
-at a time. confluent-kafka requires a group id: the reader's is never joined (no
-subscription) and nothing is committed under it.
+command, choosing a key's partition as aiokafka does. The reader is a
+``confluent_kafka.Consumer`` used with ``assign``: its blocking calls (fetching, asking
+offsets, closing) run on daemon threads, off the event loop, one at a time.
+confluent-kafka requires a group id: the reader's is never joined (no subscription) and
+nothing is committed under it.
 
 Two things librdkafka does its own way. An OAUTHBEARER token is asked for from a poll
 (``oauth_cb``): the reader polls once before it asks a broker anything. And the position
@@ -172,7 +173,11 @@ def writer(
     """An idempotent producer of records up to ``max_request_bytes``, its client id
     ``<client id>-<suffix>`` (ConfigError for unusable security settings)."""
     config = rdkafka_config.producer_config(kafka, auth, max_request_bytes=max_request_bytes)
-    return RdProducer({**config, "client.id": _client_id(kafka, suffix)})
+    # A key's partition as aiokafka and the Java client choose it (librdkafka's default
+    # hashes another way): a request replayed, or produced, lands beside the other records
+    # of its key, and a stateful model sees them in order.
+    config |= {"client.id": _client_id(kafka, suffix), "partitioner": "murmur2_random"}
+    return RdProducer(config)
 
 
 def reader_config(kafka: KafkaSettings, auth: KafkaAuthSettings, *, suffix: str) -> dict[str, Any]:
