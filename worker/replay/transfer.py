@@ -120,7 +120,9 @@ async def _read(
     moved_at = time.monotonic()
     while pending:
         read = 0
-        for record in await reader.fetch(0.5):
+        # A short wait: a partition ending in a transaction marker reaches its end with
+        # no record to return.
+        for record in await reader.fetch(0.1):
             wanted = pending.get(TopicPartition(record.topic, record.partition), range(0))
             if record.offset in wanted:
                 read += 1

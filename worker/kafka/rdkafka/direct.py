@@ -29,7 +29,7 @@ from worker.kafka.rdkafka import log as rdkafka_log
 from worker.kafka.rdkafka.publisher import RdProducer
 from worker.kafka.rdkafka.threads import in_thread, teardown
 from worker.kafka.rdkafka.types import from_rd_error, record_of
-from worker.kafka.types import ConsumerRecord, TopicPartition
+from worker.kafka.types import ConsumerRecord, KafkaError, TopicPartition
 from worker.settings import KafkaAuthSettings, KafkaSettings
 
 __all__ = ["RdReader", "reader", "reader_config", "writer"]
@@ -40,6 +40,8 @@ _T = TypeVar("_T")
 _REQUEST_TIMEOUT_S = 10.0
 #: Most records one fetch returns.
 _FETCH_LIMIT = 500
+#: Longest wait of the broker for records before it answers a fetch.
+_FETCH_WAIT_MAX_MS = 50
 #: Kafka's code of a topic the principal may not read: reading on would only repeat it.
 _TOPIC_AUTHORIZATION_FAILED = 29
 
@@ -63,37 +65,31 @@ class RdReader:
         try:
             await self._call(lambda consumer: consumer.poll(0))  # serves oauth_cb first
             await self._call(lambda c: c.list_topics(timeout=_REQUEST_TIMEOUT_S))
-        except confluent_kafka.KafkaException as exc:
-            await self.stop()
-            raise from_rd_error(exc) from None
         except BaseException:
             await self.stop()
             raise
 
     async def _call(self, call: Callable[[confluent_kafka.Consumer], _T]) -> _T:
-        """``call(consumer)`` on a daemon thread, the consumer's lock held."""
+        """``call(consumer)`` on a daemon thread, the consumer's lock held; librdkafka's
+        errors as the edge's (KafkaError)."""
 
         def locked() -> _T:
             with self._lock:
                 if self._consumer is None:
-                    raise confluent_kafka.KafkaException(
-                        confluent_kafka.KafkaError(confluent_kafka.KafkaError._DESTROY)
-                    )
-                return call(self._consumer)
+                    raise KafkaError("the reader is closed")
+                try:
+                    return call(self._consumer)
+                except confluent_kafka.KafkaException as exc:
+                    raise from_rd_error(exc) from None
 
         return await in_thread(locked)
 
     async def offsets(self, partitions: Iterable[TopicPartition]) -> dict[TopicPartition, range]:
         found: dict[TopicPartition, range] = {}
         for tp in partitions:
-            ask = functools.partial(
-                _watermarks, confluent_kafka.TopicPartition(tp.topic, tp.partition)
-            )
-            try:
-                # librdkafka asks for the last stable offset under read_committed.
-                low, high = await self._call(ask)
-            except confluent_kafka.KafkaException as exc:
-                raise from_rd_error(exc) from None
+            partition = confluent_kafka.TopicPartition(tp.topic, tp.partition)
+            # librdkafka asks for the last stable offset under read_committed.
+            low, high = await self._call(functools.partial(_watermarks, partition))
             found[tp] = range(low, high)
         return found
 
@@ -192,6 +188,10 @@ def reader_config(kafka: KafkaSettings, auth: KafkaAuthSettings, *, suffix: str)
         # An offset deleted by retention since it was asked for: read from the oldest left.
         "auto.offset.reset": "earliest",
         "isolation.level": "read_committed",
+        # A fetch left waiting at the end of a partition (the broker holds it up to this
+        # long) holds back the first fetch after an assignment: librdkafka's 500 ms made
+        # every assignment after the first wait half a second.
+        "fetch.wait.max.ms": _FETCH_WAIT_MAX_MS,
         **rdkafka_config.security_config(auth),
         **rdkafka_log.callbacks(),
     }
