@@ -96,6 +96,7 @@ _SASL_REFUSED = "authentication failed for user 'carol'"
         ("untrusted CA", PASSWORD, "other", "certificate not trusted", _PRODUCE),
         ("replay, wrong password", "not-the-password", "ca", _SASL_REFUSED, ("replay",)),
     ],
+    ids=["wrong-password", "untrusted-ca", "replay-wrong-password"],
 )
 def test_refused_credentials_end_in_one_line_and_exit_2(
     sasl_kafka: KafkaCluster,
