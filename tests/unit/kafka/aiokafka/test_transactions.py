@@ -176,7 +176,7 @@ async def test_a_start_stops_trying_once_the_partition_is_no_longer_ours() -> No
     assert len(factory.made) == 1 and not producer.running
 
 
-async def test_one_by_one_sends_each_message_after_the_previous_ack_and_stops_at_a_refusal() -> None:
+async def test_one_by_one_sends_each_after_the_previous_ack_and_stops_at_a_refusal() -> None:
     """A refused batch names every message in it (aiokafka's batches hold several small
     ones): one_by_one sends each alone, once the one before is acknowledged, and stops at
     the first refusal, which is then exact."""
