@@ -21,6 +21,7 @@ from rich.table import Table
 from devtools import samples
 from worker.commands.produce import MAX_REQUEST_BYTES, Outgoing, progress_bar, send_all
 from worker.events.cloudevents import STRUCTURED
+from worker.kafka.aiokafka.direct import AioWriter
 from worker.wire import header_value
 
 #: Small enough that the "oversized" sample still fits a default broker message.
@@ -72,7 +73,7 @@ async def send_requests(
     producer = AIOKafkaProducer(
         bootstrap_servers=bootstrap, acks="all", linger_ms=5, max_request_size=MAX_REQUEST_BYTES
     )
-    return await send_all(producer, topic, records, progress)
+    return await send_all(AioWriter(producer), topic, records, progress)
 
 
 def run_produce(args: argparse.Namespace) -> int:

@@ -318,7 +318,7 @@ def build_model_holds(
     """The models' holds: reloads waited for (``ModelGate``), failure rates (``ModelHealth``)."""
     models = ModelGate(
         seen_ready=pool.has_spec,
-        listed=pool.repository_lists,
+        listed=pool.repository_listing,
         ready=pool.model_ready,
         released=lambda name, _version: pool.forget_model(name),
         interval_s=settings.retry.breaker_probe_interval_ms / 1000,

@@ -202,7 +202,7 @@ class ExitCode(enum.IntEnum):
     INCOMPLETE = 4
     #: Kafka could not be reached: by ``run`` at start-up (no bootstrap server answered
     #: within ``WORKER_KAFKA_STARTUP_TIMEOUT_S``; the orchestrator's restart tries again),
-    #: by ``produce``, ``topics`` or ``tail`` at all.
+    #: by ``produce``, ``topics``, ``tail`` or ``replay`` at all.
     UNAVAILABLE = 5
     #: Ctrl-C stopped a command other than ``run`` (128 + SIGINT, the shells' convention);
     #: ``run`` stops on it as on SIGTERM.

@@ -35,8 +35,16 @@ def test_each_kafka_client_runs_the_fault_suite() -> None:
 
 #: What the librdkafka pass leaves out: what no worker's Kafka client takes part in.
 CONFLUENT_SELECTION = '-m "not unit and not devtools and not deploy and not one_client"'
-#: What a test starting a worker on the client under test uses (tests/support).
-_WORKER_ON_CLIENT = ("settings_for", "running_worker", "worker_env", "WorkerProcess")
+#: What a test starting a worker, or running a command, on the client under test uses
+#: (tests/support).
+_WORKER_ON_CLIENT = (
+    "settings_for",
+    "running_worker",
+    "worker_env",
+    "WorkerProcess",
+    "command_argv",
+    "command_env",
+)
 
 
 def test_the_librdkafka_pass_runs_integration_and_fault_tests_on_the_workers() -> None:
@@ -50,8 +58,8 @@ def test_the_librdkafka_pass_runs_integration_and_fault_tests_on_the_workers() -
 
 
 def test_a_test_left_out_of_the_librdkafka_pass_starts_no_worker_on_the_client() -> None:
-    """A module marked one_client uses none of the helpers that start a worker on the
-    client under test (WORKER_TEST_KAFKA_CLIENT)."""
+    """A module marked one_client uses none of the helpers that start a worker, or run a
+    command, on the client under test (WORKER_TEST_KAFKA_CLIENT)."""
     marked = [
         path
         for path in sorted((ROOT / "tests").glob("*/test_*.py"))

@@ -1,5 +1,6 @@
 """The Kafka client is chosen in one place: only ``worker/kafka/edge.py`` reads
-``WORKER_KAFKA_CLIENT``, and only ``worker/kafka/`` imports confluent_kafka or aiokafka."""
+``WORKER_KAFKA_CLIENT``, and only ``worker/kafka/`` imports confluent_kafka, aiokafka or the
+edge's client packages (the worker, ``check`` and every command use the chosen client)."""
 
 from __future__ import annotations
 
@@ -98,14 +99,15 @@ def _client_packages_imported(tree: ast.AST) -> set[str]:
     return found
 
 
-def test_delivery_imports_no_client_module() -> None:
-    """delivery/ speaks the edge's protocols (worker.kafka.transactions, .types) alone: no
-    module of it imports worker.kafka.aiokafka or worker.kafka.rdkafka."""
+def test_no_module_outside_the_edge_imports_a_client_module() -> None:
+    """Delivery, the checks and the commands (produce, tail, topics, replay) speak the
+    edge's protocols (worker.kafka.transactions, .admin, .direct, .types) and take the
+    chosen client's parts from worker.kafka.edge: no module outside worker/kafka/ imports
+    worker.kafka.aiokafka or worker.kafka.rdkafka (devtools and tests may)."""
     offenders = {
         _relative(path): sorted(found)
-        for path in runtime_modules()
-        if _relative(path).startswith("worker/delivery/")
-        and (found := _client_packages_imported(ast.parse(path.read_text())))
+        for path in _outside_kafka()
+        if (found := _client_packages_imported(ast.parse(path.read_text())))
     }
     assert offenders == {}
 

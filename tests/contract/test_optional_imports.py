@@ -17,6 +17,7 @@ OPTIONAL = ("confluent_kafka", "opentelemetry")
 #: needs it imports them when (and only when) it runs.
 NEEDS_AN_EXTRA = {
     "worker.kafka.rdkafka.admin",
+    "worker.kafka.rdkafka.direct",
     "worker.kafka.rdkafka.intake",
     "worker.kafka.rdkafka.publisher",
     "worker.kafka.rdkafka.transactions",

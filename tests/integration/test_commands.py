@@ -1,8 +1,10 @@
 """``topics``, ``produce`` and ``tail`` as a user runs them: the worker's settings, real Kafka.
 
 Each command runs as ``python -m worker`` in a process of its own, configured by
-``WORKER_*`` variables only (as after the README's quickstart ``export`` lines);
-failures must end in one line on stderr and a documented exit code.
+``WORKER_*`` variables only (as after the README's quickstart ``export`` lines), on the
+Kafka client under test (``WORKER_TEST_KAFKA_CLIENT``; on librdkafka aiokafka cannot
+connect in the command's process); failures must end in one line on stderr and a
+documented exit code.
 """
 
 from __future__ import annotations
@@ -11,16 +13,16 @@ import asyncio
 import json
 import signal
 import subprocess
-import sys
 from collections.abc import Mapping
 from typing import Any
 
 import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka.partitioner import murmur2
 
 from devtools.devstack.process import free_port
 from tests.support import KafkaUnderTest, silent_broker
-from tests.support.worker import env_without_settings
+from tests.support.worker import command_argv, command_env
 from worker.errors import ExitCode
 
 pytestmark = pytest.mark.timeout(120)
@@ -35,11 +37,11 @@ REQUEST = {
 def worker_command(
     env: Mapping[str, str], *args: str, stdin: str | None = None
 ) -> subprocess.CompletedProcess[str]:
-    """``python -m worker ARGS`` with exactly these WORKER_* variables set."""
-    clean = env_without_settings()
+    """``python -m worker ARGS`` with exactly these WORKER_* variables set (and the client
+    under test, unless they name one)."""
     return subprocess.run(
-        [sys.executable, "-m", "worker", *args],
-        env={**clean, **env},
+        command_argv(*args),
+        env=command_env(env),
         input=stdin,
         capture_output=True,
         text=True,
@@ -71,9 +73,10 @@ async def _records(bootstrap: str, topic: str, count: int) -> list[Any]:
 async def test_produce_takes_kafka_and_the_topic_from_the_worker_settings(
     kafka: KafkaUnderTest, unique: str
 ) -> None:
-    """WORKER_BOOTSTRAP_SERVERS and WORKER_INPUT_TOPICS alone: sent to the first input topic."""
+    """WORKER_BOOTSTRAP_SERVERS and WORKER_INPUT_TOPICS alone: sent to the first input topic,
+    keyed by the request's id, in the partition aiokafka and the Java client choose for it."""
     topic = f"produce-env-{unique}"
-    await kafka.create_topics([topic])
+    await kafka.create_topics([topic], partitions=8)
     env = {"WORKER_BOOTSTRAP_SERVERS": kafka.bootstrap_servers, "WORKER_INPUT_TOPICS": topic}
     done = await asyncio.to_thread(
         worker_command, env, "produce", "--file", "-", stdin=json.dumps(REQUEST)
@@ -82,6 +85,7 @@ async def test_produce_takes_kafka_and_the_topic_from_the_worker_settings(
     (record,) = await _records(kafka.bootstrap_servers, topic, 1)
     assert record.key == b"r1"
     assert json.loads(record.value) == REQUEST
+    assert record.partition == (murmur2(b"r1") & 0x7FFFFFFF) % 8
 
 
 async def test_topics_creates_the_missing_ones_and_leaves_the_others(
@@ -149,6 +153,7 @@ async def test_tail_prints_the_last_records_with_their_headers(
         (("produce", "--file", "-", "--topic", "t", "--bootstrap-servers", "CLOSED"), 5, "unreach"),
         (("tail", "results", "--output-topic", "missing"), ExitCode.CONFIG, "does not exist"),
         (("topics", "--bootstrap-servers", "CLOSED"), ExitCode.UNAVAILABLE, "unreachable"),
+        (("replay", "--bootstrap-servers", "CLOSED"), ExitCode.UNAVAILABLE, "unreachable"),
     ],
 )
 async def test_command_failures_end_in_one_line_and_a_documented_code(
@@ -173,12 +178,10 @@ async def test_command_failures_end_in_one_line_and_a_documented_code(
 
 def test_ctrl_c_ends_a_command_without_a_traceback(unique: str) -> None:
     """Ctrl-C while produce waits on a broker that never answers: exit 130, no traceback."""
-    env = env_without_settings()
     with silent_broker() as broker:
-        env["WORKER_BOOTSTRAP_SERVERS"] = broker.address
         proc = subprocess.Popen(
-            [sys.executable, "-m", "worker", "produce", "--file", "-", "--topic", unique],
-            env=env,
+            command_argv("produce", "--file", "-", "--topic", unique),
+            env=command_env({"WORKER_BOOTSTRAP_SERVERS": broker.address}),
             stdin=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,

@@ -1,4 +1,5 @@
-"""``topics``, ``produce`` and ``tail`` over SASL_SSL, set by the worker's own variables.
+"""``topics``, ``produce``, ``tail`` and ``replay`` over SASL_SSL, set by the worker's own
+variables, on the Kafka client under test.
 
 A Kafka node of this module's own has a SASL_SSL listener with a SCRAM user; the
 commands reach it with ``WORKER_SECURITY_PROTOCOL``, ``WORKER_SASL_*`` and
@@ -58,10 +59,11 @@ def _env(kafka: KafkaCluster, ca: Path, password: str, unique: str) -> dict[str,
     }
 
 
-def test_topics_produce_and_tail_over_sasl_ssl(
+def test_topics_produce_tail_and_replay_over_sasl_ssl(
     sasl_kafka: KafkaCluster, pki: LocalPki, unique: str
 ) -> None:
-    """Topics created, a request produced, then read back, all authenticated as carol."""
+    """Topics created, a request produced, then read back by tail and by a dry-run replay
+    (which finds no source topic on it), all authenticated as carol."""
     env = _env(sasl_kafka, pki.ca_cert, PASSWORD, unique)
     created = worker_command(env, "topics", "--partitions", "1")
     assert created.returncode == 0, created.stderr
@@ -78,14 +80,23 @@ def test_topics_produce_and_tail_over_sasl_ssl(
     )
     assert read.returncode == 0, read.stderr
     assert json.loads(read.stdout)["value"] == REQUEST
+    planned = worker_command(env | {"WORKER_DLQ_TOPIC": f"in-{unique}"}, "replay", "--dry-run")
+    assert planned.returncode == 0, planned.stderr
+    assert "would not send 1: no x-source-topic" in planned.stdout
+
+
+_PRODUCE = ("produce", "--file", "-", "--topic", "any")
+_SASL_REFUSED = "authentication failed for user 'carol'"
 
 
 @pytest.mark.parametrize(
-    ("case", "password", "ca", "says"),
+    ("case", "password", "ca", "says", "command"),
     [
-        ("wrong password", "not-the-password", "ca", "authentication failed for user 'carol'"),
-        ("untrusted CA", PASSWORD, "other", "certificate not trusted"),
+        ("wrong password", "not-the-password", "ca", _SASL_REFUSED, _PRODUCE),
+        ("untrusted CA", PASSWORD, "other", "certificate not trusted", _PRODUCE),
+        ("replay, wrong password", "not-the-password", "ca", _SASL_REFUSED, ("replay",)),
     ],
+    ids=["wrong-password", "untrusted-ca", "replay-wrong-password"],
 )
 def test_refused_credentials_end_in_one_line_and_exit_2(
     sasl_kafka: KafkaCluster,
@@ -95,12 +106,12 @@ def test_refused_credentials_end_in_one_line_and_exit_2(
     password: str,
     ca: str,
     says: str,
+    command: tuple[str, ...],
 ) -> None:
-    """A wrong password or an untrusted CA: `produce` says so in one line, no secret, exit 2."""
+    """A wrong password or an untrusted CA: `produce` (or `replay`) says so in one line, no
+    secret, exit 2."""
     env = _env(sasl_kafka, pki.ca_cert if ca == "ca" else pki.other_ca_cert, password, unique)
-    done = worker_command(
-        env, "produce", "--file", "-", "--topic", "any", stdin=json.dumps(REQUEST)
-    )
+    done = worker_command(env, *command, stdin=json.dumps(REQUEST))
     assert done.returncode == ExitCode.CONFIG, f"{case}: {done.stderr}"
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and says in lines[0], f"{case}: {done.stderr}"

@@ -2,8 +2,9 @@
 
 Every JSON request shown on a page goes through a worker; where the page shows its
 result, the worker's result is that one. The runbook's two ``replay`` commands run as
-written, against a dead-letter topic holding a FORBIDDEN dead letter: the dry run sends
-nothing, the second sends it back to its source topic. (The quickstart runs in
+written (on the Kafka client under test), against a dead-letter topic holding a
+FORBIDDEN dead letter: the dry run sends nothing, the second sends it back to its
+source topic. (The quickstart runs in
 test_quickstart.py; what is only parsed is said in tests/contract/test_docs_examples.py.)
 """
 
@@ -12,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import json
 import subprocess
-import sys
 from typing import Any
 
 import pytest
@@ -38,7 +38,7 @@ from tests.support import (
     send,
     settings_for,
 )
-from tests.support.worker import env_without_settings
+from tests.support.worker import command_argv, command_env
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -99,15 +99,16 @@ async def test_the_runbooks_replay_commands_run_as_written(
         got = await collect(kafka.bootstrap_servers, topics, 1)
     assert list(got.dead_letters) == ["forbidden-1"]
 
-    env = env_without_settings()
-    env |= {"WORKER_BOOTSTRAP_SERVERS": kafka.bootstrap_servers, "WORKER_DLQ_TOPIC": topics.dlq}
+    env = command_env(
+        {"WORKER_BOOTSTRAP_SERVERS": kafka.bootstrap_servers, "WORKER_DLQ_TOPIC": topics.dlq}
+    )
     dry_run, send_back = _replay_commands()
     assert dry_run[:3] == ["python", "-m", "worker"] and "--dry-run" in dry_run
     outputs = []
     for argv in (dry_run, send_back):
         done = await asyncio.to_thread(
             subprocess.run,
-            [sys.executable, *argv[1:]],
+            command_argv(*argv[3:]),
             env=env,
             capture_output=True,
             text=True,

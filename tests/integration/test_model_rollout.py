@@ -2,14 +2,19 @@
 
 The session's Triton runs with explicit model control, so the tests unload and load
 ``mlp`` through its repository API. That Triton is shared with every other test of
-the session: each test here loads ``mlp`` back in a ``finally`` block.
+the session: each test here loads ``mlp`` back in a ``finally`` block. The test of
+versions loads ``embedding`` as two versions (its own code, given in the load request),
+then the repository's again: from then on the index also lists an ``embedding`` version
+2, unloaded, which no other test names.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import json
+import re
 import time
 import urllib.error
 import urllib.request
@@ -23,6 +28,7 @@ import pytest
 from aiokafka import AIOKafkaProducer
 from aiokafka.structs import ConsumerRecord
 
+from devtools.devstack.paths import models_dir
 from devtools.samples import (
     ENCODINGS,
     MLP_EVENTS_MAPPING,
@@ -405,3 +411,119 @@ async def test_mapped_model_in_a_rollout_at_start_holds_its_events_until_loaded(
         assert body["id"] == rid
         np.testing.assert_allclose(body["probs"], want, rtol=1e-5)
     assert min(_stamps_s(got, "ev-")) >= loading_at
+
+
+# -- versions Triton no longer serves while it serves the model -----------------------------
+
+
+def _get_json(triton: TritonUnderTest, path: str) -> Any:
+    with urllib.request.urlopen(f"http://{triton.http_address}{path}", timeout=10) as response:
+        return json.loads(response.read())
+
+
+def _load_versions(
+    triton: TritonUnderTest, model: str, policy: dict[str, Any], broken: str | None = None
+) -> tuple[int, str]:
+    """Load ``model`` as versions 1 and 2 of its own code under ``policy`` (Triton's
+    ``version_policy``); ``broken``: the version whose code raises as it loads."""
+    config = _get_json(triton, f"/v2/models/{model}/config")
+    config["version_policy"] = policy
+    code = (models_dir() / model / "1" / "model.py").read_bytes()
+    failing = code + b"\nraise RuntimeError('this version cannot load')\n"
+    files = {
+        f"file:{version}/model.py": base64.b64encode(
+            failing if version == broken else code
+        ).decode()
+        for version in ("1", "2")
+    }
+    request = urllib.request.Request(
+        f"http://{triton.http_address}/v2/repository/models/{model}/load",
+        data=json.dumps({"parameters": {"config": json.dumps(config), **files}}).encode(),
+        headers={"Content-Type": "application/json"},
+        method="POST",
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return int(response.status), response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return int(exc.code), exc.read().decode()
+
+
+async def _version_states(triton: TritonUnderTest, model: str) -> dict[str, str]:
+    index = await asyncio.to_thread(_post, triton, "/v2/repository/index")
+    return {
+        e["version"]: e.get("state", "") for e in index if e["name"] == model and "version" in e
+    }
+
+
+async def _until_versions(triton: TritonUnderTest, model: str, states: dict[str, set[str]]) -> None:
+    """Wait until the index gives one of these states for each of these versions of ``model``."""
+    deadline = time.monotonic() + 30
+    while True:
+        got = await _version_states(triton, model)
+        if all(got.get(version) in wanted for version, wanted in states.items()):
+            return
+        assert time.monotonic() < deadline, f"{model}: {got}, not {states}, after 30 s"
+        await asyncio.sleep(0.1)  # polling Triton, another process: nothing to await
+
+
+async def test_a_version_retired_or_failed_while_others_serve_is_model_not_found(
+    kafka: KafkaUnderTest, triton: TritonUnderTest, unique: str
+) -> None:
+    """embedding v2 fails to load (v1 serves), later v1 is retired by the version policy
+    (v2 serves): a record naming the version not served is MODEL_NOT_FOUND after a short hold,
+    naming the version and its state; records of the served versions are answered meanwhile."""
+    topics = Topics.fresh(unique)
+    await create(kafka, topics, partitions=1)
+    rng = np.random.default_rng(29)
+
+    def request(rid: str, version: str) -> SampleRequest:
+        value, headers = encode_request("embedding", MODEL_INPUTS["embedding"](rng), "json", rid)
+        headers = [*headers, ("x-model-version", version.encode())] if version else headers
+        return SampleRequest(value, headers, "embedding", "json", rid)
+
+    try:
+        status, body = await asyncio.to_thread(
+            _load_versions, triton, "embedding", {"all": {}}, "2"
+        )
+        assert status == 400, body
+        await _until_versions(triton, "embedding", {"1": {"READY"}, "2": {"UNAVAILABLE"}})
+        async with running_worker(settings_for(kafka, triton, topics)):
+            failed = [request("failed-v2", "2"), request("served-v1", "1"), request("any", "")]
+            await send(kafka.bootstrap_servers, topics.input, failed)
+            got = await collect(kafka.bootstrap_servers, topics, len(failed), timeout_s=30)
+
+            status, body = await asyncio.to_thread(_load_versions, triton, "embedding", {"all": {}})
+            assert status == 200, body
+            await send(kafka.bootstrap_servers, topics.input, [request("seen-v1", "1")])
+            got = await collect(kafka.bootstrap_servers, topics, 4, timeout_s=30, into=got)
+            status, body = await asyncio.to_thread(
+                _load_versions, triton, "embedding", {"latest": {"num_versions": 1}}
+            )
+            assert status == 200, body
+            # Still UNLOADING while the worker's streams are open: Triton 2.51 finishes
+            # unloading a version only once every stream that carried a request for it closed.
+            await _until_versions(
+                triton, "embedding", {"1": {"UNLOADING", "UNAVAILABLE"}, "2": {"READY"}}
+            )
+            retired = [request("retired-v1", "1"), request("served-v2", "2"), request("now", "")]
+            await send(kafka.bootstrap_servers, topics.input, retired)
+            got = await collect(kafka.bootstrap_servers, topics, 7, timeout_s=30, into=got)
+    finally:
+        # The repository's own embedding again, and version 2 no longer failed (a failed
+        # version keeps Triton not ready, for the tests after this one).
+        await asyncio.to_thread(_load_versions, triton, "embedding", {"all": {}})
+        await _load(triton, "embedding")
+        await _until_versions(triton, "embedding", {"1": {"READY"}, "2": {"UNAVAILABLE"}})
+
+    assert set(got.results) == {"served-v1", "any", "seen-v1", "served-v2", "now"}
+    assert set(got.dead_letters) == {"failed-v2", "retired-v1"}
+    for rid, (version, state) in {
+        "failed-v2": ("2", r"UNAVAILABLE \(.*cannot load\)"),
+        "retired-v1": ("1", r"(UNLOADING|UNAVAILABLE \(unloaded\))"),
+    }.items():
+        headers = headers_dict(got.dead_letters[rid].headers)
+        assert headers["x-error-code"] == b"MODEL_NOT_FOUND", (rid, headers)
+        message = headers["x-error-message"].decode()
+        assert re.search(rf"version {version} as {state} while version", message), message
+        assert int(headers["x-attempts"]) == 1, (rid, headers["x-attempts"])

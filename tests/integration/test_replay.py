@@ -4,13 +4,13 @@ The dead letters of these tests come from a worker run: requests for ``double`` 
 topic whose ``WORKER_MODEL_ALLOWLIST`` does not allow it are FORBIDDEN, requests for
 ``faulty`` with FAIL=true are INFERENCE_ERROR. The command runs as its own process
 (``python -m worker replay``) where its exit code and flags matter, and in-process
-(`worker.replay.replay`) where the test reads its plan.
+(`worker.replay.replay`) where the test reads its plan; both on the Kafka client under
+test (``WORKER_TEST_KAFKA_CLIENT``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import sys
 import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -34,7 +34,7 @@ from tests.support import (
     send,
     settings_for,
 )
-from tests.support.worker import env_without_settings
+from tests.support.worker import command_argv, command_env, kafka_client_under_test
 from worker.errors import ExitCode
 from worker.replay import Filters, Outcome, Planner, ReplayPlan, render, replay
 from worker.settings import KafkaAuthSettings, KafkaSettings
@@ -115,18 +115,15 @@ class _Run:
 
 async def _cli(kafka: KafkaUnderTest, dlq_topic: str, *args: str) -> _Run:
     """``python -m worker replay`` as its own process, with the worker's WORKER_* settings."""
-    env = env_without_settings()
-    env.update(
-        WORKER_BOOTSTRAP_SERVERS=kafka.bootstrap_servers,
-        WORKER_DLQ_TOPIC=dlq_topic,
-        COLUMNS="200",
+    env = command_env(
+        {
+            "WORKER_BOOTSTRAP_SERVERS": kafka.bootstrap_servers,
+            "WORKER_DLQ_TOPIC": dlq_topic,
+            "COLUMNS": "200",
+        }
     )
     process = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "worker",
-        "replay",
-        *args,
+        *command_argv("replay", *args),
         env=env,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
@@ -144,7 +141,9 @@ async def _plan(
 ) -> ReplayPlan:
     """The command's plan, in-process: a dry run unless told otherwise."""
     planner = Planner(filters, dlq_topic=dlq_topic, dry_run=kw.pop("dry_run", True), **kw)
-    settings = KafkaSettings(bootstrap_servers=kafka.bootstrap_servers)
+    settings = KafkaSettings(
+        bootstrap_servers=kafka.bootstrap_servers, kafka_client=kafka_client_under_test()
+    )
     return await replay(planner, settings, KafkaAuthSettings())
 
 

@@ -12,7 +12,7 @@ import time
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast, get_args
 
 import pytest
 
@@ -20,6 +20,7 @@ from tests.support.kafka import Collected, Topics
 from tests.support.servers import KafkaUnderTest, TritonAddress
 from worker.app import Worker
 from worker.settings import Settings, load_settings
+from worker.settings.fields import KafkaClient
 
 #: A commit is sent WORKER_COMMIT_INTERVAL_MS after the previous one returned, and holds
 #: the offsets done when it was sent: records finished during its round trip (and the
@@ -62,9 +63,45 @@ def worker_env(
     return env
 
 
-def kafka_client_under_test() -> str:
+def kafka_client_under_test() -> KafkaClient:
     """The Kafka client the tests run the worker with (WORKER_TEST_KAFKA_CLIENT, aiokafka)."""
-    return os.environ.get("WORKER_TEST_KAFKA_CLIENT", "aiokafka")
+    client = os.environ.get("WORKER_TEST_KAFKA_CLIENT", "aiokafka")
+    assert client in get_args(KafkaClient), f"WORKER_TEST_KAFKA_CLIENT={client!r}"
+    return cast(KafkaClient, client)
+
+
+#: Runs ``python -m worker`` with every aiokafka connection refused: a command run on
+#: librdkafka that still reached Kafka through aiokafka would fail its test. Not a fake:
+#: nothing is answered in aiokafka's place.
+_WITHOUT_AIOKAFKA = """
+import runpy
+
+import aiokafka.conn
+
+async def refused(*args, **kwargs):
+    raise AssertionError("aiokafka connected under WORKER_KAFKA_CLIENT=confluent")
+
+aiokafka.conn.AIOKafkaConnection.connect = refused
+runpy.run_module("worker", run_name="__main__", alter_sys=True)
+"""
+
+
+def command_argv(*args: str) -> list[str]:
+    """``python -m worker ARGS`` for a command run on the client under test (see
+    ``command_env``): on librdkafka, in a process where aiokafka cannot connect."""
+    if kafka_client_under_test() == "confluent":
+        return [sys.executable, "-c", _WITHOUT_AIOKAFKA, *args]
+    return [sys.executable, "-m", "worker", *args]
+
+
+def command_env(settings: Mapping[str, str]) -> dict[str, str]:
+    """The environment of a command run by a test: none of the run's WORKER_* variables,
+    the client under test (WORKER_KAFKA_CLIENT), then ``settings``."""
+    return {
+        **env_without_settings(),
+        "WORKER_KAFKA_CLIENT": kafka_client_under_test(),
+        **settings,
+    }
 
 
 def settings_for(

@@ -16,8 +16,9 @@ from worker.checks.rows import CheckResult, Outcome
 from worker.events import Mappings, TopicMapping, load_mappings
 from worker.events.check import describe_input, mapping_problems
 from worker.settings import Settings
+from worker.triton import repository
 from worker.triton.auth import TritonAuth
-from worker.triton.server import SERVABLE_STATES
+from worker.triton.repository import SERVABLE_STATES
 from worker.wire.validation import ModelSpec
 
 __all__ = ["MappingFindings", "inspect_mappings", "mapping_rows"]
@@ -70,8 +71,8 @@ async def inspect_mappings(
                     findings.unreachable = f"{address}: {probes.reason(exc)}"
                     return findings
                 if spec is None:
-                    state = await _state(client, auth, key, timeout_s)
-                    _not_ready(findings, topic, address, state)
+                    state, retired = await _state(client, auth, key, timeout_s)
+                    _not_ready(findings, topic, address, state, retired)
                     continue
                 findings.specs[key] = spec
             if key in findings.specs:
@@ -81,10 +82,16 @@ async def inspect_mappings(
     return findings
 
 
-def _not_ready(findings: MappingFindings, topic: str, address: str, state: str | None) -> None:
-    """A mapped model that is not ready: in a rollout (listed), or not served at all."""
+def _not_ready(
+    findings: MappingFindings, topic: str, address: str, state: str | None, retired: str
+) -> None:
+    """A mapped model that is not ready: in a rollout (listed), a version retired while its
+    model serves (``retired`` says why), or not served at all."""
     mapping = findings.mappings[topic]
     version = f" version {mapping.version}" if mapping.version else ""
+    if retired:
+        findings.problems[topic] = [f"topics.{topic}.model: {retired}"]
+        return
     if state is not None:
         findings.waiting[topic] = (
             f"Triton {address} lists {mapping.model!r}{version} as {state} (a rollout): "
@@ -99,22 +106,24 @@ def _not_ready(findings: MappingFindings, topic: str, address: str, state: str |
 
 async def _state(
     client: Any, auth: TritonAuth, key: tuple[str, str], timeout_s: float
-) -> str | None:
+) -> tuple[str | None, str]:
     """The model's state in Triton's repository index when it is one a rollout passes
-    through (loading, unloading, unloaded), else None (absent, or never loaded)."""
+    through (loading, unloading, unloaded), else None (absent, or never loaded); and why
+    the version is retired when it is (see ``worker.triton.repository``), else ""."""
     name, version = key
     try:
         index = await client.get_model_repository_index(
             headers=auth.headers(), client_timeout=timeout_s
         )
     except Exception:  # no index, no evidence of a rollout: the model is not served
-        return None
+        return None, ""
     states = {
         m.state
         for m in index.models
         if m.name == name and (not version or m.version == version) and m.state in SERVABLE_STATES
     }
-    return "/".join(sorted(states)) or None
+    retired = repository.listing(repository.read_index(index.models), name, version).retired
+    return "/".join(sorted(states)) or None, retired
 
 
 async def _spec(

@@ -32,7 +32,8 @@ from worker.commands.session import (
     topic_problem,
 )
 from worker.errors import ExitCode
-from worker.kafka.aiokafka import clients
+from worker.kafka.direct import Writer
+from worker.kafka.edge import new_writer
 from worker.settings import ConfigError
 
 __all__ = [
@@ -70,29 +71,27 @@ def progress_bar(console: Console, *, disable: bool = False) -> Progress:
 
 
 async def send_all(
-    producer: clients.AIOKafkaProducer,
+    writer: Writer,
     topic: str,
     records: Sequence[Outgoing],
     progress: Progress,
 ) -> list[float]:
     """Produce every record and wait for the acks; return each one's send time (epoch s).
 
-    ``producer`` is started here and stopped before returning.
+    ``writer`` is started here and stopped before returning.
     """
     task = progress.add_task(f"producing to {topic}", total=len(records))
     sent_at: list[float] = []
-    await producer.start()
+    await writer.start()
     try:
         futures = []
         for record in records:
             sent_at.append(time.time())
-            futures.append(
-                await producer.send(topic, record.value, key=record.key, headers=record.headers)
-            )
+            futures.append(await writer.send(topic, record.value, record.key, record.headers))
             progress.advance(task)
         await asyncio.gather(*futures)
     finally:
-        await producer.stop()
+        await writer.stop()
     return sent_at
 
 
@@ -185,14 +184,10 @@ async def _produce(connection: Connection, topic: str, records: list[Outgoing]) 
     if problem is not None:
         raise CommandFailed(problem, ExitCode.CONFIG)
     console = Console(stderr=True)
-    producer = clients.producer(
-        connection.kafka,
-        connection.client_kwargs,
-        suffix="produce",
-        acks="all",
-        max_request_size=MAX_REQUEST_BYTES,
+    writer = new_writer(
+        connection.kafka, connection.auth, suffix="produce", max_request_bytes=MAX_REQUEST_BYTES
     )
     with progress_bar(console, disable=not console.is_terminal) as progress:
-        await send_all(producer, topic, records, progress)
+        await send_all(writer, topic, records, progress)
     console.print(f"sent {len(records)} requests to [bold]{topic}[/bold]")
     return ExitCode.OK

@@ -1,30 +1,32 @@
 """Kafka for the commands beside ``run``: the worker's settings, one first contact, one-line errors.
 
-``produce``, ``topics`` and ``tail`` reach Kafka with the ``WORKER_*`` variables and
-flags ``run`` takes (bootstrap servers, client id, TLS and SASL), read by the same
-settings machinery, and require nothing they do not use. They run on aiokafka
-whatever ``WORKER_KAFKA_CLIENT`` says. Before any work each one contacts a bootstrap
-broker as the worker's clients would: a certificate or a credential the broker refuses
-is a configuration error (exit 2); no broker answering is exit 4. Either is one line.
+``produce``, ``topics``, ``tail`` and ``replay`` reach Kafka with the ``WORKER_*``
+variables and flags ``run`` takes (bootstrap servers, client id, TLS and SASL, and the
+client library, ``WORKER_KAFKA_CLIENT``), read by the same settings machinery, and
+require nothing they do not use. Every Kafka client they use is the chosen library's,
+built by the Kafka edge (``worker.kafka.edge``). Before any work each one contacts a
+bootstrap broker through that client's admin: a certificate or a credential the broker
+refuses is a configuration error (exit 2); no broker answering is exit 5. Either is one
+line.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
-import ssl
 import sys
-from collections.abc import Coroutine, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Coroutine, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from worker.checks import probes
 from worker.errors import ExitCode
-from worker.kafka.aiokafka import admin as broker
-from worker.kafka.options import kafka_client_kwargs
-from worker.kafka.types import KafkaError, SaslAuthenticationFailed, UnsupportedSaslMechanismError
+from worker.kafka.admin import Admin, Refused, Unanswered
+from worker.kafka.edge import open_admin
+from worker.kafka.types import KafkaError
 from worker.settings import (
     SETTINGS_SPEC,
     ConfigError,
@@ -40,6 +42,9 @@ __all__ = [
     "CommandFailed",
     "Connection",
     "add_connection_arguments",
+    "contact",
+    "describe",
+    "quiet_clients",
     "reach",
     "read_connection",
     "run_command",
@@ -48,7 +53,13 @@ __all__ = [
 ]
 
 #: The settings that say how to reach Kafka: every command that talks to it takes them.
-_CONNECTION_FIELDS = ("bootstrap_servers", "client_id", "linger_ms", "compression_type")
+_CONNECTION_FIELDS = (
+    "kafka_client",
+    "bootstrap_servers",
+    "client_id",
+    "linger_ms",
+    "compression_type",
+)
 #: How long the first contact with a bootstrap broker may take.
 CONTACT_TIMEOUT_S = 10.0
 
@@ -92,7 +103,6 @@ class Connection:
 
     kafka: KafkaSettings
     auth: KafkaAuthSettings
-    client_kwargs: dict[str, Any]
     values: dict[str, Any]  # field -> value of the other settings read (unset ones absent)
 
     @property
@@ -109,14 +119,13 @@ def read_connection(
     env: Mapping[str, str] | None = None,
 ) -> Connection:
     """The Kafka settings (env, then flags) plus ``fields`` (required as ``run`` requires
-    them) and ``optional`` ones (absent when unset); ConfigError naming the setting."""
+    them) and ``optional`` ones (absent when unset); ConfigError naming the setting (as
+    ``run``'s: ``WORKER_KAFKA_CLIENT=confluent`` without the confluent extra installed)."""
     environ = os.environ if env is None else env
     given = [name for name in optional if _given(environ, args, name)]
     values = read_settings(environ, args, _specs([*fields, *given]))
     kafka, auth = KafkaSettings(**values["kafka"]), KafkaAuthSettings(**values["kafka_auth"])
-    # Unreadable files and missing credentials, before any connection.
-    client_kwargs = kafka_client_kwargs(auth)
-    return Connection(kafka, auth, client_kwargs, _flatten(values, [*fields, *given]))
+    return Connection(kafka, auth, _flatten(values, [*fields, *given]))
 
 
 def _given(env: Mapping[str, str], args: argparse.Namespace, field: str) -> bool:
@@ -129,57 +138,49 @@ def _flatten(values: dict[str, dict[str, Any]], fields: Iterable[str]) -> dict[s
     return {field: flat[field] for field in fields if field in flat}
 
 
+@contextlib.asynccontextmanager
+async def contact(kafka: KafkaSettings, auth: KafkaAuthSettings) -> AsyncIterator[Admin]:
+    """The chosen client's admin, a bootstrap broker reached as the clients reach it; closed
+    on leaving. What it raises, opening or asked in the block, ends as CommandFailed: CONFIG
+    when a TLS or SASL handshake is refused, UNAVAILABLE when no bootstrap broker answers
+    (within CONTACT_TIMEOUT_S). ConfigError for a security setting the client cannot use."""
+    try:
+        admin = await open_admin(kafka, auth, CONTACT_TIMEOUT_S)
+    except (Refused, Unanswered) as exc:
+        raise _failed(kafka, exc) from None
+    try:
+        yield admin
+    except (Refused, Unanswered) as exc:
+        raise _failed(kafka, exc) from None
+    finally:
+        await admin.close()
+
+
+def _failed(kafka: KafkaSettings, exc: Refused | Unanswered) -> CommandFailed:
+    if isinstance(exc, Refused):  # its message names the setting to check
+        return CommandFailed(str(exc), ExitCode.CONFIG)
+    message = f"Kafka {kafka.bootstrap_servers} unreachable: {exc}"
+    return CommandFailed(message, ExitCode.UNAVAILABLE)
+
+
+async def describe(admin: Admin, topics: Sequence[str]) -> dict[str, Any]:
+    """The Metadata answer for ``topics`` (brokers, and each topic's error code, partitions
+    and authorized operations); Unanswered when none comes within CONTACT_TIMEOUT_S."""
+    try:
+        async with asyncio.timeout(CONTACT_TIMEOUT_S):
+            return await admin.describe_topics(topics)
+    except TimeoutError:
+        raise Unanswered(f"no answer in {CONTACT_TIMEOUT_S:g} s") from None
+
+
 async def reach(connection: Connection, topics: Sequence[str]) -> dict[str, Any]:
     """Contact a bootstrap broker as the clients will; the Metadata answer for ``topics``.
 
     Raises CommandFailed: CONFIG when TLS or SASL is refused, UNAVAILABLE when no
     bootstrap broker answers within CONTACT_TIMEOUT_S.
     """
-    last = "no bootstrap server"
-    for address in connection.kafka.bootstrap_servers.split(","):
-        try:
-            conn = await asyncio.wait_for(
-                broker.connect(
-                    address,
-                    client_id=connection.kafka.client_id,
-                    client_kwargs=connection.client_kwargs,
-                    request_timeout_ms=int(CONTACT_TIMEOUT_S * 1000),
-                ),
-                CONTACT_TIMEOUT_S,
-            )
-        except (ssl.SSLError, SaslAuthenticationFailed) as exc:
-            raise CommandFailed(_refusal(connection, address, exc), ExitCode.CONFIG) from None
-        except UnsupportedSaslMechanismError as exc:
-            message = f"Kafka {address}: {exc}; check WORKER_SASL_MECHANISM"
-            raise CommandFailed(message, ExitCode.CONFIG) from None
-        except (OSError, KafkaError, TimeoutError) as exc:
-            last = probes.reason(exc) if str(exc) else f"no answer in {CONTACT_TIMEOUT_S:g} s"
-            continue
-        try:
-            return await asyncio.wait_for(
-                broker.describe_topics(conn.send, topics), CONTACT_TIMEOUT_S
-            )
-        except (KafkaError, TimeoutError) as exc:
-            last = probes.reason(exc) if str(exc) else f"no answer in {CONTACT_TIMEOUT_S:g} s"
-        finally:
-            conn.close()
-    message = f"Kafka {connection.kafka.bootstrap_servers} unreachable: {last}"
-    raise CommandFailed(message, ExitCode.UNAVAILABLE)
-
-
-def _refusal(connection: Connection, address: str, exc: BaseException) -> str:
-    where = f"Kafka {address}"
-    if isinstance(exc, ssl.SSLCertVerificationError):
-        why = exc.verify_message
-        return f"{where}: TLS certificate not trusted ({why}); check WORKER_SSL_CAFILE"
-    if isinstance(exc, ssl.SSLError):
-        return f"{where}: TLS handshake failed ({exc.reason or exc}); check the WORKER_SSL_* files"
-    user = connection.auth.sasl_username
-    who = f"user {user!r}" if user else "this client"
-    detail = exc.args[0] if exc.args else type(exc).__name__
-    return (
-        f"{where}: SASL {connection.auth.sasl_mechanism} authentication failed for {who}: {detail}"
-    )
+    async with contact(connection.kafka, connection.auth) as admin:
+        return await describe(admin, topics)
 
 
 def topic_problem(metadata: Mapping[str, Any], topic: str, operation: int) -> str | None:
@@ -199,10 +200,16 @@ def topic_problem(metadata: Mapping[str, Any], topic: str, operation: int) -> st
     return None
 
 
+def quiet_clients() -> None:
+    """Keep the Kafka clients' own log lines off stderr: the line a command prints says what
+    failed, and the clients' retries would repeat it."""
+    for name in ("aiokafka", "librdkafka"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+
+
 def run_command(work: Coroutine[Any, Any, int]) -> int:
     """Run a command's coroutine; its failures end in one line on stderr and their exit code."""
-    # The line printed says what failed; aiokafka's own retries would repeat it.
-    logging.getLogger("aiokafka").setLevel(logging.CRITICAL)
+    quiet_clients()
     try:
         return run_interruptible(work)
     except ConfigError as exc:

@@ -28,7 +28,8 @@ from worker.commands.session import (
     topic_problem,
 )
 from worker.errors import ExitCode
-from worker.kafka.aiokafka import clients
+from worker.kafka.direct import Reader
+from worker.kafka.edge import new_reader
 from worker.kafka.types import ConsumerRecord, TopicPartition
 from worker.settings import ConfigError
 
@@ -113,37 +114,27 @@ async def _last(
     connection: Connection, partitions: list[TopicPartition], count: int, wait_s: float
 ) -> list[ConsumerRecord[bytes, bytes]]:
     """The last ``count`` records of the partitions by timestamp, waiting up to ``wait_s``."""
-    consumer = clients.consumer(
-        connection.kafka,
-        connection.client_kwargs,
-        suffix="tail",
-        group_id=None,
-        enable_auto_commit=False,
-        isolation_level="read_committed",
-    )
-    await consumer.start()
+    reader = new_reader(connection.kafka, connection.auth, suffix="tail")
+    await reader.start()
     try:
-        consumer.assign(partitions)
-        ends = await consumer.end_offsets(partitions)
-        starts = await consumer.beginning_offsets(partitions)
-        for tp in partitions:
-            consumer.seek(tp, max(starts[tp], ends[tp] - count))
+        spans = await reader.offsets(partitions)
+        await reader.assign({tp: max(span.start, span.stop - count) for tp, span in spans.items()})
+        ends = {tp: span.stop for tp, span in spans.items()}
         found: list[ConsumerRecord[bytes, bytes]] = []
         deadline = time.monotonic() + wait_s
-        while not await _read_up_to(consumer, ends) or (
+        while not await _read_up_to(reader, ends) or (
             len(found) < count and time.monotonic() < deadline
         ):
-            batch = await consumer.getmany(timeout_ms=200)
-            found += [record for records in batch.values() for record in records]
+            found += await reader.fetch(0.2)
     finally:
-        await consumer.stop()
+        await reader.stop()
     found.sort(key=lambda r: (r.timestamp, r.partition, r.offset))
     return found[-count:]
 
 
-async def _read_up_to(consumer: clients.AIOKafkaConsumer, ends: dict[TopicPartition, int]) -> bool:
+async def _read_up_to(reader: Reader, ends: dict[TopicPartition, int]) -> bool:
     """True once every partition's position reached its end offset at the start."""
-    return all([await consumer.position(tp) >= end for tp, end in ends.items()])
+    return all([await reader.position(tp) >= end for tp, end in ends.items()])
 
 
 def record_line(record: ConsumerRecord[bytes, bytes]) -> dict[str, Any]:

@@ -20,12 +20,13 @@ from worker.commands.session import (
     CommandFailed,
     Connection,
     add_connection_arguments,
-    reach,
+    contact,
+    describe,
     read_connection,
     run_command,
 )
 from worker.errors import ExitCode
-from worker.kafka.aiokafka import clients
+from worker.kafka.admin import Admin
 from worker.settings import ConfigError
 
 __all__ = ["add_topics_parser", "run_topics"]
@@ -92,44 +93,36 @@ def _names(connection: Connection) -> list[str]:
 async def _create(
     connection: Connection, names: list[str], partitions: int, replication: int | None
 ) -> int:
-    metadata = await reach(connection, names)
-    existing = {t["topic"] for t in metadata["topics"] if int(t["error_code"]) == 0}
-    missing = [name for name in names if name not in existing]
-    console = Console()
-    for name in names:
-        if name in existing:
-            console.print(f"exists   {name}")
-    if not missing:
-        return ExitCode.OK
-    factor = replication or min(3, len(metadata["brokers"]))
-    await _create_missing(connection, missing, partitions, factor)
-    await _wait_for_leaders(connection, missing)
+    async with contact(connection.kafka, connection.auth) as admin:
+        metadata = await describe(admin, names)
+        existing = {t["topic"] for t in metadata["topics"] if int(t["error_code"]) == 0}
+        missing = [name for name in names if name not in existing]
+        console = Console()
+        for name in names:
+            if name in existing:
+                console.print(f"exists   {name}")
+        if not missing:
+            return ExitCode.OK
+        factor = replication or min(3, len(metadata["brokers"]))
+        await _create_missing(admin, missing, partitions, factor)
+        await _wait_for_leaders(admin, missing)
     for name in missing:
         console.print(f"created  {name} ({partitions} partitions, {factor} replicas)")
     return ExitCode.OK
 
 
-async def _create_missing(
-    connection: Connection, names: list[str], partitions: int, factor: int
-) -> None:
-    admin = clients.admin(connection.kafka, connection.client_kwargs, suffix="topics")
-    try:
-        await admin.start()
-        answers = await clients.create_topics(
-            admin, names, partitions=partitions, replication=factor
-        )
-    finally:
-        await admin.close()
-    for topic, code, *rest in answers:
+async def _create_missing(admin: Admin, names: list[str], partitions: int, factor: int) -> None:
+    answers = await admin.create_topics(names, partitions=partitions, replication=factor)
+    for topic, code, detail in answers:
         if code and code != _ALREADY_EXISTS:
-            detail = rest[0] if rest and rest[0] else f"Kafka error code {code}"
-            raise CommandFailed(f"cannot create topic {topic!r}: {detail}", ExitCode.CONFIG)
+            why = detail or f"Kafka error code {code}"
+            raise CommandFailed(f"cannot create topic {topic!r}: {why}", ExitCode.CONFIG)
 
 
-async def _wait_for_leaders(connection: Connection, names: list[str]) -> None:
+async def _wait_for_leaders(admin: Admin, names: list[str]) -> None:
     deadline = time.monotonic() + _LEADERS_TIMEOUT_S
     while True:
-        metadata = await reach(connection, names)
+        metadata = await describe(admin, names)
         ready = [
             t["topic"]
             for t in metadata["topics"]

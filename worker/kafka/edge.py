@@ -2,9 +2,11 @@
 
 ``build_edge`` returns the worker's publisher, intake and transactions of the chosen
 client; ``open_admin`` the broker questions of ``check``, the start-up gate and the
-commands. Both clients implement the same contracts (``Publisher``'s producer;
-``IntakeEdge`` below; ``worker.kafka.transactions``; ``worker.kafka.admin``). This is the
-one module that reads the setting: nothing else asks which client runs.
+commands; ``new_writer`` and ``new_reader`` the commands' producer and group-less
+consumer. Both clients implement the same contracts (``Publisher``'s producer;
+``IntakeEdge`` below; ``worker.kafka.transactions``; ``worker.kafka.admin``;
+``worker.kafka.direct``). This is the one module that reads the setting: nothing else
+asks which client runs.
 """
 
 from __future__ import annotations
@@ -18,9 +20,11 @@ from worker.kafka import options as security
 from worker.kafka.admin import Admin
 from worker.kafka.aiokafka import admin as aio_admin
 from worker.kafka.aiokafka import clients
+from worker.kafka.aiokafka import direct as aio_direct
 from worker.kafka.aiokafka.intake import Intake
 from worker.kafka.aiokafka.producer import AioProducer
 from worker.kafka.aiokafka.transactions import PerPartitionTransactions, transactional_producer
+from worker.kafka.direct import Reader, Writer
 from worker.kafka.feed import Admits, Dispatch, Rebalance
 from worker.kafka.publisher import LARGEST_RECORD_BYTES, Producer, Publisher
 from worker.kafka.rdkafka import config as rdkafka_config
@@ -34,6 +38,8 @@ __all__ = [
     "IntakeEdge",
     "build_edge",
     "client_name",
+    "new_reader",
+    "new_writer",
     "open_admin",
 ]
 
@@ -84,6 +90,30 @@ async def open_admin(kafka: KafkaSettings, auth: KafkaAuthSettings, timeout_s: f
 
         return await RdAdmin.open(kafka, auth, timeout_s)
     return await aio_admin.AioAdmin.open(kafka, auth, timeout_s)
+
+
+def new_writer(
+    kafka: KafkaSettings, auth: KafkaAuthSettings, *, suffix: str, max_request_bytes: int
+) -> Writer:
+    """The chosen client's idempotent producer (not started) of records up to
+    ``max_request_bytes``, its client id ``<client id>-<suffix>``; ConfigError for a
+    security setting it cannot use."""
+    if _librdkafka(kafka):
+        # Imported here: confluent-kafka is an extra, absent from the base install.
+        from worker.kafka.rdkafka import direct as rd_direct
+
+        return rd_direct.writer(kafka, auth, suffix=suffix, max_request_bytes=max_request_bytes)
+    return aio_direct.writer(kafka, auth, suffix=suffix, max_request_bytes=max_request_bytes)
+
+
+def new_reader(kafka: KafkaSettings, auth: KafkaAuthSettings, *, suffix: str) -> Reader:
+    """The chosen client's consumer without a group (not started), ``read_committed``, its
+    client id ``<client id>-<suffix>``; ConfigError for a security setting it cannot use."""
+    if _librdkafka(kafka):
+        from worker.kafka.rdkafka import direct as rd_direct
+
+        return rd_direct.reader(kafka, auth, suffix=suffix)
+    return aio_direct.reader(kafka, auth, suffix=suffix)
 
 
 def build_edge(

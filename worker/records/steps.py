@@ -319,10 +319,10 @@ class Steps:
         """
         if error is not None:
             self._metrics.dead_letters_total.labels(code=error.code).inc()
-            self._acknowledged((_Ended(record, None),))
         else:
             assert request is not None
-            self._acknowledged((_Ended(record, None if counted else request),))
+        # A dead letter, or a stream's results (counted as they went out): its latency only.
+        self._acknowledged((_Ended(record, None if error or counted else request),))
         await self._audit.record(
             record,
             request_id=request.request_id if request else None,

@@ -1,15 +1,14 @@
 """``replay``: the command's flags, its summary tables and its exit code.
 
 It takes the worker's own Kafka settings (``WORKER_*`` variables and the same flags:
-bootstrap servers, client id, linger, compression, TLS and SASL) and its dead-letter
-topic, and nothing else the worker needs: no input or output topic, no group.
+the client library, bootstrap servers, client id, linger, compression, TLS and SASL) and
+its dead-letter topic, and nothing else the worker needs: no input or output topic, no
+group.
 """
 
 from __future__ import annotations
 
 import argparse
-import logging
-import os
 import sys
 from datetime import UTC, datetime
 from typing import Any
@@ -18,32 +17,21 @@ from rich.console import Console
 from rich.table import Table
 
 from worker.commands.produce import progress_bar
+from worker.commands.session import (
+    CommandFailed,
+    add_connection_arguments,
+    quiet_clients,
+    read_connection,
+    topic_name,
+)
 from worker.errors import ERROR_CODES, ExitCode
-from worker.kafka import kafka_client_kwargs
 from worker.replay.plan import Filters, Outcome, Planner, ReplayPlan, parse_time
 from worker.replay.transfer import ReplayError, replay
-from worker.settings import (
-    SETTINGS_SPEC,
-    ConfigError,
-    KafkaAuthSettings,
-    KafkaSettings,
-    add_setting_arguments,
-    read_settings,
-)
+from worker.settings import ConfigError
 from worker.shutdown import run_interruptible
 
 __all__ = ["add_replay_parser", "render", "run_replay"]
 
-#: The settings replay takes from the worker's: where the dead letters are, and how to
-#: reach Kafka (the producer uses the worker's linger and compression).
-_SETTINGS = [
-    spec
-    for spec in SETTINGS_SPEC
-    if spec.section == "kafka_auth"
-    or spec.field
-    in ("dlq_topic", "bootstrap_servers", "client_id", "linger_ms", "compression_type")
-]
-_TOPIC = next(spec.kind for spec in SETTINGS_SPEC if spec.field == "dlq_topic")
 #: Samples shown per error code and model in a dry run.
 _SAMPLES = 2
 #: Dead letters named per reason they were not sent.
@@ -135,13 +123,6 @@ def _samples_table(plan: ReplayPlan) -> Table:
     return table
 
 
-def _topic(text: str) -> str:
-    try:
-        return str(_TOPIC.parse(text))
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
 def _codes(text: str) -> list[str]:
     codes = [code.strip().upper() for code in text.split(",") if code.strip()]
     unknown = [code for code in codes if code not in ERROR_CODES]
@@ -178,7 +159,7 @@ def add_replay_parser(commands: argparse._SubParsersAction[argparse.ArgumentPars
         allow_abbrev=False,  # it sends records: --dry is not taken for --dry-run
     )
     add = parser.add_argument
-    add("--to", metavar="TOPIC", type=_topic, help="send every one here, not to its source topic")
+    add("--to", metavar="TOPIC", type=topic_name, help="send all here, not to their source topic")
     add("--code", action="extend", type=_codes, default=[], help="x-error-code, e.g. FORBIDDEN")
     add(
         "--model",
@@ -219,7 +200,9 @@ def add_replay_parser(commands: argparse._SubParsersAction[argparse.ArgumentPars
         "(x-replay-count) [default: 3]",
     )
     add("--dry-run", action="store_true", help="print what would be sent; send nothing")
-    add_setting_arguments(parser, _SETTINGS)
+    # Where the dead letters are, and how to reach Kafka (the producer uses the worker's
+    # linger and compression).
+    add_connection_arguments(parser, "dlq_topic")
     parser.set_defaults(handler=run_replay)
 
 
@@ -234,16 +217,14 @@ def _refused(args: argparse.Namespace, dlq_topic: str) -> str:
 
 def run_replay(args: argparse.Namespace) -> int:
     """``replay``: 0 when every selected dead letter was sent (or in a dry run), 4 when
-    some were not, 2 for invalid settings."""
+    some were not, 2 for invalid settings or a refused credential, 5 when Kafka is
+    unreachable."""
     try:
-        values = read_settings(os.environ, args, _SETTINGS)
-        kafka = KafkaSettings(**values["kafka"])
-        auth = KafkaAuthSettings(**values["kafka_auth"])
-        kafka_client_kwargs(auth)  # unreadable files and missing credentials, before Kafka
+        connection = read_connection(args, ["dlq_topic"])
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return ExitCode.CONFIG
-    dlq_topic: str = values["topics"]["dlq_topic"]
+    dlq_topic: str = connection.values["dlq_topic"]
     problem = _refused(args, dlq_topic)
     if problem:
         print(f"error: {problem}", file=sys.stderr)
@@ -263,16 +244,19 @@ def run_replay(args: argparse.Namespace) -> int:
         max_replays=args.max_replays,
         dry_run=args.dry_run,
     )
-    # The summary reports what failed; aiokafka's own retries would repeat it on stderr.
-    logging.getLogger("aiokafka").setLevel(logging.CRITICAL)
+    # The summary reports what failed; the clients' own retries would repeat it on stderr.
+    quiet_clients()
     console, errors = Console(), Console(stderr=True)
     try:
         # Off a terminal the bar would only repeat the summary's counts.
         with progress_bar(errors, disable=not errors.is_terminal) as progress:
-            plan = run_interruptible(replay(planner, kafka, auth, progress))
+            plan = run_interruptible(replay(planner, connection.kafka, connection.auth, progress))
     except ConfigError as exc:  # e.g. an OAUTHBEARER token command failing on connect
         print(f"error: {exc}", file=sys.stderr)
         return ExitCode.CONFIG
+    except CommandFailed as exc:  # a refused credential, no broker answering
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.code
     except ReplayError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return ExitCode.INCOMPLETE

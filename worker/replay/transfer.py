@@ -11,6 +11,10 @@ that waits for every ack. Records the broker refused are tried once more, one at
 time, each on a producer that has not failed: a refused batch takes its innocent
 neighbours with it, and a size refusal leaves an idempotent producer unable to write
 to that partition again. Destinations are looked up without creating topics.
+
+Every client is the chosen library's (``WORKER_KAFKA_CLIENT``), built by the Kafka edge:
+its admin answers what the topics are, its group-less reader reads the dead letters and
+its idempotent writer sends them.
 """
 
 from __future__ import annotations
@@ -24,10 +28,11 @@ from typing import Any
 from rich.progress import Progress, TaskID
 
 from worker.checks import probes
-from worker.kafka import PRODUCER_HEADROOM_BYTES, kafka_client_kwargs
-from worker.kafka.aiokafka import admin as broker
-from worker.kafka.aiokafka import clients
-from worker.kafka.types import KafkaError, TopicPartition
+from worker.commands.session import contact, describe
+from worker.kafka import PRODUCER_HEADROOM_BYTES
+from worker.kafka.direct import Reader, Writer
+from worker.kafka.edge import new_reader, new_writer
+from worker.kafka.types import ConsumerRecord, KafkaError, TopicPartition
 from worker.replay.plan import DeadLetter, Entry, Outcome, Planner, ReplayPlan
 from worker.settings import KafkaAuthSettings, KafkaSettings
 from worker.wire import replay_headers
@@ -40,7 +45,7 @@ _KAFKA_ERRORS = {3: "does not exist", 29: "not authorized to describe it"}
 
 
 #: Makes one of the replay's producers (not started).
-_ProducerFactory = Callable[[], clients.AIOKafkaProducer]
+_WriterFactory = Callable[[], Writer]
 
 
 class ReplayError(Exception):
@@ -56,43 +61,39 @@ async def replay(
     """Judge the snapshot's dead letters, then (unless a dry run) send the selected ones.
 
     Returns the plan with every entry's outcome; raises ReplayError when the
-    dead-letter topic cannot be read, ConfigError for unusable security settings.
+    dead-letter topic cannot be read, CommandFailed when a handshake is refused (CONFIG)
+    or no broker answers (UNAVAILABLE), ConfigError for unusable security settings.
     """
-    client_kwargs = kafka_client_kwargs(auth)
-    consumer = clients.consumer(
-        kafka,
-        client_kwargs,
-        suffix="replay",
-        group_id=None,
-        enable_auto_commit=False,
-        auto_offset_reset="earliest",
-        isolation_level="read_committed",
-    )
     dlq_topic = planner.dlq_topic
+    partitions = await _partitions(kafka, auth, dlq_topic)
+    reader = new_reader(kafka, auth, suffix="replay")
     try:
-        await consumer.start()
+        await reader.start()
     except KafkaError as exc:
-        await consumer.stop()
         raise ReplayError(f"Kafka {kafka.bootstrap_servers}: {probes.reason(exc)}") from None
     try:
         try:
-            ranges = await _snapshot(consumer, dlq_topic)
-            async for record in _read(consumer, ranges, progress, f"reading {dlq_topic}"):
+            spans = await reader.offsets(partitions)
+            ranges = {tp: spans[tp] for tp in sorted(partitions)}
+            async for record in _read(reader, ranges, progress, f"reading {dlq_topic}"):
                 planner.add(DeadLetter.of(record))
-            plan = planner.plan()
-            await _check_destinations(consumer, plan)
         except KafkaError as exc:
             raise ReplayError(f"reading {dlq_topic!r}: {probes.reason(exc)}") from None
+        plan = planner.plan()
+        await _check_destinations(kafka, auth, plan)
         if not plan.dry_run and plan.having(Outcome.SEND):
-            await _send(consumer, plan, _new_producer(kafka, client_kwargs, plan), progress)
+            await _send(reader, plan, _new_writer(kafka, auth, plan), progress)
         return plan
     finally:
-        await consumer.stop()
+        await reader.stop()
 
 
-async def _snapshot(consumer: clients.AIOKafkaConsumer, topic: str) -> dict[TopicPartition, range]:
-    """The offsets of every partition of ``topic`` from its start to its end, now."""
-    answer = await broker.describe_topics_through(consumer, [topic])
+async def _partitions(
+    kafka: KafkaSettings, auth: KafkaAuthSettings, topic: str
+) -> list[TopicPartition]:
+    """The partitions of the dead-letter topic; ReplayError when it cannot be read."""
+    async with contact(kafka, auth) as admin:
+        answer = await describe(admin, [topic])
     by_name: dict[str, Any] = {t["topic"]: t for t in answer["topics"]}
     found = by_name.get(topic, {"error_code": 3})
     code = int(found["error_code"])
@@ -101,37 +102,34 @@ async def _snapshot(consumer: clients.AIOKafkaConsumer, topic: str) -> dict[Topi
         raise ReplayError(f"dead-letter topic {topic!r} {reason}")
     if probes.may(int(found["topic_authorized_operations"]), probes.READ) is False:
         raise ReplayError(f"dead-letter topic {topic!r}: no read permission")
-    partitions = [TopicPartition(topic, p["partition"]) for p in found["partitions"]]
-    consumer.assign(partitions)
-    starts = await consumer.beginning_offsets(partitions)
-    ends = await consumer.end_offsets(partitions)
-    return {tp: range(starts[tp], ends[tp]) for tp in sorted(partitions)}
+    return [TopicPartition(topic, p["partition"]) for p in found["partitions"]]
 
 
 async def _read(
-    consumer: clients.AIOKafkaConsumer,
+    reader: Reader,
     ranges: dict[TopicPartition, range],
     progress: Progress | None,
     description: str,
-) -> AsyncIterator[Any]:
+) -> AsyncIterator[ConsumerRecord[bytes, bytes]]:
     """Every record inside ``ranges``; ends when each partition's position reaches its end."""
     pending = {tp: span for tp, span in ranges.items() if span}
     total = sum(len(span) for span in pending.values())
     task = progress.add_task(description, total=total) if progress is not None else None
-    for tp, span in pending.items():
-        consumer.seek(tp, span.start)
+    await reader.assign({tp: span.start for tp, span in pending.items()})
     positions: dict[TopicPartition, int] = {}
     moved_at = time.monotonic()
     while pending:
-        batch = await consumer.getmany(*pending, timeout_ms=500)
-        for tp, records in batch.items():
-            wanted = pending.get(tp, range(0))
-            for record in records:
-                if record.offset in wanted:
-                    yield record
-            if progress is not None and task is not None:
-                progress.advance(task, len(records))
-        now_at = {tp: await consumer.position(tp) for tp in pending}
+        read = 0
+        # A short wait: a partition ending in a transaction marker reaches its end with
+        # no record to return.
+        for record in await reader.fetch(0.1):
+            wanted = pending.get(TopicPartition(record.topic, record.partition), range(0))
+            if record.offset in wanted:
+                read += 1
+                yield record
+        if progress is not None and task is not None:
+            progress.advance(task, read)
+        now_at = {tp: await reader.position(tp) for tp in pending}
         # Control records and aborted transactions move the position without a record.
         if now_at != positions:
             positions, moved_at = now_at, time.monotonic()
@@ -144,13 +142,16 @@ async def _read(
         progress.update(task, completed=total)
 
 
-async def _check_destinations(consumer: clients.AIOKafkaConsumer, plan: ReplayPlan) -> None:
+async def _check_destinations(
+    kafka: KafkaSettings, auth: KafkaAuthSettings, plan: ReplayPlan
+) -> None:
     """Entries whose topic does not exist (or may not be written) get NO_DESTINATION."""
     sending = plan.having(Outcome.SEND)
     topics = sorted({entry.destination for entry in sending})
     if not topics:
         return
-    answer = await broker.describe_topics_through(consumer, topics)
+    async with contact(kafka, auth) as admin:
+        answer = await describe(admin, topics)
     problems: dict[str, str] = {}
     for found in answer["topics"]:
         code = int(found["error_code"])
@@ -164,14 +165,12 @@ async def _check_destinations(consumer: clients.AIOKafkaConsumer, plan: ReplayPl
             entry.detail = f"topic {entry.destination!r} {problems[entry.destination]}"
 
 
-def _new_producer(
-    kafka: KafkaSettings, client_kwargs: dict[str, Any], plan: ReplayPlan
-) -> _ProducerFactory:
+def _new_writer(kafka: KafkaSettings, auth: KafkaAuthSettings, plan: ReplayPlan) -> _WriterFactory:
     """Makes the idempotent producers of the replay, sized for its largest dead letter."""
     largest = max(entry.letter.size for entry in plan.having(Outcome.SEND))
     max_request = max(1 << 20, largest + PRODUCER_HEADROOM_BYTES)
     return functools.partial(
-        clients.producer, kafka, client_kwargs, suffix="replay", **clients.idempotent(max_request)
+        new_writer, kafka, auth, suffix="replay", max_request_bytes=max_request
     )
 
 
@@ -181,9 +180,9 @@ def _outgoing(entry: Entry, record: Any) -> tuple[Any, ...]:
 
 
 async def _send(
-    consumer: clients.AIOKafkaConsumer,
+    reader: Reader,
     plan: ReplayPlan,
-    new_producer: _ProducerFactory,
+    new_producer: _WriterFactory,
     progress: Progress | None,
 ) -> None:
     """Re-produce every SEND entry; each ends SENT or FAILED."""
@@ -217,13 +216,13 @@ async def _send(
             settle(entry, exc)
         return
     try:
-        async for record in _read(consumer, dict(sorted(ranges.items())), None, ""):
+        async for record in _read(reader, dict(sorted(ranges.items())), None, ""):
             selected = todo.pop((record.partition, record.offset), None)
             if selected is None:
                 continue
             topic, value, key, headers = _outgoing(selected, record)
             try:
-                future = await producer.send(topic, value, key=key, headers=headers)
+                future = await producer.send(topic, value, key, headers)
             except KafkaError as exc:
                 retry.append((selected, record))
                 settle(selected, exc)
@@ -260,11 +259,11 @@ def _ranges(topic: str, todo: Iterable[tuple[int, int]]) -> dict[TopicPartition,
 
 async def _send_again(
     retry: Sequence[tuple[Entry, Any]],
-    new_producer: _ProducerFactory,
+    new_producer: _WriterFactory,
     settle: Callable[[Entry, BaseException | None], None],
 ) -> None:
     """Each refused record once more, alone, on a producer that has not failed yet."""
-    producer: clients.AIOKafkaProducer | None = None
+    producer: Writer | None = None
     try:
         for entry, record in retry:
             if producer is None:
@@ -272,7 +271,7 @@ async def _send_again(
                 await producer.start()
             topic, value, key, headers = _outgoing(entry, record)
             try:
-                await (await producer.send(topic, value, key=key, headers=headers))
+                await (await producer.send(topic, value, key, headers))
             except KafkaError as exc:
                 settle(entry, exc)
                 await producer.stop()

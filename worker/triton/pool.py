@@ -27,6 +27,7 @@ import structlog
 from tritonclient.grpc import service_pb2
 
 from worker import errors
+from worker.flow.holds import Listing
 from worker.observability.metrics import Metrics
 from worker.triton.auth import TritonAuth
 from worker.triton.cache import MAX_CACHED_MODELS, BoundedCache, KeyedLocks
@@ -35,6 +36,7 @@ from worker.triton.endpoints import Endpoint, EndpointSet, Resolver, Target, par
 from worker.triton.endpoints import sequence_of as _sequence_of
 from worker.triton.endpoints import system_resolver as _system_resolver
 from worker.triton.failover import FailoverStream
+from worker.triton.repository import merged
 from worker.triton.server import ServerPool, Trace
 from worker.wire.validation import ModelSpec
 
@@ -348,9 +350,10 @@ class TritonPool:
         """True when some up endpoint says ``name`` (``version``) is ready to serve."""
         return await self._any(lambda p: p.model_ready(name, version))
 
-    async def repository_lists(self, name: str, version: str) -> bool:
-        """True when some up endpoint's repository index lists ``name`` (see ServerPool)."""
-        return await self._any(lambda p: p.repository_lists(name, version))
+    async def repository_listing(self, name: str, version: str) -> Listing:
+        """What the up endpoints' repository indexes say of ``name`` at ``version``."""
+        asked = [e.pool for e in self.endpoints if e.up] or [e.pool for e in self.endpoints]
+        return merged(await asyncio.gather(*(p.repository_listing(name, version) for p in asked)))
 
     async def _any(self, ask: Callable[[ServerPool], Awaitable[bool]]) -> bool:
         asked = [e.pool for e in self.endpoints if e.up] or [e.pool for e in self.endpoints]

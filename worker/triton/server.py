@@ -26,8 +26,10 @@ from tritonclient.grpc import InferenceServerException, service_pb2
 from tritonclient.grpc.aio import InferenceServerClient
 
 from worker import errors
+from worker.flow.holds import Listing
 from worker.flow.retry import Backoff
 from worker.triton import errors as triton_errors
+from worker.triton import repository
 from worker.triton._compat import channel_args, grpc_stub
 from worker.triton.auth import TritonAuth
 from worker.triton.cache import MAX_CACHED_MODELS, BoundedCache, KeyedLocks
@@ -48,8 +50,6 @@ _NEGATIVE_CACHE_S = 5.0
 _STUCK_AFTER_S = 0.25
 #: How long one read of the repository index answers for (a burst of failures asks once).
 _INDEX_CACHE_S = 1.0
-#: Repository states of a model that Triton is expected to serve (again) soon.
-SERVABLE_STATES = frozenset({"READY", "LOADING", "UNLOADING", "UNAVAILABLE"})
 #: W3C trace context (traceparent, tracestate) as gRPC metadata of a unary call.
 Trace = tuple[tuple[str, str], ...]
 _Model = tuple[str, str]  # (name, version)
@@ -100,7 +100,7 @@ class ServerPool:
         self._shm_min_bytes = shm_min_bytes
         self._shm_pool_bytes = shm_pool_bytes
         self.shm: ShmPool | None = None
-        self._index: tuple[float, set[tuple[str, str]]] | None = None
+        self._index: tuple[float, repository.Index] | None = None
         self._index_lock = asyncio.Lock()
 
     async def start(self) -> None:
@@ -310,33 +310,28 @@ class ServerPool:
             self._client.is_model_ready(name, version, headers=self._headers()), 2.0
         )
 
-    async def repository_lists(self, name: str, version: str) -> bool:
-        """True when Triton's repository index lists ``name`` in a state it can serve from.
-
-        READY, LOADING, UNLOADING or UNAVAILABLE (unloaded, or failed to load):
-        the model exists and a rollout may bring it back. A model never loaded
-        (no state) or absent from the repository is not listed; ``version`` ""
-        means any version. The index is read at most once a second; an
-        unreadable index lists nothing.
-        """
+    async def repository_listing(self, name: str, version: str) -> Listing:
+        """What Triton's repository index says of ``name`` at ``version`` ("": any; see
+        ``worker.triton.repository``). Read at most once a second; unreadable, it lists
+        nothing."""
         async with self._index_lock:
             now = time.monotonic()
             if self._index is None or now - self._index[0] > _INDEX_CACHE_S:
                 self._index = (now, await self._read_index())
-            listed = self._index[1]
-        return (name, version) in listed or (not version and any(n == name for n, _ in listed))
+            index = self._index[1]
+        return repository.listing(index, name, version)
 
-    async def _read_index(self) -> set[tuple[str, str]]:
-        """(name, version) of every model version the index lists in a servable state."""
+    async def _read_index(self) -> repository.Index:
+        """Every model version the index lists in a servable state, with its state."""
         if self._client is None:
-            return set()
+            return {}
         try:
             index = await asyncio.wait_for(
                 self._client.get_model_repository_index(headers=self._headers()), 2.0
             )
         except (TimeoutError, InferenceServerException, grpc.aio.AioRpcError):
-            return set()
-        return {(m.name, m.version) for m in index.models if m.state in SERVABLE_STATES}
+            return {}
+        return repository.read_index(index.models)
 
     async def _fetch_spec(self, name: str, version: str) -> ModelSpec:
         assert self._client is not None

@@ -1,8 +1,10 @@
-"""The commands beside ``run`` read the worker's Kafka settings, and document every flag."""
+"""The commands beside ``run`` read the worker's Kafka settings (the client library
+included), and document every flag."""
 
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 from types import CoroutineType
 from typing import Any
@@ -58,7 +60,7 @@ def test_produce_needs_no_worker_topics_and_takes_kafka_from_the_environment() -
         _args("produce", "--file", "-"), optional=["input_topics"], env=env
     )
     assert connection.bootstrap_servers == "broker-1:9093"
-    assert connection.client_kwargs["sasl_plain_username"] == "alice"
+    assert connection.auth.sasl_username == "alice"
     assert "input_topics" not in connection.values
 
 
@@ -152,3 +154,38 @@ def test_produce_with_a_topic_does_not_judge_the_input_topics(
     requests.write_text('{"id": "r1", "inputs": []}')
     assert produce.run_produce(_args("produce", "--file", str(requests), "--topic", "t")) == 0
     assert started == ["_produce"]
+
+
+_COMMANDS = {
+    "produce": ("--file", "-"),
+    "tail": ("results",),
+    "topics": (),
+    "replay": (),
+}
+
+
+@pytest.mark.parametrize("command", sorted(_COMMANDS))
+def test_every_command_reads_the_kafka_client(command: str) -> None:
+    """WORKER_KAFKA_CLIENT, or --kafka-client, chooses the client of every command (before,
+    the commands ignored it and ran on aiokafka)."""
+    args = _args(command, *_COMMANDS[command])
+    env = {"WORKER_KAFKA_CLIENT": "confluent", "WORKER_OUTPUT_TOPIC": "results"}
+    assert read_connection(args, env=env).kafka.kafka_client == "confluent"
+    flagged = _args(command, *_COMMANDS[command], "--kafka-client", "confluent")
+    assert read_connection(flagged, env={}).kafka.kafka_client == "confluent"
+    assert read_connection(args, env={}).kafka.kafka_client == "aiokafka"
+
+
+@pytest.mark.parametrize("command", sorted(_COMMANDS))
+def test_confluent_without_its_extra_is_refused_as_run_refuses_it(
+    command: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """WORKER_KAFKA_CLIENT=confluent where confluent-kafka is not installed: ConfigError
+    naming the setting and the extra to install, before any connection."""
+    monkeypatch.setitem(sys.modules, "confluent_kafka", None)  # as if not installed
+    with pytest.raises(ConfigError) as raised:
+        read_connection(
+            _args(command, *_COMMANDS[command]), env={"WORKER_KAFKA_CLIENT": "confluent"}
+        )
+    assert raised.value.setting == "WORKER_KAFKA_CLIENT"
+    assert "kafka-triton-worker[confluent]" in str(raised.value)

@@ -11,7 +11,7 @@ import pytest
 
 from worker import errors
 from worker.flow.breaker import CircuitBreaker
-from worker.flow.holds import ModelGate
+from worker.flow.holds import Listing, ModelGate
 from worker.flow.model_health import ModelHealth
 from worker.flow.retry import Backoff, Budget, Retrier, RetryPolicy
 from worker.observability.inflight import InFlight
@@ -115,8 +115,8 @@ async def test_a_record_held_for_its_model_says_so() -> None:
         probed.set()
         return ready.is_set()
 
-    async def listed(name: str, version: str) -> bool:
-        return True
+    async def listed(name: str, version: str) -> Listing:
+        return Listing(listed=True)
 
     gate = ModelGate(seen_ready=lambda n, v: True, listed=listed, ready=is_ready, interval_s=0.001)
     entry = InFlight("in", 0, 1, time.monotonic())

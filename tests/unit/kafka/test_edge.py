@@ -1,4 +1,5 @@
-"""The Kafka edge: the one place the client is chosen, and what each choice builds.
+"""The Kafka edge: the one place the client is chosen, and what each choice builds (the
+worker's parts, and the commands' writer and reader).
 
 Nothing is started: the parts are built only (no broker is asked at construction).
 """
@@ -13,10 +14,10 @@ from worker.flow.window import Window
 from worker.kafka.aiokafka.intake import Intake
 from worker.kafka.aiokafka.producer import AioProducer
 from worker.kafka.aiokafka.transactions import PerPartitionTransactions
-from worker.kafka.edge import Edge, build_edge, client_name
+from worker.kafka.edge import Edge, build_edge, client_name, new_reader, new_writer
 from worker.kafka.publisher import LARGEST_RECORD_BYTES
 from worker.observability import Metrics
-from worker.settings import Settings, load_settings
+from worker.settings import KafkaAuthSettings, Settings, load_settings
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -102,3 +103,51 @@ def test_no_record_is_refused_by_the_producers_own_limit() -> None:
     producer = edge_of(s).publisher.producer
     assert isinstance(producer, RdProducers)
     assert producer._rd._config["message.max.bytes"] == LARGEST_RECORD_BYTES == 1_000_000_000
+
+
+async def test_the_commands_clients_are_aiokafkas_by_default() -> None:
+    """No WORKER_KAFKA_CLIENT: the commands' writer and reader are aiokafka's, named for the
+    command (built only: closed, never started)."""
+    from worker.kafka.aiokafka.direct import AioReader, AioWriter
+
+    kafka = settings(client_id="c").kafka
+    writer = new_writer(kafka, KafkaAuthSettings(), suffix="produce", max_request_bytes=1 << 20)
+    reader = new_reader(kafka, KafkaAuthSettings(), suffix="tail")
+    try:
+        assert isinstance(writer, AioWriter)
+        assert isinstance(reader, AioReader)
+        assert writer._producer.client._client_id == "c-produce"
+        assert reader._consumer._client._client_id == "c-tail"
+    finally:
+        await writer.stop()
+        await reader.stop()
+
+
+def test_the_commands_clients_are_librdkafkas_under_confluent(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """WORKER_KAFKA_CLIENT=confluent: the commands' writer and reader are librdkafka's, and
+    no aiokafka client is built for them (its constructors fail here). The writer chooses a
+    key's partition as aiokafka does; the reader reads read_committed and commits nothing."""
+    from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+
+    from worker.kafka.rdkafka.direct import RdReader
+    from worker.kafka.rdkafka.publisher import RdProducer
+
+    def refused(*args: object, **kwargs: object) -> None:
+        raise AssertionError("an aiokafka client built under WORKER_KAFKA_CLIENT=confluent")
+
+    monkeypatch.setattr(AIOKafkaProducer, "__init__", refused)
+    monkeypatch.setattr(AIOKafkaConsumer, "__init__", refused)
+    kafka = settings(client_id="c", kafka_client="confluent").kafka
+    writer = new_writer(kafka, KafkaAuthSettings(), suffix="replay", max_request_bytes=2 << 20)
+    reader = new_reader(kafka, KafkaAuthSettings(), suffix="replay")
+    assert isinstance(writer, RdProducer)
+    assert isinstance(reader, RdReader)
+    produced = writer._config
+    assert (produced["client.id"], produced["partitioner"]) == ("c-replay", "murmur2_random")
+    assert (produced["acks"], produced["enable.idempotence"]) == ("all", True)
+    assert produced["message.max.bytes"] == 2 << 20
+    read = reader._config
+    assert (read["client.id"], read["isolation.level"]) == ("c-replay", "read_committed")
+    assert read["enable.auto.commit"] is False

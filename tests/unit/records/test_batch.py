@@ -27,7 +27,7 @@ from worker.audit import Audit
 from worker.delivery import AtLeastOnce
 from worker.delivery.offsets import OffsetTracker
 from worker.flow.breaker import CircuitBreaker
-from worker.flow.holds import ModelGate
+from worker.flow.holds import Listing, ModelGate
 from worker.flow.limiter import AdaptiveLimiter
 from worker.flow.model_health import ModelHealth
 from worker.flow.ordering import Turns
@@ -193,7 +193,7 @@ class Harness:
         self.window = Window(64, 64)
         self.inflight = InFlightRegistry(30, clock=clock)
         self.breaker = CircuitBreaker(5)
-        self.models = ModelGate(seen_ready=lambda *_: True, listed=_true, ready=_true)
+        self.models = ModelGate(seen_ready=lambda *_: True, listed=_listed, ready=_true)
         self.health = ModelHealth.from_settings(self.settings.retry, lambda *_: None)
         self.fallbacks: list[tuple[int, Outcome | None]] = []
         self.handed: list[Handed] = []
@@ -239,6 +239,10 @@ class Harness:
 
 async def _true(*_: str) -> bool:
     return True
+
+
+async def _listed(*_: str) -> Listing:
+    return Listing(listed=True)
 
 
 def test_plain_records_qualify_and_others_are_left_to_the_per_record_path() -> None:

@@ -26,7 +26,7 @@ from tests.unit.records.fakes import (
 )
 from worker import errors
 from worker.flow.breaker import CircuitBreaker
-from worker.flow.holds import ModelGate
+from worker.flow.holds import NOT_LISTED, Listing, ModelGate
 from worker.flow.ordering import Turns
 from worker.flow.window import Window
 from worker.observability import InFlight, InFlightRegistry, Metrics
@@ -167,8 +167,8 @@ async def test_a_model_being_reloaded_is_held_without_spending_attempts() -> Non
         probed.set()
         return ready.is_set()
 
-    async def listed(name: str, version: str) -> bool:
-        return False
+    async def listed(name: str, version: str) -> Listing:
+        return NOT_LISTED
 
     gate = ModelGate(
         seen_ready=lambda name, version: True, listed=listed, ready=is_ready, interval_s=0.001
@@ -201,7 +201,10 @@ async def test_a_model_the_repository_does_not_list_is_not_found_at_once() -> No
     async def no(name: str, version: str) -> bool:
         return False
 
-    gate = ModelGate(seen_ready=lambda name, version: False, listed=no, ready=no)
+    async def unlisted(name: str, version: str) -> Listing:
+        return NOT_LISTED
+
+    gate = ModelGate(seen_ready=lambda name, version: False, listed=unlisted, ready=no)
 
     class Unknown(FakeTriton):
         async def model_spec(self, name: str, version: str) -> ModelSpec:

@@ -18,7 +18,7 @@ from tests.unit.records.fakes import good_record, record, sample, settings, step
 from worker import errors
 from worker.audit import AUDIT_EVENT
 from worker.flow.breaker import CircuitBreaker
-from worker.flow.holds import ModelGate
+from worker.flow.holds import NOT_LISTED, Listing, ModelGate
 from worker.flow.limiter import AdaptiveLimiter
 from worker.flow.model_health import ModelHealth
 from worker.flow.retry import Budget
@@ -283,7 +283,10 @@ async def test_a_model_held_or_failing_is_not_serving() -> None:
     async def no(*_: str) -> bool:
         return False
 
-    gate = ModelGate(seen_ready=lambda *_: True, listed=no, ready=no)
+    async def unlisted(*_: str) -> Listing:
+        return NOT_LISTED
+
+    gate = ModelGate(seen_ready=lambda *_: True, listed=unlisted, ready=no)
     health = ModelHealth.from_settings(settings().retry)
     steps = steps_for(gate=gate, health=health)
     assert steps.serving(*MODEL)

@@ -61,8 +61,9 @@ _FAILURES = (KafkaError, AssertionError, OSError)
 class PartitionProducer:
     """The transactional producer of one input partition."""
 
-    #: Its producer is not batched: a refusal names the one record refused.
-    exact_refusals = True
+    #: Its batches (aiokafka's default 16 KiB) hold several small records: the broker's
+    #: refusal of one batch names every record in it.
+    exact_refusals = False
 
     def __init__(
         self,
@@ -134,25 +135,16 @@ class PartitionProducer:
         """Every message sent, then every acknowledgement awaited: aiokafka's commit does not
         wait for batches still queued. A message over the producer's own size limit is
         refused by ``send`` itself, before anything is queued: a refusal like the broker's.
-        (Each message is its own batch here, so refusals are exact; ``one_by_one`` changes
-        nothing.)"""
+        ``one_by_one``: each message once the previous one is acknowledged (a batch of its
+        own), stopping at the first refusal, which is then exact."""
         producer = self._started()
-        sent: list[asyncio.Future[Any] | BaseException] = []
         try:
-            for topic, value, key, headers in messages:
-                try:
-                    sent.append(
-                        await producer.send(topic, value=value, key=key, headers=list(headers))
-                    )
-                except MessageSizeTooLargeError as exc:
-                    sent.append(exc)
-            results = await asyncio.gather(
-                *(s for s in sent if not isinstance(s, BaseException)), return_exceptions=True
-            )
+            if one_by_one:
+                outcomes = await _each_alone(producer, messages)
+            else:
+                outcomes = await _all(producer, messages)
         except _FAILURES as exc:
             raise _failed(exc) from exc
-        acks = iter(results)
-        outcomes = [s if isinstance(s, BaseException) else next(acks) for s in sent]
         refused = tuple(
             i for i, r in enumerate(outcomes) if isinstance(r, MessageSizeTooLargeError)
         )
@@ -190,6 +182,32 @@ class PartitionProducer:
         producer, self._producer = self._producer, None
         if producer is not None:
             await _stop_quietly(producer)
+
+
+async def _all(producer: AIOKafkaProducer, messages: Sequence[Message]) -> list[Any]:
+    """Each message's acknowledgement or error, every one sent before any is awaited."""
+    sent: list[asyncio.Future[Any] | BaseException] = []
+    for topic, value, key, headers in messages:
+        try:
+            sent.append(await producer.send(topic, value=value, key=key, headers=list(headers)))
+        except MessageSizeTooLargeError as exc:
+            sent.append(exc)
+    pending = [s for s in sent if not isinstance(s, BaseException)]
+    acks = iter(await asyncio.gather(*pending, return_exceptions=True))
+    return [s if isinstance(s, BaseException) else next(acks) for s in sent]
+
+
+async def _each_alone(producer: AIOKafkaProducer, messages: Sequence[Message]) -> list[Any]:
+    """Each message alone in its batch, until the first one refused."""
+    outcomes: list[Any] = []
+    for topic, value, key, headers in messages:
+        try:
+            future = await producer.send(topic, value=value, key=key, headers=list(headers))
+            outcomes.append(await future)
+        except MessageSizeTooLargeError as exc:
+            outcomes.append(exc)
+            break
+    return outcomes
 
 
 def _failed(exc: BaseException) -> TransactionFailed:

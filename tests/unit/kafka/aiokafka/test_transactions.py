@@ -174,3 +174,16 @@ async def test_a_start_stops_trying_once_the_partition_is_no_longer_ours() -> No
     producer = _partition_producer(factory)
     assert not await producer.start(lambda: next(ours))
     assert len(factory.made) == 1 and not producer.running
+
+
+async def test_one_by_one_sends_each_after_the_previous_ack_and_stops_at_a_refusal() -> None:
+    """A refused batch names every message in it (aiokafka's batches hold several small
+    ones): one_by_one sends each alone, once the one before is acknowledged, and stops at
+    the first refusal, which is then exact."""
+    factory = Factory(TXN_ID, lambda _n, p: setattr(p, "refuse", {1}))
+    producer = _partition_producer(factory)
+    assert not producer.exact_refusals
+    await producer.start()
+    await producer.begin()
+    assert await producer.send(MESSAGES, one_by_one=True) == (1,)
+    assert factory.made[0].sent == MESSAGES[:2]  # nothing after the refused one
