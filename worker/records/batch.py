@@ -213,12 +213,27 @@ class BatchPath:
             self._release([c for c in candidates if not c.settled])
 
     async def _run(self, group: Group, hand_over: HandOver, passed: set[TopicPartition]) -> None:
-        candidates = group.candidates
-        for candidate in candidates:
+        for candidate in group.candidates:
             if candidate.key_turn is not None:
                 # Ordering ``key``: the key's earlier records are published first.
                 candidate.entry.state = "waiting_turn"
                 await candidate.key_turn.wait()
+        ready, failed = await self._answers(group.candidates)
+        cut: set[TopicPartition] = set()
+        if group.partition_turns:
+            ready, failed = _cut_at_failures(group, ready, failed)
+            cut = {f.candidate.tp for f in failed}
+            for turn in group.partition_turns.values():
+                await turn.wait()  # the partitions' earlier records are published first
+        else:
+            self._hand_over(group, failed, hand_over, passed)
+            failed = []
+        if ready:
+            await self._complete(group, ready, cut, hand_over, passed)
+        self._hand_over(group, failed, hand_over, passed)
+
+    async def _answers(self, candidates: list[Candidate]) -> tuple[list[_Ready], list[_Failed]]:
+        """The candidates' micro-batches inferred: each one's result, or why it has none."""
         batches = self._micro_batches(candidates)
         if len(batches) == 1:
             answers = [await self._infer(batches[0])]
@@ -237,45 +252,45 @@ class BatchPath:
                     continue
                 candidate.entry.state = "publishing"
                 ready.append(_Ready(candidate, *result))
-        cut: set[TopicPartition] = set()
-        if group.partition_turns:
-            ready, failed = _cut_at_failures(group, ready, failed)
-            cut = {f.candidate.tp for f in failed}
-            for turn in group.partition_turns.values():
-                await turn.wait()  # the partitions' earlier records are published first
-        else:
-            self._hand_over(group, failed, hand_over, passed)
-            failed = []
-        if ready:
+        return ready, failed
 
-            def safe() -> None:
-                # Each key's and partition's next records may go: the results are safe
-                # (acknowledged, or staged in order); a partition with records handed
-                # over keeps its turn until they are.
-                _pass_key_turns(ready)
-                for tp, turn in group.partition_turns.items():
-                    if tp not in cut:
-                        turn.done()
+    async def _complete(
+        self,
+        group: Group,
+        ready: list[_Ready],
+        cut: set[TopicPartition],
+        hand_over: HandOver,
+        passed: set[TopicPartition],
+    ) -> None:
+        """Publish the results through the delivery mode; count those done."""
 
-            def refused(index: int, error: BaseException) -> None:
-                # At once: under exactly_once the group's other results wait for this
-                # one's dead letter (its partition commits below it until then).
-                item = ready[index]
-                if isinstance(error, errors.PartitionRevoked):
-                    item.candidate.settled = True  # its next owner redoes it
-                    return
-                self._hand_over(group, [_Failed(item.candidate, "publish", item.outcome())],
-                                hand_over, passed, turns=False)  # fmt: skip
+        def safe() -> None:
+            # Each key's and partition's next records may go: the results are safe
+            # (acknowledged, or staged in order); a partition with records handed over
+            # (``cut``) keeps its turn until they are.
+            _pass_key_turns(ready)
+            for tp, turn in group.partition_turns.items():
+                if tp not in cut:
+                    turn.done()
 
-            await self._delivery.complete_many(
-                [(r.candidate.record, r.value, r.headers) for r in ready],
-                [r.candidate.generation for r in ready],
-                on_safe=safe,
-                on_refused=refused,
-                then=self._auditing(ready) if self._steps.audits else None,
-            )
-            self._settle(ready)
-        self._hand_over(group, failed, hand_over, passed)
+        def refused(index: int, error: BaseException) -> None:
+            # At once: under exactly_once the group's other results wait for this one's
+            # dead letter (its partition commits below it until then).
+            item = ready[index]
+            if isinstance(error, errors.PartitionRevoked):
+                item.candidate.settled = True  # its next owner redoes it
+                return
+            handed = [_Failed(item.candidate, "publish", item.outcome())]
+            self._hand_over(group, handed, hand_over, passed, turns=False)
+
+        await self._delivery.complete_many(
+            [(r.candidate.record, r.value, r.headers) for r in ready],
+            [r.candidate.generation for r in ready],
+            on_safe=safe,
+            on_refused=refused,
+            then=self._auditing(ready) if self._steps.audits else None,
+        )
+        self._settle(ready)
 
     def _auditing(self, ready: list[_Ready]) -> Then:
         async def audit(indexes: list[int]) -> None:

@@ -435,7 +435,7 @@ async def test_a_bug_in_the_groups_bookkeeping_hands_the_records_over_and_is_cou
     bug is logged and counted once, and the run of bugs grows."""
     h = Harness()
 
-    async def broken(*_: Any, **__: Any) -> list[BaseException | None]:
+    async def broken(*_: Any, **__: Any) -> None:
         raise KeyError("partition")
 
     h.delivery.complete_many = broken  # type: ignore[method-assign]

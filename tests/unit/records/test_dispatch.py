@@ -276,7 +276,7 @@ def test_every_mode_has_the_group_path(env: dict[str, str]) -> None:
     """The delivery mode, the ordering and the audit do not choose the path: the group path
     is built in every mode (only WORKER_FAST_PATH=false leaves it out)."""
     h = Harness()
-    transactions = PerPartitionTransactions("g", "p", lambda _id: None)  # type: ignore[arg-type]
+    transactions = PerPartitionTransactions("g", "p", lambda _id: None)
     for fast_path, built in (("true", True), ("false", False)):
         s = settings(fast_path=fast_path, **env)
         delivery = build_delivery(s, h.sink, h.delivery._edge, h.metrics, transactions=transactions)  # type: ignore[arg-type]

@@ -47,8 +47,8 @@ def latency_count(metrics: Metrics) -> float:
 
 
 def test_a_micro_batch_is_booked_as_its_records() -> None:
-    """inferred_many(n): n latencies and n limiter samples, as n per-record inferences;
-    the breaker told once, the model's health n successes at once."""
+    """inferred_many(n): n latencies and n limiter samples (in one update each), as n
+    per-record inferences; the breaker told once, the model's health n successes at once."""
     single, single_metrics, s_breaker, s_health, s_limiter = counted()
     for _ in range(3):
         single.inferred("double", 0.25)
@@ -56,8 +56,8 @@ def test_a_micro_batch_is_booked_as_its_records() -> None:
     batch, batch_metrics, b_breaker, b_health, b_limiter = counted()
     batch.inferred_many(MODEL, 0.25, 3)
     assert latency_count(single_metrics) == latency_count(batch_metrics) == 3
-    assert s_limiter.on_success.call_args_list == b_limiter.on_success.call_args_list
-    assert len(b_limiter.on_success.call_args_list) == 3
+    assert s_limiter.on_success.call_args_list == [((0.25, 1),)] * 3
+    assert b_limiter.on_success.call_args_list == [((0.25, 3),)]
     assert s_health.succeeded.call_count == 3
     b_health.succeeded_many.assert_called_once_with(MODEL, 3)
     assert (s_breaker.record_success.call_count, b_breaker.record_success.call_count) == (3, 1)
