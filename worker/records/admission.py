@@ -23,7 +23,7 @@ from worker.triton.batching import batchable
 from worker.wire import DecodedRequest
 from worker.wire.validation import ModelSpec
 
-__all__ = ["MAX_SIGNATURES", "Admissions"]
+__all__ = ["MAX_SIGNATURES", "Admissions", "signature_of"]
 
 #: How many (model, signature) answers are kept.
 MAX_SIGNATURES: Final = 1024
@@ -42,6 +42,20 @@ def signature(infer: Any) -> _Signature:
     )
 
 
+def signature_of(request: DecodedRequest) -> _Signature:
+    """``signature`` of the request, read from its pending tensors if it has them (the same
+    as its built request's: no parameters, one raw content per input)."""
+    pending = request.pending
+    if request.infer_request is not None or pending is None:
+        return signature(request.infer_request)
+    return (
+        tuple((p.name, p.datatype, p.shape, 0) for p in pending),
+        len(pending),
+        request.output_names,
+        (),
+    )
+
+
 class Admissions:
     """``admits(spec, request)``: True when the request passes ``check`` and ``batchable``."""
 
@@ -56,12 +70,12 @@ class Admissions:
 
     def admits(self, spec: ModelSpec, request: DecodedRequest) -> bool:
         """True when ``request`` fits ``spec`` and may share a batch (a yes asked once per
-        spec and signature)."""
-        infer = request.infer_request
-        key = (spec.name, spec.version, signature(infer))
+        spec and signature; a request with pending tensors is built to be asked)."""
+        key = (spec.name, spec.version, signature_of(request))
         if self._answers.get(key) is spec:
             return True
         try:
+            infer = request.packed()
             self._check(spec, request)
             if not batchable(spec, request):
                 return False

@@ -50,6 +50,7 @@ from worker.triton.batching import batch_key
 from worker.triton.merging import merge, split
 from worker.triton.pool import TritonPool
 from worker.wire import Source
+from worker.wire.requests import pack_group
 from worker.wire.batch_results import BatchResults
 from worker.wire.validation import ModelSpec
 
@@ -167,7 +168,7 @@ class BatchPath:
             return None
         steps, source = self._steps, Source.of(record)
         try:
-            request = steps.decode(value, record.headers, source)
+            request = steps.decode(value, record.headers, source, defer=True)
             name, version = request.model_name, request.model_version
             spec = self._pool.cached_spec(name, version)
             if spec is None or spec.decoupled or spec.sequence:
@@ -184,7 +185,10 @@ class BatchPath:
             return None
         entry = self._inflight.add(record)
         entry.request_id, entry.model, entry.state = request.request_id, name, "waiting_batch"
-        rows = int(request.infer_request.inputs[0].shape[0])
+        if request.pending is not None:
+            rows = request.pending[0].shape[0]
+        else:
+            rows = int(request.infer_request.inputs[0].shape[0])
         return Candidate(record, generation, source, request, spec, rows, entry, time.monotonic())
 
     async def run(self, group: Group, hand_over: HandOver) -> None:
@@ -242,6 +246,12 @@ class BatchPath:
         ready: list[_Ready] = []
         failed: list[_Failed] = []
         for batch, response in zip(batches, answers, strict=True):
+            if isinstance(response, _Undecodable):
+                for i, candidate in enumerate(batch):
+                    if i in response.indexes:
+                        failed.append(_Failed(candidate, "decode"))
+                batch = [c for i, c in enumerate(batch) if i not in response.indexes]
+                response = response.response
             results = None if response is None else self._results(batch, response)
             if results is None:
                 failed += [_Failed(c, "inference") for c in batch]
@@ -336,7 +346,7 @@ class BatchPath:
         batches: list[list[Candidate]] = []
         open_batches: dict[tuple[object, ...], tuple[list[Candidate], int]] = {}
         for candidate in candidates:
-            key = batch_key(candidate.request.infer_request)
+            key = _group_key(candidate.request)
             capacity = min(self._max_rows, candidate.spec.max_batch_size)
             current = open_batches.get(key)
             if current is not None and current[1] + candidate.rows <= capacity:
@@ -348,14 +358,22 @@ class BatchPath:
             open_batches[key] = (batch, candidate.rows)
         return batches
 
-    async def _infer(self, batch: list[Candidate]) -> Any | None:
-        """The batch's response (to its candidates merged); None when the batch failed."""
+    async def _infer(self, batch: list[Candidate]) -> Any:
+        """The batch's response (to its candidates merged); None when the batch failed;
+        ``_Undecodable`` when some of its pending tensors do not build (the others' response
+        within)."""
+        if batch[0].request.pending is not None:
+            merged, bad = pack_group([c.request for c in batch])
+            if bad:
+                rest = [c for i, c in enumerate(batch) if i not in bad]
+                return _Undecodable(set(bad), await self._infer(rest) if rest else None)
+        else:
+            requests = [c.request.infer_request for c in batch]
+            merged = requests[0] if len(batch) == 1 else merge(requests)
         for candidate in batch:
             candidate.entry.state = "sent"
-        requests = [c.request.infer_request for c in batch]
         started = time.monotonic()
         try:
-            merged = requests[0] if len(batch) == 1 else merge(requests)
             response = await self._pool.infer(merged, self._timeout_s)
         except Exception as exc:
             # Outages and failures are seen by the breakers through the per-record path;
@@ -460,6 +478,25 @@ class BatchPath:
             self._inflight.remove(candidate.entry)
         for tp, count in per_partition.items():
             self._window.release_many(tp, count)
+
+
+@dataclass(slots=True)
+class _Undecodable:
+    """A micro-batch some of whose pending tensors do not build: their indexes, and the
+    response to the others (None: there were none, or it failed)."""
+
+    indexes: set[int]
+    response: Any
+
+
+def _group_key(request: wire.DecodedRequest) -> tuple[object, ...]:
+    """``batch_key`` of the request; for pending tensors, from them (pending requests only
+    batch with one another: the group builds their tensors at once)."""
+    pending = request.pending
+    if pending is None:
+        return batch_key(request.infer_request)
+    inputs = tuple((p.name, p.datatype, p.shape[1:]) for p in pending)
+    return ("pending", request.model_name, request.model_version, inputs, request.output_names)
 
 
 def _pass_key_turns(ready: list[_Ready]) -> None:

@@ -43,7 +43,7 @@ log = structlog.get_logger(__name__)
 Written = list[tuple[str, bytes | None]]
 
 #: Why the batch path hands a record to the per-record path.
-FALLBACK_REASONS = ("inference", "encode", "publish", "order", "internal")
+FALLBACK_REASONS = ("decode", "inference", "encode", "publish", "order", "internal")
 
 
 class Answered(Protocol):
@@ -102,7 +102,9 @@ class Steps:
 
     # -- admission -------------------------------------------------------------------
 
-    def decode(self, value: bytes | None, headers: Headers, source: Source) -> wire.DecodedRequest:
+    def decode(
+        self, value: bytes | None, headers: Headers, source: Source, *, defer: bool = False
+    ) -> wire.DecodedRequest:
         """The record's request, decoded within the limits (WorkerError when it cannot be).
 
         ``allow(topic, model)`` (Forbidden) and ``check(spec, request)`` (against the
@@ -112,7 +114,9 @@ class Steps:
         mapping = rules.mappings.get(source.topic) if rules.mappings else None
         if mapping is not None:
             return decode_event(mapping, value, headers, source, rules.limits)
-        return wire.decode_request(value, headers, source, rules.limits, rules.default_model)
+        return wire.decode_request(
+            value, headers, source, rules.limits, rules.default_model, defer=defer
+        )
 
     @staticmethod
     def fit(spec: ModelSpec, request: wire.DecodedRequest) -> None:

@@ -47,7 +47,15 @@ from worker.wire.messages import (
     set_parameters,
 )
 
-__all__ = ["DecodeLimits", "DecodedRequest", "Encoding", "decode_request", "request_names"]
+__all__ = [
+    "DecodeLimits",
+    "DecodedRequest",
+    "Encoding",
+    "PendingInput",
+    "decode_request",
+    "pack_group",
+    "request_names",
+]
 
 Encoding = Literal["json", "binary", "protobuf"]
 
@@ -69,11 +77,25 @@ class DecodeLimits:
     max_tensor_bytes: int | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class PendingInput:
+    """An input of a JSON request whose tensor is not built yet: its elements as parsed, one
+    flat row-major list (checked against its shape, not converted)."""
+
+    name: str
+    datatype: str
+    shape: tuple[int, ...]
+    flat: list[Any]
+
+
 @dataclass(slots=True)
 class DecodedRequest:
     """A request ready for Triton, and what is needed to shape its result.
 
-    `payload_bytes` is the size of the record value.
+    `payload_bytes` is the size of the record value. A JSON request decoded for a group
+    (``defer``) may have its tensors ``pending``: ``infer_request`` is then None until
+    ``packed()`` builds it, and the group builds one request of all its rows at once
+    (``pack_group``).
     """
 
     request_id: str
@@ -86,6 +108,59 @@ class DecodedRequest:
     #: A mapped topic's event (``worker.events.MappedEvent``): it shapes the request for the
     #: model and makes the result event. None for an inference request.
     event: Any = None
+    #: The inputs whose tensors are built later (see above), and the outputs asked for.
+    pending: tuple[PendingInput, ...] | None = None
+    output_names: tuple[str, ...] = ()
+
+    def packed(self) -> Any:
+        """The ``ModelInferRequest``, built now if its tensors were pending (InvalidRequest
+        when an element does not fit its datatype)."""
+        if self.infer_request is None:
+            assert self.pending is not None
+            request = _new_request(self.model_name, self.model_version, self.output_names)
+            for i, tensor in enumerate(self.pending):
+                raw = tensors.json_to_raw(
+                    tensor.datatype, tensor.shape, tensor.flat, f"inputs[{i}]"
+                )
+                request.inputs.add(name=tensor.name, datatype=tensor.datatype, shape=tensor.shape)
+                request.raw_input_contents.append(raw)
+            self.infer_request = request
+        return self.infer_request
+
+
+def _new_request(model_name: str, model_version: str, outputs: tuple[str, ...]) -> Any:
+    request = service_pb2.ModelInferRequest(model_name=model_name, model_version=model_version)
+    for name in outputs:
+        request.outputs.add(name=name)
+    return request
+
+
+def pack_group(requests: list[DecodedRequest]) -> tuple[Any, list[int]]:
+    """One ``ModelInferRequest`` of the pending requests' rows, in order (all share a batch
+    key); or None and the indexes of the requests whose elements do not convert (each one's
+    own decoding says why), when there are some."""
+    first = requests[0]
+    assert first.pending is not None
+    merged = _new_request(first.model_name, first.model_version, first.output_names)
+    total_rows = 0
+    for request in requests:
+        assert request.pending is not None
+        total_rows += request.pending[0].shape[0]
+    for i, tensor in enumerate(first.pending):
+        flats = [request.pending[i].flat for request in requests]  # type: ignore[index]
+        raw = tensors.json_to_raw_many(tensor.datatype, flats)
+        if raw is None:
+            bad = [
+                j
+                for j, flat in enumerate(flats)
+                if tensors.json_to_raw_many(tensor.datatype, [flat]) is None
+            ]
+            return None, bad
+        merged.inputs.add(
+            name=tensor.name, datatype=tensor.datatype, shape=[total_rows, *tensor.shape[1:]]
+        )
+        merged.raw_input_contents.append(raw)
+    return merged, []
 
 
 def _encoding_of(headers: Headers) -> Encoding:
@@ -283,6 +358,8 @@ def decode_request(
     source: Source,
     limits: DecodeLimits,
     default_model: str | None = None,
+    *,
+    defer: bool = False,
 ) -> DecodedRequest:
     """Decode a record into a Triton request; raise a WorkerError saying what is wrong.
 
@@ -290,6 +367,8 @@ def decode_request(
     tensors (JSON numbers can expand several times in binary form). Each input
     tensor is held to ``limits.max_tensor_elements`` and ``limits.max_tensor_bytes``
     (TooLarge) from its claimed shape and its data, before its buffer is built.
+    ``defer``: a plain JSON request (numeric inputs with their data, no parameters) keeps
+    its tensors pending, for its group to build them together.
     """
     max_request_bytes = limits.max_request_bytes
     tensor_limits = tensors.TensorLimits(limits.max_tensor_elements, limits.max_tensor_bytes)
@@ -301,21 +380,33 @@ def decode_request(
             f"record value is {len(value)} bytes, over the {max_request_bytes}-byte limit"
         )
     encoding = _encoding_of(headers)
+    pending: tuple[PendingInput, ...] | None = None
+    outputs: tuple[str, ...] = ()
     if encoding == "protobuf":
         request, tensor_bytes = _from_protobuf(value, tensor_limits)
         body_id, body_name, body_version = request.id, request.model_name, request.model_version
     else:
-        request, tensor_bytes, (body_id, body_name, body_version) = _from_json_value(
-            value, headers, encoding, tensor_limits
+        body, header_end = _json_body(value, headers, encoding)
+        deferred = _deferred(body, tensor_limits) if defer and header_end is None else None
+        if deferred is not None:
+            request = None
+            (pending, tensor_bytes), outputs = deferred, tuple(o.name for o in body.outputs or ())
+        else:
+            request, tensor_bytes = _from_json(body, value, header_end, tensor_limits)
+        body_id, body_name, body_version = (
+            body.id or "",
+            body.model_name or "",
+            body.model_version or "",
         )
     if tensor_bytes > max_request_bytes:
         raise TooLarge(
             f"decoded tensors are {tensor_bytes} bytes, over the {max_request_bytes}-byte limit"
         )
     model_name, model_version = _choose_model(headers, body_name, body_version, default_model)
-    request.model_name = model_name
-    request.model_version = model_version
-    request.id = ""
+    if request is not None:
+        request.model_name = model_name
+        request.model_version = model_version
+        request.id = ""
     request_id = (
         body_id
         or header_text(headers, X_REQUEST_ID)
@@ -329,14 +420,15 @@ def decode_request(
         infer_request=request,
         binary_outputs=encoding == "binary",
         payload_bytes=len(value),
+        pending=pending,
+        output_names=outputs,
     )
 
 
-def _from_json_value(
-    value: bytes, headers: Headers, encoding: str, tensor_limits: tensors.TensorLimits
-) -> tuple[Any, int, tuple[str, str, str]]:
-    """A JSON or binary-extension value: the request, its tensors' bytes, and the body's
-    (id, model name, model version)."""
+def _json_body(
+    value: bytes, headers: Headers, encoding: str
+) -> tuple[InferRequestJSON, int | None]:
+    """A JSON or binary-extension value's JSON, and where its binary tensors start."""
     header_end: int | None = None
     json_part: bytes | memoryview = value
     if encoding == "json" and value.startswith(codecs.BOM_UTF8):
@@ -346,9 +438,33 @@ def _from_json_value(
         header_end = _binary_header_length(headers, value)
         json_part = memoryview(value)[:header_end]
     body = _decode_json(json_part, "JSON header" if header_end is not None else "request body")
-    request, tensor_bytes = _from_json(body, value, header_end, tensor_limits)
-    names = (body.id or "", body.model_name or "", body.model_version or "")
-    return request, tensor_bytes, names
+    return body, header_end
+
+
+def _deferred(
+    body: InferRequestJSON, limits: tensors.TensorLimits
+) -> tuple[tuple[PendingInput, ...], int] | None:
+    """A plain request's inputs, pending (checked against their shapes and the limits, their
+    elements not converted), and their tensors' bytes; None for any other request (it is
+    decoded whole)."""
+    if body.parameters or any(o.parameters for o in body.outputs or ()):
+        return None
+    pending: list[PendingInput] = []
+    names: set[str] = set()
+    total_bytes = 0
+    for i, spec in enumerate(body.inputs):
+        dt = tensors.DATATYPES.get(spec.datatype)
+        if spec.parameters or spec.data is None or dt is None or dt.dtype is None:
+            return None
+        if spec.name in names or not spec.shape:
+            return None
+        names.add(spec.name)
+        where = f"inputs[{i}]"
+        limits.check(spec.datatype, spec.shape, where)
+        flat, _ = tensors.flat_json(spec.datatype, spec.shape, spec.data, where)
+        pending.append(PendingInput(spec.name, spec.datatype, tuple(spec.shape), flat))
+        total_bytes += len(flat) * dt.size_bytes
+    return tuple(pending), total_bytes
 
 
 class _Names(msgspec.Struct):

@@ -39,7 +39,9 @@ __all__ = [
     "count_bytes_elements",
     "deserialize_bytes_tensor",
     "element_count",
+    "flat_json",
     "json_to_raw",
+    "json_to_raw_many",
     "lookup_datatype",
     "numpy_to_raw",
     "raw_to_json",
@@ -250,6 +252,32 @@ def _element_error(
             f"{where}{_position(index, shape, nested)}: {reason.lower()} for {dt.name}"
         )
     return InvalidRequest(f"{where}: {text} for {dt.name}")
+
+
+def flat_json(datatype: str, shape: Sequence[int], data: Any, where: str) -> tuple[list[Any], bool]:
+    """JSON ``data`` checked against ``shape`` and flattened (row-major), its elements not
+    converted yet; and whether it came nested (for the index of an element in a message)."""
+    lookup_datatype(datatype, f"{where}.datatype")
+    count = element_count(shape, f"{where}.shape")
+    flat = _flatten(data, shape, count, f"{where}.data")
+    return flat, flat is not data
+
+
+def json_to_raw_many(datatype: str, flats: Sequence[list[Any]]) -> bytes | None:
+    """The raw bytes of several numeric tensors' flat JSON elements, joined in order (a
+    group's rows); None when an element does not convert (each tensor's own ``json_to_raw``
+    then says which, and why)."""
+    dt = DATATYPES[datatype]
+    if dt.dtype is None:
+        return None
+    joined: list[Any] = []
+    for flat in flats:
+        joined += flat
+    try:
+        values = msgspec.convert(joined, _JSON_LIST_TYPES[dt.name])
+        return np.asarray(values, dtype=dt.dtype).tobytes()
+    except (msgspec.ValidationError, OverflowError):
+        return None
 
 
 def json_to_raw(datatype: str, shape: Sequence[int], data: Any, where: str) -> bytes:
