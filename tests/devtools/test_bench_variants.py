@@ -177,8 +177,13 @@ def test_the_quix_virtualenv_is_built_once_then_reused(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A fake installer at the module seam: the first call builds (venv, pip -r the pins)
-    in a partial folder renamed into place; the second finds it and installs nothing."""
+    in a partial folder renamed into place, dropping one a dead process left; the second
+    finds it and installs nothing."""
     monkeypatch.setenv("DEVSTACK_DIR", str(tmp_path / "devstack"))
+    root = quix.quix_python().parents[1]
+    # Above the kernel's largest pid (2**22): no process has it.
+    stale = root.with_name(f".{root.name}.partial-{2**22 + 1}")
+    (stale / "bin").mkdir(parents=True)
     calls: list[list[str]] = []
 
     def fake_run(argv: list[str], what: str) -> None:
@@ -192,6 +197,7 @@ def test_the_quix_virtualenv_is_built_once_then_reused(
     assert python == quix.quix_python() and python.exists()
     assert [c[1:3] for c in calls] == [["-m", "venv"], ["-m", "pip"]]
     assert calls[1][-2:] == ["-r", str(quix.REQUIREMENTS)] and "--no-deps" in calls[1]
-    assert not list(python.parents[2].glob(".*partial*"))
+    assert python.parents[1] == root
+    assert not list(root.parent.glob(".*partial*"))
     assert quix.ensure_quix(log=lambda _: None) == python
     assert len(calls) == 2
