@@ -11,7 +11,10 @@ model) and runs as its own process, measured in turn:
 
 The tuned worker is then fed at fixed rates to draw latency against offered
 load. Both workers and Kafka alone run on each Kafka client (aiokafka, and
-librdkafka through confluent-kafka) in the same run.
+librdkafka through confluent-kafka) in the same run, and so does the tuned worker
+in each of its other modes (exactly_once, key ordering, audit records to a topic),
+measured as the tuned worker is. The quixstreams peer does the worker's job one
+Triton call per message, in a virtualenv of its own (``devtools.bench.quix``).
 "Triton alone, batched" drives Triton through the worker's own client path
 (stream pool and micro-batcher) with the tuned settings; with Kafka alone it
 makes the ceiling the tuned worker is compared with. Last, every variant that
@@ -40,8 +43,30 @@ if TYPE_CHECKING:
 
 _T = TypeVar("_T")
 
-#: The variants, in the order they run (names in worker.benchmarks.report.VARIANTS).
+#: The variants, in the order they run (names in devtools.bench.report.VARIANTS).
 VARIANT_KEYS = (
+    "sync",
+    "naive",
+    "quix",
+    "worker",
+    "worker_confluent",
+    "worker_tuned",
+    "worker_tuned_confluent",
+    "worker_eos",
+    "worker_eos_confluent",
+    "worker_key",
+    "worker_key_confluent",
+    "worker_audit",
+    "worker_audit_confluent",
+    "triton",
+    "triton_batched",
+    "kafka",
+    "kafka_confluent",
+)
+#: The variants of ``--smoke`` (CI) unless ``--variants`` says otherwise: the table's but
+#: the quixstreams peer (its virtualenv is a download of its own) and the tuned worker's
+#: other modes (each mode's own tests run it through the real worker).
+SMOKE_KEYS = (
     "sync",
     "naive",
     "worker",
@@ -53,7 +78,7 @@ VARIANT_KEYS = (
     "kafka",
     "kafka_confluent",
 )
-#: Measurements beyond the table (worker.benchmarks.extras, worker.benchmarks.scaleout).
+#: Measurements beyond the table (devtools.bench.extras, devtools.bench.scaleout, ...).
 EXTRA_KEYS = (
     "batching",
     "windows",
@@ -110,8 +135,17 @@ def add_bench_parser(commands: argparse._SubParsersAction[argparse.ArgumentParse
     )
     bench.add_argument(
         "--variants",
-        default=",".join(VARIANT_KEYS + EXTRA_KEYS),
-        help="comma-separated subset of: " + ", ".join(VARIANT_KEYS + EXTRA_KEYS),
+        help="comma-separated subset of: "
+        + ", ".join(VARIANT_KEYS + EXTRA_KEYS)
+        + " (default: all; with --smoke, the table's but quix and the tuned worker's modes)",
+    )
+    bench.add_argument(
+        "--keys",
+        type=int,
+        default=1000,
+        metavar="N",
+        help="distinct record keys of the key-ordering variants (worker_key, "
+        "worker_key_confluent); 0: each request keyed by its own id, as elsewhere",
     )
     bench.add_argument(
         "--backlog",
@@ -142,6 +176,16 @@ def add_bench_parser(commands: argparse._SubParsersAction[argparse.ArgumentParse
     bench.set_defaults(handler=run_bench)
 
 
+def chosen(variants: str | None, smoke: bool = False) -> tuple[list[str], list[str]]:
+    """The variants and extras ``--variants`` asks for (by default all, or with ``--smoke``
+    ``SMOKE_KEYS``), and the names in it that are neither."""
+    if variants is None:
+        return list(SMOKE_KEYS if smoke else VARIANT_KEYS + EXTRA_KEYS), []
+    wanted = [v for v in variants.split(",") if v]
+    known = set(VARIANT_KEYS + EXTRA_KEYS)
+    return [v for v in wanted if v in known], sorted({v for v in wanted if v not in known})
+
+
 def run_bench(args: argparse.Namespace) -> int:
     """Start (or use) the servers, measure every variant, write the outputs."""
     from rich.console import Console
@@ -153,7 +197,11 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.smoke:
         args.records, args.sync_records, args.sweep_s = 300, 100, 1.0
         args.drain_records = 300
-        args.variants = ",".join(VARIANT_KEYS)
+    wanted, unknown = chosen(args.variants, args.smoke)
+    if unknown:
+        console.print(f"[red]unknown variants: {', '.join(unknown)}[/red]")
+        return 2
+    args.variants = ",".join(wanted)
     args.out.mkdir(parents=True, exist_ok=True)
     stack = None
     if args.bootstrap_servers and args.triton_url:
@@ -191,14 +239,15 @@ async def _bench(
     from devtools.bench.runner import Runner
 
     wanted = [v for v in args.variants.split(",") if v]
-    unknown = set(wanted) - set(report.VARIANTS) - set(EXTRA_KEYS)
-    if unknown:
-        console.print(f"[red]unknown variants: {', '.join(sorted(unknown))}[/red]")
-        return 2
     tuned = dict(TUNED_SETTINGS)
     for item in args.tuned:
         name, _, value = item.partition("=")
         tuned[name.removeprefix("WORKER_")] = value
+    if "quix" in wanted:
+        from devtools.bench import quix
+
+        with console.status("the quixstreams peer's virtualenv..."):
+            await asyncio.to_thread(quix.ensure_quix, console.print)
     results: dict[str, VariantResult] = {}
     sweep: list[LoadPoint] = []
     runner = Runner(args, servers, args.out)
@@ -251,6 +300,7 @@ async def _bench(
         "sync_records": args.sync_records,
         "drain_records": args.drain_records,
         "partitions": args.partitions,
+        "ordering_keys": args.keys,
         "machine": report.machine(),
         "command": "python -m devtools bench " + " ".join(sys.argv[2:]),
         "tuned_settings": {f"WORKER_{k}": v for k, v in tuned.items()},

@@ -2,9 +2,14 @@
 
 End-to-end latency is the broker's timestamp of a result (the output topic uses
 ``LogAppendTime``) minus the time its request was produced (the request's
-``CreateTime``, set here at send). CPU and memory come from ``/proc`` of the
-process that does the work, so the benchmark's own producer and collector are
-not counted.
+``CreateTime``, set here at send). Results are read ``read_committed``, as a reader of
+the results of an exactly_once worker reads them: a result of a transaction later
+aborted is never counted (the worker writes a transaction's results when it commits
+it, so their append time is within milliseconds of the commit). A result is matched
+with its request by its ``x-request-id`` header (the worker's results carry it), else
+by its key (the loops keep the request's key, its id). CPU and memory come from
+``/proc`` of the process that does the work, so the benchmark's own producer and
+collector are not counted.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import asyncio
 import os
 import subprocess
 import time
+import zlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -83,13 +89,31 @@ async def create_topics(bootstrap: str, names: Sequence[str], partitions: int) -
         await consumer.stop()
 
 
-class Producer:
-    """Sends benchmark requests, remembering when each was produced."""
+def ordering_key(request_id: str, keys: int) -> bytes:
+    """The record key of a request: one of ``keys`` keys, the same for the same id (a hash
+    of it); with ``keys`` 0, the request's id itself (every key distinct)."""
+    if keys <= 0:
+        return request_id.encode()
+    return f"key-{zlib.crc32(request_id.encode()) % keys}".encode()
 
-    def __init__(self, bootstrap: str) -> None:
+
+def result_id(key: bytes | None, headers: Sequence[tuple[str, bytes]]) -> bytes | None:
+    """The id of the request a result answers: its ``x-request-id`` header, else its key."""
+    for name, value in headers:
+        if name == "x-request-id":
+            return value
+    return key
+
+
+class Producer:
+    """Sends benchmark requests, remembering when each was produced (by request id)."""
+
+    def __init__(self, bootstrap: str, keys: int = 0) -> None:
         self._producer = AIOKafkaProducer(
             bootstrap_servers=bootstrap, acks="all", linger_ms=5, max_request_size=8 << 20
         )
+        #: Record keys: see ``ordering_key``.
+        self._keys = keys
         self.sent_ms: dict[bytes, int] = {}
 
     async def start(self) -> None:
@@ -113,9 +137,9 @@ class Producer:
                 delay_s = started + index / rate - time.monotonic()
                 if delay_s > 0:
                     await asyncio.sleep(delay_s)
-            key = request.request_id.encode()
+            key = ordering_key(request.request_id, self._keys)
             now_ms = int(time.time() * 1000)
-            self.sent_ms[key] = now_ms
+            self.sent_ms[request.request_id.encode()] = now_ms
             acks.append(
                 await self._producer.send(
                     topic, request.value, key=key, headers=request.headers, timestamp_ms=now_ms
@@ -144,11 +168,15 @@ class Collected:
 
 
 class Collector:
-    """Reads a result topic from its start; hands out results by request key."""
+    """Reads a result topic from its start, committed results only; hands them out by
+    request id."""
 
     def __init__(self, bootstrap: str, topic: str) -> None:
         self._consumer = AIOKafkaConsumer(
-            bootstrap_servers=bootstrap, enable_auto_commit=False, fetch_max_wait_ms=50
+            bootstrap_servers=bootstrap,
+            enable_auto_commit=False,
+            fetch_max_wait_ms=50,
+            isolation_level="read_committed",
         )
         self._topic = topic
         self._seen: dict[bytes, int] = {}
@@ -173,7 +201,8 @@ class Collector:
         advance: Callable[[int], None] | None = None,
         on_first: Callable[[], None] | None = None,
     ) -> Collected:
-        """Wait until every key has a result (or the timeout); return their broker times."""
+        """Wait until every request id in ``keys`` has a result (or the timeout); return
+        their broker times."""
         wanted = set(keys)
         found = {k: self._seen[k] for k in wanted if k in self._seen}
         deadline = time.monotonic() + timeout_s
@@ -182,13 +211,14 @@ class Collector:
             new = 0
             for records in batches.values():
                 for record in records:
-                    if record.key is None:
+                    request_id = result_id(record.key, record.headers)
+                    if request_id is None:
                         continue
-                    self._seen.setdefault(record.key, record.timestamp)
-                    if record.key in wanted and record.key not in found:
+                    self._seen.setdefault(request_id, record.timestamp)
+                    if request_id in wanted and request_id not in found:
                         if not found and on_first is not None:
                             on_first()
-                        found[record.key] = record.timestamp
+                        found[request_id] = record.timestamp
                         new += 1
             if advance is not None and new:
                 advance(new)

@@ -16,10 +16,17 @@ from rich.table import Table
 VARIANTS = {
     "sync": "(a) sync baseline",
     "naive": "(b) naive async",
+    "quix": "(b2) quixstreams, Triton per message",
     "worker": "(c) worker, defaults",
     "worker_confluent": "(c') worker, defaults, librdkafka",
     "worker_tuned": "(d) worker, tuned",
     "worker_tuned_confluent": "(d') worker, tuned, librdkafka",
+    "worker_eos": "(d2) worker, tuned, exactly_once",
+    "worker_eos_confluent": "(d2') worker, tuned, exactly_once, librdkafka",
+    "worker_key": "(d3) worker, tuned, key ordering",
+    "worker_key_confluent": "(d3') worker, tuned, key ordering, librdkafka",
+    "worker_audit": "(d4) worker, tuned, audit topic",
+    "worker_audit_confluent": "(d4') worker, tuned, audit topic, librdkafka",
     "triton": "(e) ceiling 1: Triton alone",
     "triton_batched": "(e') ceiling 1: Triton alone, batched",
     "kafka": "(f) ceiling 2: Kafka alone",
@@ -61,6 +68,19 @@ class LoadPoint:
     achieved_per_s: float
     latency_ms: dict[str, float]
 
+
+#: The tuned worker in another mode against the tuned worker on the same client: records/s
+#: of the mode / records/s without it, and the least ratio that passes.
+MODE_TARGETS = (
+    ("worker_eos", "worker_tuned", "exactly_once / at_least_once", 0.8),
+    ("worker_eos_confluent", "worker_tuned_confluent", "exactly_once / at_least_once", 0.8),
+    ("worker_key", "worker_tuned", "key ordering / unordered", 0.8),
+    ("worker_key_confluent", "worker_tuned_confluent", "key ordering / unordered", 0.8),
+    ("worker_audit", "worker_tuned", "audit on / off", 0.9),
+    ("worker_audit_confluent", "worker_tuned_confluent", "audit on / off", 0.9),
+)
+#: The tuned worker's records/s against the quixstreams peer's, at least.
+PEER_TARGET = 10.0
 
 #: Variants that can be fed at a fixed rate: measured side by side at one common rate.
 COMMON_RATE_KEYS = (
@@ -187,8 +207,45 @@ def ratios(results: dict[str, VariantResult], common: CommonRate | None = None) 
                 )
             )
     out += _client_ratios(results)
+    out += mode_ratios(results)
+    out += peer_ratios(results)
     if common is not None:
         out += _latency_ratios(common)
+    return out
+
+
+def _label(key: str) -> str:
+    """A variant's display name without its letter: ``worker, tuned, librdkafka``."""
+    return VARIANTS[key].split(" ", 1)[1]
+
+
+def mode_ratios(results: dict[str, VariantResult]) -> list[Ratio]:
+    """Each mode of the tuned worker (exactly_once, key ordering, audit) against the tuned
+    worker without it, on the same client: records/s."""
+    out: list[Ratio] = []
+    for key, base_key, what, bound in MODE_TARGETS:
+        mode, base = results.get(key), results.get(base_key)
+        if mode is None or base is None or base.records_per_s <= 0:
+            continue
+        value = mode.records_per_s / base.records_per_s
+        name = f"{_label(base_key)}: records/s, {what}"
+        out.append(Ratio(name, value, f">= {bound}", value >= bound))
+    return out
+
+
+def peer_ratios(results: dict[str, VariantResult]) -> list[Ratio]:
+    """Each tuned worker against the quixstreams peer doing the same job: records/s."""
+    peer = results.get("quix")
+    if peer is None or peer.records_per_s <= 0:
+        return []
+    out: list[Ratio] = []
+    for key in ("worker_tuned", "worker_tuned_confluent"):
+        worker = results.get(key)
+        if worker is None:
+            continue
+        value = worker.records_per_s / peer.records_per_s
+        name = f"{_label(key)} / quixstreams, Triton per message: records/s"
+        out.append(Ratio(name, value, f">= {PEER_TARGET:g}", value >= PEER_TARGET))
     return out
 
 
@@ -258,6 +315,7 @@ def markdown(
         "Latency: end to end (produce → result on the broker), measured at half the "
         "variant's own peak rate (column 'at /s').",
         "CPU: of the variant's process (the Triton client for ceiling 1), per 1,000 records.",
+        *_key_note(results, meta),
         "",
         "| variant | records/s | at /s | p50 ms | p95 ms | p99 ms | CPU s / 1k records "
         "| peak RSS MiB | Triton CPU s / 1k | Kafka CPU s / 1k |",
@@ -312,6 +370,25 @@ def markdown(
             f"| {t.name} | {t.value:,.2f} | {t.target} | {'PASS' if t.passed else 'FAIL'} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def _key_note(results: dict[str, VariantResult], meta: dict[str, Any]) -> list[str]:
+    """How the key-ordering variants' requests were keyed, when they ran."""
+    if not {"worker_key", "worker_key_confluent"} & set(results):
+        return []
+    keys = int(meta.get("ordering_keys", 0))
+    if keys <= 0:
+        how = (
+            "each request keyed by its own id, as in every other variant: every key is "
+            "distinct, so key ordering never holds a record back"
+        )
+    else:
+        how = (
+            f"the requests keyed over {keys:,} keys (one per request by a hash of its id, so "
+            "records of one key follow each other and wait for each other); every other "
+            "variant keys each request by its own id"
+        )
+    return [f"Key ordering ((d3), (d3')): {how}."]
 
 
 def common_rows(common: CommonRate) -> list[tuple[str, str, str, str, str, str]]:

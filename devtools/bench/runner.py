@@ -27,6 +27,25 @@ from devtools.bench.measure import (
 )
 from devtools.bench.report import LoadPoint, VariantResult
 
+#: The tuned worker in another mode: what each such variant adds to the tuned settings
+#: (its ``_confluent`` twin the same on librdkafka).
+MODE_SETTINGS: dict[str, dict[str, str]] = {
+    "worker_eos": {"DELIVERY": "exactly_once"},
+    "worker_key": {"ORDERING": "key"},
+    "worker_audit": {"AUDIT": "topic"},
+}
+
+
+def worker_settings(key: str, tuned: Mapping[str, str]) -> dict[str, str]:
+    """The settings (``WORKER_`` left out) of a worker variant: none beyond the defaults
+    for ``worker``, the tuned ones for the others, plus its mode's, plus the client."""
+    base = key.removesuffix("_confluent")
+    settings = {} if base == "worker" else {**tuned, **MODE_SETTINGS.get(base, {})}
+    if key.endswith("_confluent"):
+        # The same settings on the other Kafka client, in the same run.
+        settings["KAFKA_CLIENT"] = "confluent"
+    return settings
+
 
 @dataclass
 class Servers:
@@ -54,18 +73,61 @@ class Runner:
     ) -> tuple[list[str], dict[str, str], dict[str, str]]:
         """The child process of a Kafka variant: argv, extra env, settings to report."""
         if key.startswith("worker"):
-            settings = dict(tuned) if key.startswith("worker_tuned") else {}
-            if key.endswith("_confluent"):
-                # The same settings on the other Kafka client, in the same run.
-                settings["KAFKA_CLIENT"] = "confluent"
+            settings = worker_settings(key, tuned)
             return [sys.executable, "-m", "worker", "run"], settings, settings
-        argv = [sys.executable, "-m", "devtools.bench.loops", key]
-        argv += ["--bootstrap", self.servers.bootstrap, "--triton", self.servers.triton]
+        servers = ["--bootstrap", self.servers.bootstrap, "--triton", self.servers.triton]
+        if key == "quix":
+            from devtools.bench import quix
+
+            # Its own virtualenv's interpreter (ensure_quix builds it before the run).
+            argv = [str(quix.quix_python()), str(quix.APP), *servers]
+            argv += ["--state-dir", str(self.out / "quix-state")]
+            return (
+                argv,
+                {},
+                {
+                    "library": f"quixstreams {quix.QUIX_VERSION}",
+                    "call": "tritonclient.grpc infer per message, in sdf.apply",
+                },
+            )
+        argv = [sys.executable, "-m", "devtools.bench.loops", key, *servers]
         return argv, {}, {"concurrency": "128"} if key == "naive" else {}
 
     def topics(self, key: str) -> tuple[str, str, str, str]:
         base = f"bench-{self.run_id}-{key}"
         return f"{base}-in", f"{base}-out", f"{base}-dlq", f"{base}-group"
+
+    def audit_topic(self, key: str) -> str:
+        """The audit topic of a variant that writes audit records to one."""
+        return f"bench-{self.run_id}-{key}-audit"
+
+    def keys(self, key: str) -> int:
+        """How many record keys the requests of ``key`` get: ``--keys`` for the key-ordering
+        variants, 0 (each request its own id) for the others."""
+        return int(self.args.keys) if key.startswith("worker_key") else 0
+
+    def env(self, key: str, settings: Mapping[str, str]) -> dict[str, str]:
+        """The environment of a variant's process: servers, its topics, its settings."""
+        topic_in, topic_out, topic_dlq, group = self.topics(key)
+        env = {
+            "WORKER_BOOTSTRAP_SERVERS": self.servers.bootstrap,
+            "WORKER_TRITON_URL": self.servers.triton,
+            "WORKER_INPUT_TOPICS": topic_in,
+            "WORKER_OUTPUT_TOPIC": topic_out,
+            "WORKER_DLQ_TOPIC": topic_dlq,
+            "WORKER_GROUP_ID": group,
+            "WORKER_METRICS_PORT": "0",
+            "WORKER_LOG_FORMAT": "json",
+            "WORKER_LOG_LEVEL": "warning",
+            **{f"WORKER_{k}": v for k, v in settings.items()},
+        }
+        if settings.get("AUDIT") in ("topic", "both"):
+            env["WORKER_AUDIT_TOPIC"] = self.audit_topic(key)
+        if settings.get("DELIVERY") == "exactly_once":
+            # Transactional ids of their own: a variant never fences another's producers,
+            # nor a worker of another run on the same cluster.
+            env["WORKER_TRANSACTIONAL_ID_PREFIX"] = f"bench-{self.run_id}-{key}"
+        return env
 
     async def kafka_variant(
         self,
@@ -84,7 +146,7 @@ class Runner:
         burst = self.payloads[:count]
         # The backlog is written before the variant starts, so that producing it
         # takes no CPU from the variant while it is measured.
-        producer = Producer(bootstrap)
+        producer = Producer(bootstrap, self.keys(key))
         await producer.start()
         try:
             sending = progress.add_task(f"producing for {key}", total=count)
@@ -119,7 +181,7 @@ class Runner:
             # would say nothing about the variant.
             fractions = (0.25, 0.5, 0.75, 1.0) if sweep_into is not None else (0.5,)
             points = [
-                await self._load_point(topic_in, collector, peak * f, progress, f)
+                await self._load_point(topic_in, collector, peak * f, progress, f, key)
                 for f in fractions
             ]
             if sweep_into is not None:
@@ -150,20 +212,12 @@ class Runner:
         """Fresh topics for ``key``; the input and output topic, the argv and env to run."""
         bootstrap = self.servers.bootstrap
         topic_in, topic_out, topic_dlq, group = self.topics(key)
+        env = self.env(key, settings)
         await create_topics(bootstrap, [topic_in], self.args.partitions)
-        await create_topics(bootstrap, [topic_out, topic_dlq], self.args.partitions)
-        env = {
-            "WORKER_BOOTSTRAP_SERVERS": bootstrap,
-            "WORKER_TRITON_URL": self.servers.triton,
-            "WORKER_INPUT_TOPICS": topic_in,
-            "WORKER_OUTPUT_TOPIC": topic_out,
-            "WORKER_DLQ_TOPIC": topic_dlq,
-            "WORKER_GROUP_ID": group,
-            "WORKER_METRICS_PORT": "0",
-            "WORKER_LOG_FORMAT": "json",
-            "WORKER_LOG_LEVEL": "warning",
-            **{f"WORKER_{k}": v for k, v in settings.items()},
-        }
+        outputs = [topic_out, topic_dlq]
+        if "WORKER_AUDIT_TOPIC" in env:
+            outputs.append(env["WORKER_AUDIT_TOPIC"])
+        await create_topics(bootstrap, outputs, self.args.partitions)
         if not command[-1] == "run":
             command = [*command, "--input", topic_in, "--output", topic_out, "--group", group]
         return topic_in, topic_out, command, env
@@ -184,7 +238,7 @@ class Runner:
         try:
             # Warm-up: a few requests answered end to end before the clock matters.
             warm = loops.samples_for(self.args.model, 50, seed=7)
-            producer = Producer(self.servers.bootstrap)
+            producer = Producer(self.servers.bootstrap, self.keys(key))
             await producer.start()
             try:
                 await producer.send(topic_in, warm)
@@ -193,7 +247,7 @@ class Runner:
             answered = await collector.gather([r.request_id.encode() for r in warm], timeout_s=90)
             if len(answered.result_ms) < len(warm):
                 raise RuntimeError(f"{key} did not answer its warm-up (see {key}-common.log)")
-            return await self._load_point(topic_in, collector, rate, progress, 2.0)
+            return await self._load_point(topic_in, collector, rate, progress, 2.0, key)
         finally:
             await collector.stop()
             await stop(child)
@@ -203,13 +257,20 @@ class Runner:
         return seconds / records * 1000 if pid else None
 
     async def _load_point(
-        self, topic: str, collector: Collector, rate: float, progress: Progress, fraction: float
+        self,
+        topic: str,
+        collector: Collector,
+        rate: float,
+        progress: Progress,
+        fraction: float,
+        key: str,
     ) -> LoadPoint:
-        """Feed ``rate`` records/s for ``sweep_s`` seconds; latency of their results."""
+        """Feed ``rate`` records/s of variant ``key`` for ``sweep_s`` seconds; latency of
+        their results."""
         count = max(20, int(rate * self.args.sweep_s))
         requests = loops.samples_for(self.args.model, count, seed=100 + int(fraction * 100))
         task = progress.add_task(f"  load {rate:,.0f}/s", total=count)
-        producer = Producer(self.servers.bootstrap)
+        producer = Producer(self.servers.bootstrap, self.keys(key))
         await producer.start()
         sending = asyncio.create_task(producer.send(topic, requests, rate=rate))
         try:

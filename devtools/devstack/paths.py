@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
+
+from devtools.devstack.process import pid_alive
 
 #: Project root: the folder holding ``pyproject.toml`` and ``models/``.
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
@@ -31,3 +34,12 @@ def run_dir() -> Path:
 def models_dir() -> Path:
     """The Triton model repository shipped with the project."""
     return PROJECT_ROOT / "models"
+
+
+def remove_stale_partials(root: Path) -> None:
+    """Drop half-built installs of ``root`` (``.NAME.partial-PID`` beside it) left by
+    processes that no longer run."""
+    for partial in root.parent.glob(f".{root.name}.partial-*"):
+        pid = partial.name.rsplit("-", 1)[1]
+        if not (pid.isdigit() and pid_alive(int(pid))):
+            shutil.rmtree(partial, ignore_errors=True)

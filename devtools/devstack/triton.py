@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from devtools.devstack.paths import cache_dir
+from devtools.devstack.paths import cache_dir, remove_stale_partials
 from devtools.devstack.process import ManagedProcess, StartupError, free_port, pid_alive, tail
 
 TRITON_VERSION = "2.51"
@@ -169,14 +169,6 @@ def prepare_backend_dir(site_dir: Path, backend_dir: Path, python_version: str) 
         link.symlink_to(os.path.relpath(source, target))
 
 
-def _remove_stale_partials(root: Path) -> None:
-    """Drop half-built installs left by processes that no longer run."""
-    for partial in root.parent.glob(f".{root.name}.partial-*"):
-        pid = partial.name.rsplit("-", 1)[1]
-        if not (pid.isdigit() and pid_alive(int(pid))):
-            shutil.rmtree(partial, ignore_errors=True)
-
-
 def _pip_install(site_dir: Path, python: ModelPython) -> None:
     # This interpreter's pip, fetching wheels for the models' one.
     argv = [sys.executable, "-m", "pip", "install", "--no-deps", "--no-input", "--target"]
@@ -203,7 +195,7 @@ def ensure_triton(log: Callable[[str], None] = print) -> TritonInstall:
     if root.exists() and not install.complete():  # damaged by hand: renames are atomic
         shutil.rmtree(root)
     root.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale_partials(root)
+    remove_stale_partials(root)
     partial = root.with_name(f".{root.name}.partial-{os.getpid()}")
     shutil.rmtree(partial, ignore_errors=True)
     log(f"installing Triton {TRITON_VERSION} ({', '.join(TRITON_REQUIREMENTS)}) into {root}")

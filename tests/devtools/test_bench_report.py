@@ -164,3 +164,78 @@ def test_plot_adds_a_panel_for_the_common_rate(tmp_path: Path) -> None:
     two, three = image.imread(tmp_path / "two.png"), image.imread(tmp_path / "three.png")
     assert two.shape[0] == three.shape[0]
     assert three.shape[1] == round(two.shape[1] * 3 / 2)
+
+
+def test_each_mode_of_the_tuned_worker_is_held_to_the_tuned_worker_on_its_client() -> None:
+    """exactly_once 4,800/s of 6,000 is 0.8 (passes); on librdkafka 7,000 of 10,000 is 0.7
+    (fails); key ordering the same bound; audit 5,400 of 6,000 is 0.9 (passes), 5,300 fails."""
+    results = {
+        **RESULTS,
+        "worker_tuned_confluent": _result("worker_tuned_confluent", 10000.0),
+        "worker_eos": _result("worker_eos", 4800.0),
+        "worker_eos_confluent": _result("worker_eos_confluent", 7000.0),
+        "worker_key": _result("worker_key", 4700.0),
+        "worker_key_confluent": _result("worker_key_confluent", 9000.0),
+        "worker_audit": _result("worker_audit", 5400.0),
+        "worker_audit_confluent": _result("worker_audit_confluent", 8900.0),
+    }
+    targets = {t.name: t for t in report.ratios(results)}
+    got = {
+        name: (round(t.value, 4), t.target, t.passed)
+        for name, t in targets.items()
+        if "records/s, " in name and "librdkafka / aiokafka" not in name
+    }
+    assert got == {
+        "worker, tuned: records/s, exactly_once / at_least_once": (0.8, ">= 0.8", True),
+        "worker, tuned, librdkafka: records/s, exactly_once / at_least_once": (
+            0.7,
+            ">= 0.8",
+            False,
+        ),
+        "worker, tuned: records/s, key ordering / unordered": (0.7833, ">= 0.8", False),
+        "worker, tuned, librdkafka: records/s, key ordering / unordered": (0.9, ">= 0.8", True),
+        "worker, tuned: records/s, audit on / off": (0.9, ">= 0.9", True),
+        "worker, tuned, librdkafka: records/s, audit on / off": (0.89, ">= 0.9", False),
+    }
+
+
+def test_a_mode_without_its_tuned_worker_has_no_target() -> None:
+    """worker_eos measured alone (--variants worker_eos): nothing to divide by, no target."""
+    alone = {"worker_eos": _result("worker_eos", 4800.0)}
+    assert report.mode_ratios(alone) == []
+    assert report.mode_ratios({**alone, "worker_tuned": _result("worker_tuned", 0.0)}) == []
+
+
+def test_the_tuned_workers_are_held_to_ten_times_the_quixstreams_peer() -> None:
+    """quix 600/s: tuned 6,000/s is 10.0 (passes), on librdkafka 5,900/s 9.83 (fails)."""
+    results = {
+        **RESULTS,
+        "quix": _result("quix", 600.0),
+        "worker_tuned_confluent": _result("worker_tuned_confluent", 5900.0),
+    }
+    targets = {t.name: t for t in report.ratios(results)}
+    aiokafka = targets["worker, tuned / quixstreams, Triton per message: records/s"]
+    assert (aiokafka.value, aiokafka.target, aiokafka.passed) == (10.0, ">= 10", True)
+    librdkafka = targets["worker, tuned, librdkafka / quixstreams, Triton per message: records/s"]
+    assert (round(librdkafka.value, 2), librdkafka.passed) == (9.83, False)
+    assert report.peer_ratios(RESULTS) == []  # no quix measured
+    assert report.peer_ratios({"quix": _result("quix", 600.0)}) == []  # no tuned worker
+
+
+def test_markdown_rows_of_the_new_variants_and_how_keys_were_chosen() -> None:
+    """Each new variant has its row; the key-ordering note says how many keys (or none)."""
+    results = {
+        **RESULTS,
+        "quix": _result("quix", 600.0),
+        "worker_key": _result("worker_key", 5000.0),
+        "worker_eos_confluent": _result("worker_eos_confluent", 4000.0),
+    }
+    meta = {"model": "mlp", "records": 1000, "sync_records": 100, "partitions": 4, "machine": "m"}
+    text = report.markdown(results, [], report.ratios(results), {**meta, "ordering_keys": 1000})
+    assert "| (b2) quixstreams, Triton per message | 600 |" in text
+    assert "| (d3) worker, tuned, key ordering | 5,000 |" in text
+    assert "| (d2') worker, tuned, exactly_once, librdkafka | 4,000 |" in text
+    assert "requests keyed over 1,000 keys" in text
+    text = report.markdown(results, [], [], {**meta, "ordering_keys": 0})
+    assert "each request keyed by its own id" in text
+    assert "Key ordering" not in report.markdown(RESULTS, [], [], meta)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from devtools.bench.command import VARIANT_KEYS
+from devtools.bench.command import SMOKE_KEYS, TUNED_SETTINGS
 from devtools.devstack.paths import PROJECT_ROOT
 from tests.support import KafkaUnderTest, TritonUnderTest
 
@@ -19,7 +19,8 @@ pytestmark = pytest.mark.timeout(300)
 def test_smoke_run_reports_every_variant(
     kafka: KafkaUnderTest, triton: TritonUnderTest, tmp_path: Path
 ) -> None:
-    """`bench --smoke` on the session's servers: every variant, the ceiling, the common rate."""
+    """`bench --smoke` on the session's servers: every variant of the smoke run, the ceiling,
+    the common rate."""
     done = subprocess.run(
         [
             sys.executable,
@@ -42,7 +43,7 @@ def test_smoke_run_reports_every_variant(
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads((tmp_path / "bench.json").read_text())
-    assert set(report["variants"]) == set(VARIANT_KEYS)
+    assert set(report["variants"]) == set(SMOKE_KEYS)
     for name, variant in report["variants"].items():
         assert variant["records_per_s"] > 0, name
     triton_batched = report["variants"]["triton_batched"]
@@ -74,6 +75,40 @@ def test_smoke_run_reports_every_variant(
     markdown = (tmp_path / "bench.md").read_text()
     assert "Latency at one common offered rate" in markdown
     assert "sum of parts: Kafka alone p99 + Triton alone, batched p99" in markdown
+
+
+def test_smoke_run_of_the_tuned_worker_in_each_mode(
+    kafka: KafkaUnderTest, triton: TritonUnderTest, tmp_path: Path
+) -> None:
+    """exactly_once (results read read_committed), key ordering over 20 keys (results matched
+    by their x-request-id), audit to a topic of its own: each answers every request."""
+    done = subprocess.run(
+        [
+            sys.executable, "-m", "devtools", "bench", "--smoke",
+            "--variants", "worker_eos,worker_key_confluent,worker_audit", "--keys", "20",
+            "--bootstrap-servers", kafka.bootstrap_servers, "--triton-url", triton.grpc_address,
+            "--out", str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=PROJECT_ROOT,
+        timeout=240,
+        check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads((tmp_path / "bench.json").read_text())
+    assert report["meta"]["ordering_keys"] == 20
+    modes = {
+        "worker_eos": {"DELIVERY": "exactly_once"},
+        "worker_key_confluent": {"ORDERING": "key", "KAFKA_CLIENT": "confluent"},
+        "worker_audit": {"AUDIT": "topic"},
+    }
+    assert set(report["variants"]) == set(modes)
+    for name, variant in report["variants"].items():
+        assert variant["records"] == 300, name
+        assert variant["records_per_s"] > 0 and variant["latency_ms"]["p99"] > 0, name
+        assert variant["settings"] == {**TUNED_SETTINGS, **modes[name]}, name
+    assert "requests keyed over 20 keys" in (tmp_path / "bench.md").read_text()
 
 
 def test_decoupled_variant_reports_responses_and_first_response_times(
