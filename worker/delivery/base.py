@@ -177,7 +177,8 @@ class TrackingDelivery:
         self._interval_s = interval_s
         self._max_uncommitted = max_uncommitted
         self._fatal: errors.Fatal | None = None
-        self._fatal_set = asyncio.Event()
+        #: Wakes the commit loop before its interval: a fatal error, or outcomes waiting.
+        self._wake = asyncio.Event()
 
     def track(self, record: ConsumerRecord[bytes, bytes]) -> int:
         tp = TopicPartition(record.topic, record.partition)
@@ -208,14 +209,19 @@ class TrackingDelivery:
         """The mode cannot go on (a rebalance callback cannot raise): stop the worker."""
         if self._fatal is None:
             self._fatal = error
-            self._fatal_set.set()
+            self._wake.set()
+
+    def commit_soon(self) -> None:
+        """Commit now rather than at the end of the interval (outcomes are waiting for it)."""
+        self._wake.set()
 
     async def commit_loop(self) -> None:
         while True:
             try:
-                await asyncio.wait_for(self._fatal_set.wait(), self._interval_s)
+                await asyncio.wait_for(self._wake.wait(), self._interval_s)
             except TimeoutError:
                 pass
+            self._wake.clear()
             if self._fatal is not None:
                 raise self._fatal
             await self.commit()

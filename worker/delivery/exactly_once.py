@@ -125,6 +125,11 @@ class ExactlyOnce(TrackingDelivery):
         )
         self._topics = settings.topics
         self._transactions = transactions
+        #: Outcomes staged and not committed yet, and how many wake the commit loop before
+        #: its interval: a record holds its window slot until its transaction commits, so a
+        #: window half full of staged outcomes waiting for the interval would idle the rest.
+        self._staged_count = 0
+        self._commit_at = max(1, settings.flow.max_in_flight // 2)
         self._partitions: dict[TopicPartition, _Partition] = {}
         #: Every producer not stopped yet (a shared one outlives its partitions).
         self._producers: dict[int, TransactionalProducer] = {}
@@ -276,8 +281,8 @@ class ExactlyOnce(TrackingDelivery):
             on_staged()
         await committed
 
-    @staticmethod
     def _put(
+        self,
         part: _Partition,
         record: ConsumerRecord[bytes, bytes],
         messages: list[Message],
@@ -290,6 +295,9 @@ class ExactlyOnce(TrackingDelivery):
         part.replacing.discard(record.offset)
         staged = _Staged(record, messages, asyncio.get_running_loop().create_future(), is_result)
         part.staged[record.offset] = staged
+        self._staged_count += 1
+        if self._staged_count >= self._commit_at:
+            self.commit_soon()
         return staged.committed
 
     # -- commits ---------------------------------------------------------------------
@@ -321,6 +329,7 @@ class ExactlyOnce(TrackingDelivery):
             if ended is not None:
                 return
             for ready in batch:
+                self._staged_count -= len(ready.offsets)
                 for offset in ready.offsets:
                     staged = ready.part.staged.pop(offset)
                     if not staged.committed.done():
@@ -419,6 +428,7 @@ class ExactlyOnce(TrackingDelivery):
             staged = part.staged[offset]
             if staged.is_result:
                 del part.staged[offset]
+                self._staged_count -= 1
                 part.replacing.add(offset)
                 staged.committed.set_exception(
                     OutputTooLarge(f"result of {staged.record.topic}@{offset} is larger than "
@@ -558,6 +568,7 @@ class ExactlyOnce(TrackingDelivery):
         for staged in part.staged.values():
             if not staged.committed.done():
                 staged.committed.set_exception(PartitionRevoked(f"{tp}: {why}"))
+        self._staged_count -= len(part.staged)
         part.staged.clear()
         self._notify()
         log.info("exactly_once_partition_released", partition=str(tp), reason=why)

@@ -50,8 +50,8 @@ from worker.triton.batching import batch_key
 from worker.triton.merging import merge, split
 from worker.triton.pool import TritonPool
 from worker.wire import Source
-from worker.wire.requests import pack_group
 from worker.wire.batch_results import BatchResults
+from worker.wire.requests import pack_group
 from worker.wire.validation import ModelSpec
 
 __all__ = ["BatchPath", "Candidate", "Group"]
@@ -217,12 +217,12 @@ class BatchPath:
             self._release([c for c in candidates if not c.settled])
 
     async def _run(self, group: Group, hand_over: HandOver, passed: set[TopicPartition]) -> None:
+        ready, failed = await self._answers(group.candidates)
         for candidate in group.candidates:
             if candidate.key_turn is not None:
-                # Ordering ``key``: the key's earlier records are published first.
-                candidate.entry.state = "waiting_turn"
+                # Ordering ``key``: the key's earlier records are published first (the
+                # models of the group path keep no state: inference may run ahead).
                 await candidate.key_turn.wait()
-        ready, failed = await self._answers(group.candidates)
         cut: set[TopicPartition] = set()
         if group.partition_turns:
             ready, failed = _cut_at_failures(group, ready, failed)

@@ -187,7 +187,8 @@ class _Groups:
     (taken here, synchronously, so in offset order).
 
     ``unordered``: one group. ``key``: waves, the n-th record of each key of the pass in
-    the n-th group (a group holds one record per key, and waits for its keys' turns).
+    the n-th group (a group holds one record per key, and publishes once its keys' turns
+    come).
     ``partition``: one group until a record of one of its partitions goes the per-record
     way; the partition's later candidates then go in a group after it (each group holds
     one turn per partition).

@@ -269,7 +269,8 @@ class DeliverySettings(_Section, frozen=True, kw_only=True):
     """When a record is done, in what order, and how it is committed."""
 
     ordering: Annotated[Ordering, Doc(
-        "unordered; key: one at a time per key in offset order; partition: results "
+        "unordered; key: each key's results in offset order (a decoupled or sequence model's "
+        "records one at a time); partition: results "
         "published in offset order per partition.")] = "unordered"
     delivery: Annotated[DeliveryMode, Doc(
         "exactly_once: results, dead letters and offsets in one Kafka transaction.")] = (

@@ -386,17 +386,8 @@ def decode_request(
         request, tensor_bytes = _from_protobuf(value, tensor_limits)
         body_id, body_name, body_version = request.id, request.model_name, request.model_version
     else:
-        body, header_end = _json_body(value, headers, encoding)
-        deferred = _deferred(body, tensor_limits) if defer and header_end is None else None
-        if deferred is not None:
-            request = None
-            (pending, tensor_bytes), outputs = deferred, tuple(o.name for o in body.outputs or ())
-        else:
-            request, tensor_bytes = _from_json(body, value, header_end, tensor_limits)
-        body_id, body_name, body_version = (
-            body.id or "",
-            body.model_name or "",
-            body.model_version or "",
+        (request, tensor_bytes, pending, outputs), (body_id, body_name, body_version) = (
+            _from_json_value(value, headers, encoding, tensor_limits, defer=defer)
         )
     if tensor_bytes > max_request_bytes:
         raise TooLarge(
@@ -404,14 +395,9 @@ def decode_request(
         )
     model_name, model_version = _choose_model(headers, body_name, body_version, default_model)
     if request is not None:
-        request.model_name = model_name
-        request.model_version = model_version
-        request.id = ""
-    request_id = (
-        body_id
-        or header_text(headers, X_REQUEST_ID)
-        or f"{source.topic}-{source.partition}-{source.offset}"
-    )
+        request.model_name, request.model_version, request.id = model_name, model_version, ""
+    fallback_id = f"{source.topic}-{source.partition}-{source.offset}"
+    request_id = body_id or header_text(headers, X_REQUEST_ID) or fallback_id
     return DecodedRequest(
         request_id=request_id,
         model_name=model_name,
@@ -423,6 +409,31 @@ def decode_request(
         pending=pending,
         output_names=outputs,
     )
+
+
+#: A JSON or binary-extension request: its message (None while its tensors are pending),
+#: its tensors' bytes, its pending inputs and the outputs it asks for.
+_Decoded = tuple[Any, int, "tuple[PendingInput, ...] | None", tuple[str, ...]]
+
+
+def _from_json_value(
+    value: bytes,
+    headers: Headers,
+    encoding: Encoding,
+    tensor_limits: tensors.TensorLimits,
+    *,
+    defer: bool,
+) -> tuple[_Decoded, tuple[str, str, str]]:
+    """A JSON or binary-extension value decoded (see ``decode_request``'s ``defer``), and
+    the body's request id, model name and model version ("" when not given)."""
+    body, header_end = _json_body(value, headers, encoding)
+    names = (body.id or "", body.model_name or "", body.model_version or "")
+    deferred = _deferred(body, tensor_limits) if defer and header_end is None else None
+    if deferred is not None:
+        pending, tensor_bytes = deferred
+        return (None, tensor_bytes, pending, tuple(o.name for o in body.outputs or ())), names
+    request, tensor_bytes = _from_json(body, value, header_end, tensor_limits)
+    return (request, tensor_bytes, None, ()), names
 
 
 def _json_body(

@@ -12,6 +12,7 @@ a broker restart) are in tests/fault/test_exactly_once_failures.py.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Iterable
 from typing import Any
 
@@ -493,3 +494,41 @@ async def test_the_shared_producer_stops_at_close_with_no_partition_left() -> No
     assert transactions.producer.running
     await delivery.close()
     assert not transactions.producer.running
+
+
+async def test_a_window_half_full_of_staged_outcomes_commits_before_the_interval() -> None:
+    """A record holds its window slot until its transaction commits: once half the window
+    (WORKER_MAX_IN_FLIGHT 4: two outcomes) is staged, the commit loop commits at once
+    rather than at the end of its 60 s interval."""
+    settings = load_settings(
+        {
+            "WORKER_INPUT_TOPICS": "in",
+            "WORKER_OUTPUT_TOPIC": "out",
+            "WORKER_DLQ_TOPIC": "dlq",
+            "WORKER_GROUP_ID": "group",
+            "WORKER_DELIVERY": "exactly_once",
+            "WORKER_MAX_IN_FLIGHT": "4",
+            "WORKER_MAX_IN_FLIGHT_PER_PARTITION": "2",
+            "WORKER_COMMIT_INTERVAL_MS": "60000",
+        }
+    )
+    transactions = Shared()
+    delivery = ExactlyOnce(
+        settings,
+        OffsetTracker(),
+        Edge({TP0, TP1}, transactions_only=True, fetches=False),
+        Metrics(version="test"),
+        transactions=transactions,
+    )
+    await delivery.assigned({TP0, TP1})
+    loop = asyncio.create_task(delivery.commit_loop())
+    first = await _complete(delivery, 0, TP0)
+    await asyncio.sleep(0)
+    assert transactions.producer.sent == []  # one staged: the interval rules
+    second = await _complete(delivery, 0, TP1)
+    await asyncio.wait_for(asyncio.gather(first, second), 5)
+    assert len(transactions.producer.sent) == 1
+    loop.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await loop
+    await delivery.close()

@@ -369,9 +369,10 @@ async def test_partition_order_hands_over_the_rest_of_the_partition_in_turn() ->
     assert h.sample("worker_fast_path_fallbacks_total", reason="order") == 1
 
 
-async def test_key_turns_are_waited_for_before_inference_and_passed_once_safe() -> None:
-    """ordering=key: a group's record waits for its key's earlier record, and its turn goes
-    to the key's next record once its result is acknowledged."""
+async def test_key_turns_are_waited_for_before_publishing_and_passed_once_safe() -> None:
+    """ordering=key: a group's record is inferred at once, published only after its key's
+    earlier record, and its turn goes to the key's next record once its result is
+    acknowledged."""
     h = Harness()
     turns = Turns()
     earlier = turns.ticket((TP, b"k"))
@@ -381,7 +382,8 @@ async def test_key_turns_are_waited_for_before_inference_and_passed_once_safe() 
     running = asyncio.create_task(h.fast.run(Group([candidate]), h.hand_over))
     for _ in range(5):  # the group runs until it blocks on its key's turn (no I/O here)
         await asyncio.sleep(0)
-    assert h.pool.rows_sent == []  # its key's earlier record is not published yet
+    assert h.pool.rows_sent == [1]  # inferred already
+    assert h.sink.calls == []  # its key's earlier record is not published yet
     earlier.done()
     await running
     assert h.pool.rows_sent == [1] and h.sink.calls == [[0]]
