@@ -39,6 +39,7 @@ import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from aiokafka import AIOKafkaConsumer
@@ -180,7 +181,8 @@ def stack(servers: Stack) -> Stack:
 def _retire_double_v1(http_address: str) -> None:
     """``double`` as versions 1 and 2, then version 1 retired by the version policy (2
     serves): the traffic's requests naming version 1 must be MODEL_NOT_FOUND, not held."""
-    for policy in ({"all": {}}, {"latest": {"num_versions": 1}}):
+    policies: list[dict[str, Any]] = [{"all": {}}, {"latest": {"num_versions": 1}}]
+    for policy in policies:
         status, body = load_versions(http_address, "double", policy)
         assert status == 200, body
     states = version_states(http_address, "double")
