@@ -80,6 +80,10 @@ class Worker:
             health=self.model_health,
             audit=self.audit,
         )
+        self.registry = self.steps.rules.registry
+        if self.registry is not None:
+            # The registry's failed requests are counted as retries, by their code.
+            self.registry.writers.on_retry = self.steps.retried
         self.inflight = InFlightRegistry(
             settings.ops.stuck_after_s, progress=self.delivery.offsets.progress
         )
@@ -183,6 +187,11 @@ class Worker:
                 tasks.create_task(self.model_health.probe_loop(), name="model-health"),
                 tasks.create_task(self.inflight.watch(), name="stuck-records"),
             ]
+            if self.registry is not None:
+                interval_s = self.settings.retry.breaker_probe_interval_ms / 1000
+                background.append(
+                    tasks.create_task(self.registry.probe_loop(interval_s), name="registry-health")
+                )
             self.started.set()
             await self._stop.wait()
             self.intake.request_stop()

@@ -82,12 +82,15 @@ def _escape(text: str) -> bytes:
     return orjson.dumps(text)[1:-1]
 
 
-def cloud_event_of(headers: Headers, envelope: Any | None) -> CloudEvent | None:
+def cloud_event_of(
+    headers: Headers, envelope: Any | None, *, json_data: bool = True
+) -> CloudEvent | None:
     """The record's CloudEvent, if it is one: structured when ``envelope`` (the parsed
     value of an ``application/cloudevents+json`` record) is given, binary when any header
     of a required attribute (``ce_specversion``, ``ce_id``, ``ce_source``, ``ce_type``)
     is there; DecodeError when a required attribute is missing or empty, or the event is
-    not of CloudEvents 1.0."""
+    not of CloudEvents 1.0. ``json_data``: a binary event's data must be JSON (its
+    content type says so); False for a registry format's, which its framing tells."""
     if envelope is not None:
         if not isinstance(envelope, dict):
             raise DecodeError("structured CloudEvent: expected a JSON object")
@@ -110,6 +113,8 @@ def cloud_event_of(headers: Headers, envelope: Any | None) -> CloudEvent | None:
     if missing:
         raise DecodeError(f"binary CloudEvent: header(s) {', '.join(missing)} missing or empty")
     _check_version(f"binary CloudEvent: {CE_PREFIX}specversion", values["specversion"] or "")
+    if not json_data:
+        return CloudEvent("binary", values["id"] or "")
     content_type = (header_text(headers, CONTENT_TYPE) or "application/json").lower()
     media = content_type.split(";", 1)[0].strip()
     if media != "application/json" and not media.endswith("+json"):

@@ -22,6 +22,7 @@ from worker.events.cloudevents import CloudEvent, cloud_event_of, is_structured
 from worker.events.mapping import Argmax, InputMap, OutputRef, TopicMapping
 from worker.events.paths import MISSING, EventPath
 from worker.events.values import expected
+from worker.registry import Registry
 from worker.wire import tensors
 from worker.wire.bytes_tensor import serialize_bytes_tensor
 from worker.wire.headers import CONTENT_TYPE, X_REQUEST_ID, Headers, Source, header_text
@@ -163,8 +164,12 @@ def decode_event(
     headers: Headers,
     source: Source,
     limits: DecodeLimits,
+    registry: Registry | None = None,
 ) -> DecodedRequest:
-    """The event's request for the mapping's model; a WorkerError naming what is wrong."""
+    """The event's request for the mapping's model; a WorkerError naming what is wrong.
+
+    ``registry``: where a registry-format topic's records find their schemas (they
+    raise ``SchemaPending`` while theirs is not fetched yet)."""
     if value is None:
         raise DecodeError(
             f"record value is null (a tombstone); topic {mapping.topic!r} expects an event"
@@ -174,7 +179,11 @@ def decode_event(
         raise TooLarge(
             f"record value is {len(value)} bytes, over the {limits.max_request_bytes}-byte limit"
         )
-    event, cloud = _event_of(mapping, value, headers)
+    if mapping.registry_format:
+        assert registry is not None, "a registry-format topic without its registry"
+        event, cloud = _registry_event_of(mapping, value, headers, registry)
+    else:
+        event, cloud = _event_of(mapping, value, headers)
     request = service_pb2.ModelInferRequest(model_name=mapping.model, model_version=mapping.version)
     element_limits = tensors.TensorLimits(limits.max_tensor_elements, limits.max_tensor_bytes)
     total = 0
@@ -226,6 +235,20 @@ def _event_of(
             f"got {type(event).__name__ if event is not None else 'null'}"
         )
     return event, cloud
+
+
+def _registry_event_of(
+    mapping: TopicMapping, value: bytes, headers: Headers, registry: Registry
+) -> tuple[dict[str, Any], CloudEvent | None]:
+    """The record of a registry-format topic, read with its writer's schema; a binary
+    CloudEvent's attributes from its headers (a structured one is JSON, not framed)."""
+    event = registry.read(mapping.topic, value)
+    if not isinstance(event, dict):
+        raise DecodeError(
+            f"record value: topic {mapping.topic!r} expects a record (an event), got "
+            f"{type(event).__name__ if event is not None else 'null'}"
+        )
+    return event, cloud_event_of(headers, None, json_data=False)
 
 
 def _request_id(

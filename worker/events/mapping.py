@@ -7,6 +7,7 @@ maps any number of input topics::
     [topics.payments]
     model = "mlp"                          # version = "1" to pin one
     request_id = "/payment_id"             # optional: the field naming the request
+    format = "avro"                        # optional: json (the default), avro, json-schema
     [topics.payments.inputs.INPUT0]
     datatype = "FP32"
     from = "/features"                     # an array (nested as the shape), or a scalar
@@ -27,6 +28,7 @@ import json
 import re
 import tomllib
 from dataclasses import dataclass
+from importlib.util import find_spec
 from pathlib import Path
 from typing import Any, Final
 
@@ -48,6 +50,10 @@ __all__ = [
 ]
 
 SETTING: Final = "WORKER_MAPPING_FILE"
+#: The events' formats: plain JSON, or one of a Schema Registry's (the Confluent wire format).
+EVENT_FORMATS: Final = ("json", "avro", "json-schema")
+#: The module each registry format needs, and the extra that installs it.
+_FORMAT_LIBRARIES: Final = {"avro": "fastavro", "json-schema": "jsonschema"}
 #: The result field an event's outputs go under when the mapping names no form.
 DEFAULT_INTO: Final = "prediction"
 _OUTPUT_REF: Final = re.compile(r"([^\[\]]+?)(?:\[(\d+)\])?")
@@ -108,6 +114,14 @@ class TopicMapping:
     result: ResultForm
     #: The type and source of result events, when the requests are CloudEvents.
     cloudevents: CloudEventsOut = CloudEventsOut()  # noqa: RUF009 (frozen: shared safely)
+    #: How the events are written: json, or a registry format (avro, json-schema).
+    format: str = "json"
+
+    @property
+    def registry_format(self) -> bool:
+        """True when the events are in the Confluent wire format, their schemas in a
+        Schema Registry."""
+        return self.format != "json"
 
     def outputs(self) -> tuple[str, ...]:
         """The model outputs the result reads (none named: all of them)."""
@@ -225,8 +239,9 @@ def _path(value: Any, where: str, problems: list[str]) -> EventPath | None:
 def _topic(
     topic: str, table: dict[str, Any], where: str, problems: list[str]
 ) -> TopicMapping | None:
-    known = {"model", "version", "request_id", "inputs", "result", "cloudevents"}
+    known = {"model", "version", "request_id", "inputs", "result", "cloudevents", "format"}
     _unknown(table, known, where, problems)
+    fmt = _format(table.get("format", "json"), where, problems)
     model = _text(table, "model", where, problems)
     if model is None and "model" not in table:
         problems.append(f"{where}.model: missing; name the model the events feed")
@@ -255,7 +270,24 @@ def _topic(
     if model is None or result is None:
         return None
     version = version.lstrip("0") or version[:1]
-    return TopicMapping(topic, model, version, request_id, tuple(inputs), result, cloudevents)
+    return TopicMapping(topic, model, version, request_id, tuple(inputs), result, cloudevents, fmt)
+
+
+def _format(value: Any, where: str, problems: list[str]) -> str:
+    if value not in EVENT_FORMATS:
+        problems.append(
+            f"{where}.format: expected one of {', '.join(EVENT_FORMATS)}, got {value!r}"
+        )
+        return "json"
+    module = _FORMAT_LIBRARIES.get(value)
+    if module is not None and find_spec(module) is None:
+        # At once, as for YAML: one line naming the extra, whatever else the file holds.
+        raise ConfigError(
+            SETTING,
+            f"{SETTING}: {where}.format: reading {value} events needs {module}: pip install "
+            "'kafka-triton-worker[registry]'",
+        )
+    return str(value)
 
 
 def _input(name: str, spec: Any, where: str, problems: list[str]) -> InputMap | None:

@@ -1,0 +1,178 @@
+"""Avro events through a real Schema Registry (Apicurio, Confluent's API), against the real
+broker and Triton.
+
+The events are written by confluent-kafka's own ``AvroSerializer`` against the registry, as
+a pipeline's producers write them. In one scenario per delivery mode: events of a first
+schema version, hostile values (truncated Avro, bytes left over, a schema id the registry
+does not have, an empty value, plain JSON, a tombstone, an event the mapping refuses), the
+producer moving to a second, compatible version mid-stream, and the registry stopped while
+events of a third version (whose schema the worker has not fetched yet) arrive: those wait,
+none is dead-lettered, and all are answered once it is back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import orjson
+import pytest
+from confluent_kafka.schema_registry import SchemaRegistryClient
+from confluent_kafka.schema_registry.avro import AvroSerializer
+from confluent_kafka.serialization import MessageField, SerializationContext
+
+from devtools.devstack.registry import SchemaRegistry
+from tests.integration.test_foreign_traffic import Out, produce
+from tests.support import KafkaUnderTest, Topics, TritonUnderTest, collect, mlp_reference
+from tests.support.worker import running_worker, settings_for
+from worker.wire import header_value
+
+pytestmark = pytest.mark.timeout(180)
+
+LABELS = [f"class-{i}" for i in range(10)]
+
+
+def payment(version: int) -> str:
+    """The events' Avro schema: version 2 adds a currency, version 3 a channel (both with
+    defaults: compatible both ways)."""
+    fields: list[dict[str, Any]] = [
+        {"name": "id", "type": "string"},
+        {"name": "amount", "type": "double"},
+        {"name": "features", "type": {"type": "array", "items": "float"}},
+    ]
+    if version >= 2:
+        fields.append({"name": "currency", "type": "string", "default": "EUR"})
+    if version >= 3:
+        fields.append({"name": "channel", "type": ["null", "string"], "default": None})
+    return json.dumps(
+        {"type": "record", "name": "Payment", "namespace": "com.example", "fields": fields}
+    )
+
+
+MAPPING = """
+[topics.{topic}]
+model = "mlp"
+format = "avro"
+request_id = "/id"
+[topics.{topic}.inputs.INPUT0]
+datatype = "FP32"
+from = "$.features"
+shape = [64]
+[topics.{topic}.result.fields]
+id = "/id"
+amount = "/amount"
+score = "PROBS[1]"
+label = {{ argmax = "PROBS", labels = {labels} }}
+"""
+
+
+class Payments:
+    """Avro payments framed by confluent-kafka's serializer, schema ``version`` of three."""
+
+    def __init__(self, client: SchemaRegistryClient, topic: str) -> None:
+        self._context = SerializationContext(topic, MessageField.VALUE)
+        self._serializers = {v: AvroSerializer(client, payment(v)) for v in (1, 2, 3)}
+        self.sent: dict[str, list[float]] = {}
+
+    def event(self, name: str, version: int, rng: np.random.Generator, **extra: Any) -> Out:
+        features = [float(x) for x in rng.standard_normal(64).astype(np.float32)]
+        self.sent[name] = features
+        record = {"id": name, "amount": 12.5, "features": features, **extra}
+        value = self._serializers[version](record, self._context)
+        return Out(value, name.encode())
+
+
+@pytest.fixture
+def registry_client(schema_registry: SchemaRegistry) -> Iterator[SchemaRegistryClient]:
+    """confluent-kafka's client of the session's registry, closed after the test."""
+    with SchemaRegistryClient({"url": schema_registry.url}) as client:
+        yield client
+
+
+async def wait_open(worker: Any, timeout_s: float) -> None:
+    """Until the worker's registry breaker opens (the registry is out and was asked)."""
+    await asyncio.wait_for(worker.registry.writers.breaker.wait_open(), timeout_s)
+
+
+@pytest.mark.parametrize("delivery", ["at_least_once", "exactly_once"])
+async def test_avro_events_hostile_values_evolution_and_a_registry_restart(
+    kafka: KafkaUnderTest,
+    triton: TritonUnderTest,
+    schema_registry: SchemaRegistry,
+    registry_client: SchemaRegistryClient,
+    unique: str,
+    tmp_path: Path,
+    delivery: str,
+) -> None:
+    """Avro events of two versions answered, each hostile value a dead letter of its own
+    code with its bytes, and the events of a third version held through a registry
+    restart and answered, none dead-lettered."""
+    topics = Topics.fresh(unique)
+    await kafka.create_topics([topics.input, topics.output, topics.dlq])
+    rng = np.random.default_rng(11)
+    payments = Payments(registry_client, topics.input)
+    first = [payments.event(f"v1-{i}", 1, rng) for i in range(4)]
+    good = first[0].value
+    assert good is not None
+    hostile = {
+        "truncated": ("SCHEMA_MISMATCH", good[: len(good) // 2]),
+        "left-over": ("SCHEMA_MISMATCH", good + b"\x02\x04"),
+        "unknown-id": ("SCHEMA_NOT_FOUND", b"\x00" + (987654).to_bytes(4, "big") + good[5:]),
+        "empty": ("BAD_MAGIC_BYTE", b""),
+        "plain-json": ("BAD_MAGIC_BYTE", orjson.dumps({"id": "plain-json"})),
+        "tombstone": ("DECODE_ERROR", None),
+    }
+    short = payments.event("short", 1, rng, features=[0.5] * 63)
+    second = [payments.event(f"v2-{i}", 2, rng, currency="USD") for i in range(3)]
+    third = [payments.event(f"v3-{i}", 3, rng, channel="web") for i in range(3)]
+    mapping = tmp_path / "mapping.toml"
+    mapping.write_text(MAPPING.format(topic=topics.input, labels=json.dumps(LABELS)))
+    settings = settings_for(
+        kafka,
+        triton,
+        topics,
+        mapping_file=str(mapping),
+        delivery=delivery,
+        schema_registry_url=schema_registry.url,
+    )
+    sent = [
+        *first,
+        *(Out(value, name.encode()) for name, (_, value) in hostile.items()),
+        short,
+        *second,
+    ]
+    async with running_worker(settings) as worker:
+        await produce(kafka.bootstrap_servers, topics.input, sent)
+        got = await collect(kafka.bootstrap_servers, topics, len(sent))
+        # Events of a version the worker has not read yet, while the registry is out.
+        await asyncio.to_thread(schema_registry.stop)
+        try:
+            await produce(kafka.bootstrap_servers, topics.input, third)
+            await wait_open(worker, 60)
+            assert got.dead_letters.keys() == {*hostile, "short"}
+        finally:
+            await asyncio.to_thread(schema_registry.start)
+        await collect(kafka.bootstrap_servers, topics, len(sent) + len(third), into=got)
+
+    assert got.duplicates == 0
+    for name, code in {
+        **{k: c for k, (c, _) in hostile.items()},
+        "short": "INVALID_REQUEST",
+    }.items():
+        letter = got.dead_letters[name]
+        assert header_value(letter.headers, "x-error-code") == code.encode(), name
+    for name, (_, value) in hostile.items():
+        assert got.dead_letters[name].value == value, name
+    answered = {*(f"v1-{i}" for i in range(4)), *(f"v2-{i}" for i in range(3))}
+    answered |= {f"v3-{i}" for i in range(3)}
+    assert got.results.keys() == answered
+    for name in answered:
+        body = orjson.loads(got.results[name].value)
+        expected = mlp_reference(np.asarray([payments.sent[name]], dtype=np.float32))[0]
+        assert body["id"] == name and body["amount"] == 12.5
+        assert body["score"] == pytest.approx(float(expected[1]), rel=1e-5)
+        assert body["label"] == LABELS[int(np.argmax(expected))]
