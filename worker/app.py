@@ -18,9 +18,10 @@ from typing import Any
 import structlog
 
 from worker.audit import Audit
-from worker.checks.startup import run_startup_checks
+from worker.checks.startup import CHECK_TIMEOUT_S, run_startup_checks
 from worker.delivery import build_delivery
-from worker.errors import ExitCode
+from worker.errors import ExitCode, TritonTimeout
+from worker.events.result_schemas import ResultSchemas
 from worker.flow.bounded import CLOSE_TIMEOUT_S, Forced, bounded_step, within
 from worker.flow.breaker import CircuitBreaker
 from worker.flow.holds import ModelGate
@@ -38,6 +39,7 @@ from worker.shutdown import TwoStageSignals
 from worker.triton import auth as triton_auth
 from worker.triton.batching import MicroBatcher
 from worker.triton.pool import TritonPool
+from worker.wire.validation import ModelSpec
 
 log = structlog.get_logger(__name__)
 
@@ -81,9 +83,16 @@ class Worker:
             audit=self.audit,
         )
         self.registry = self.steps.rules.registry
+        self.result_schemas: ResultSchemas | None = None
         if self.registry is not None:
             # The registry's failed requests are counted as retries, by their code.
             self.registry.writers.on_retry = self.steps.retried
+            self.result_schemas = ResultSchemas(
+                self.registry,
+                self.steps.rules.mappings,
+                settings.topics.output_topic,
+                settings.registry.schema_registry_auto_register,
+            )
         self.inflight = InFlightRegistry(
             settings.ops.stuck_after_s, progress=self.delivery.offsets.progress
         )
@@ -129,6 +138,10 @@ class Worker:
             )
             await self.health.start()
         await self.pool.start()
+        if self.result_schemas is not None:
+            # Refused (exit 2) here, before the group is joined; what Triton or the registry
+            # cannot answer yet is resolved once they do, its records waiting meanwhile.
+            await self.result_schemas.resolve(self._model_spec)
         await self.publisher.start()
         await self.intake.start(self)
         log.info("worker_started", settings=self.settings.redacted())
@@ -191,6 +204,13 @@ class Worker:
                 interval_s = self.settings.retry.breaker_probe_interval_ms / 1000
                 background.append(
                     tasks.create_task(self.registry.probe_loop(interval_s), name="registry-health")
+                )
+            if self.result_schemas is not None and self.result_schemas.pending:
+                background.append(
+                    tasks.create_task(
+                        self.result_schemas.resolve_loop(self._model_spec, interval_s),
+                        name="result-schemas",
+                    )
                 )
             self.started.set()
             await self._stop.wait()
@@ -279,6 +299,13 @@ class Worker:
     async def on_assigned(self, partitions: set[TopicPartition]) -> None:
         """Prepare what the delivery mode needs before the partitions' records are done."""
         await self.delivery.assigned(partitions)
+
+    async def _model_spec(self, name: str, version: str) -> ModelSpec:
+        """The model's spec from Triton, bounded: one that does not answer is late."""
+        try:
+            return await asyncio.wait_for(self.pool.model_spec(name, version), CHECK_TIMEOUT_S)
+        except TimeoutError:
+            raise TritonTimeout(f"model {name!r}: no metadata in {CHECK_TIMEOUT_S:.0f} s") from None
 
     # -- health ------------------------------------------------------------------
 

@@ -21,14 +21,14 @@ from typing import Any
 import numpy as np
 import orjson
 import pytest
-from confluent_kafka.schema_registry import SchemaRegistryClient
-from confluent_kafka.schema_registry.avro import AvroSerializer
+from confluent_kafka.schema_registry import Schema, SchemaRegistryClient
+from confluent_kafka.schema_registry.avro import AvroDeserializer, AvroSerializer
 from confluent_kafka.serialization import MessageField, SerializationContext
 
 from devtools.devstack.registry import SchemaRegistry
 from tests.integration.test_foreign_traffic import Out, produce
 from tests.support import KafkaUnderTest, Topics, TritonUnderTest, collect, mlp_reference
-from tests.support.worker import running_worker, settings_for
+from tests.support.worker import run_to_exit, running_worker, settings_for, worker_env
 from worker.wire import header_value
 
 pytestmark = pytest.mark.timeout(180)
@@ -138,6 +138,7 @@ async def test_avro_events_hostile_values_evolution_and_a_registry_restart(
         mapping_file=str(mapping),
         delivery=delivery,
         schema_registry_url=schema_registry.url,
+        schema_registry_auto_register="true",
     )
     sent = [
         *first,
@@ -170,9 +171,84 @@ async def test_avro_events_hostile_values_evolution_and_a_registry_restart(
     answered = {*(f"v1-{i}" for i in range(4)), *(f"v2-{i}" for i in range(3))}
     answered |= {f"v3-{i}" for i in range(3)}
     assert got.results.keys() == answered
+    # The results, read back by confluent-kafka's own deserializer with the schema the
+    # worker registered under the output topic's subject.
+    read = AvroDeserializer(registry_client)
+    context = SerializationContext(topics.output, MessageField.VALUE)
     for name in answered:
-        body = orjson.loads(got.results[name].value)
+        record = got.results[name]
+        body = read(record.value, context)
         expected = mlp_reference(np.asarray([payments.sent[name]], dtype=np.float32))[0]
+        assert body is not None and set(body) == {"id", "amount", "score", "label"}
         assert body["id"] == name and body["amount"] == 12.5
         assert body["score"] == pytest.approx(float(expected[1]), rel=1e-5)
         assert body["label"] == LABELS[int(np.argmax(expected))]
+        assert header_value(record.headers, "content-type") == b"application/avro"
+    registered = registry_client.get_latest_version(f"{topics.output}-value")
+    assert registered.schema is not None and registered.schema.schema_str is not None
+    fields = json.loads(registered.schema.schema_str)["fields"]
+    assert [(f["name"], f["type"]) for f in fields] == [
+        ("id", ["null", "string"]),
+        ("amount", ["null", "double"]),
+        ("score", "float"),
+        ("label", ["null", "string"]),
+    ]
+
+
+async def test_a_subject_schema_that_does_not_take_the_result_stops_the_start_in_one_line(
+    kafka: KafkaUnderTest,
+    triton: TritonUnderTest,
+    schema_registry: SchemaRegistry,
+    registry_client: SchemaRegistryClient,
+    unique: str,
+    tmp_path: Path,
+) -> None:
+    """Without auto-registration, the output subject's latest schema must take what the
+    mapping writes: one that lacks a field (or has none at all) refuses the start, exit 2,
+    one line naming the subject and the first difference."""
+    topics = Topics.fresh(unique)
+    await kafka.create_topics([topics.input, topics.output, topics.dlq])
+    mapping = tmp_path / "mapping.toml"
+    mapping.write_text(MAPPING.format(topic=topics.input, labels=json.dumps(LABELS)))
+    env = worker_env(
+        kafka,
+        triton,
+        topics,
+        mapping_file=str(mapping),
+        schema_registry_url=schema_registry.url,
+    )
+    registry_client.register_schema(f"{topics.input}-value", Schema(payment(1), "AVRO"))
+
+    missing = await asyncio.to_thread(run_to_exit, env, tmp_path / "none.log", 60.0)
+
+    subject = f"{topics.output}-value"
+    narrow = {
+        "type": "record",
+        "name": "Score",
+        "fields": [
+            {"name": "id", "type": ["null", "string"], "default": None},
+            {"name": "score", "type": "float"},
+            {"name": "label", "type": ["null", "string"], "default": None},
+        ],
+    }
+    schema_id = registry_client.register_schema(subject, Schema(json.dumps(narrow), "AVRO"))
+
+    refused = await asyncio.to_thread(run_to_exit, env, tmp_path / "narrow.log", 60.0)
+
+    where = f"topics.{topics.input}.result"
+    for exited, line in (
+        (
+            missing,
+            f"error: {where}: subject '{subject}' has no schema: register the mapping's result "
+            "schema (`kafka-triton-worker check` shows it), or set "
+            "WORKER_SCHEMA_REGISTRY_AUTO_REGISTER=true",
+        ),
+        (
+            refused,
+            f"error: {where}: the latest schema of subject '{subject}' (version 1, id "
+            f"{schema_id}) does not accept what the mapping writes: it has no field 'amount', "
+            "which the mapping writes",
+        ),
+    ):
+        assert exited.code == 2, exited.lines[-10:]
+        assert [x for x in exited.lines if not x.startswith("{")] == [line], exited.lines[-10:]

@@ -60,9 +60,14 @@ class CloudEvent:
     id: str
 
     def result(
-        self, data: bytes, out: CloudEventsOut, source: Source
+        self,
+        data: bytes,
+        out: CloudEventsOut,
+        source: Source,
+        content_type: bytes = b"application/json",
     ) -> tuple[bytes, list[tuple[str, bytes]]]:
-        """The result event of ``data`` (JSON) in this event's mode: value and headers."""
+        """The result event of ``data`` (JSON, unless a binary event's ``content_type``
+        says otherwise) in this event's mode: value and headers."""
         attributes = {
             "specversion": SPEC_VERSION,
             "id": f"{source.topic}/{source.partition}/{source.offset}",
@@ -72,7 +77,7 @@ class CloudEvent:
         }
         if self.mode == "binary":
             headers = [(f"{CE_PREFIX}{k}", v.encode()) for k, v in attributes.items()]
-            return data, [(CONTENT_TYPE, b"application/json"), *headers]
+            return data, [(CONTENT_TYPE, content_type), *headers]
         fields = b",".join(b'"%s":"%s"' % (k.encode(), _escape(v)) for k, v in attributes.items())
         envelope = b'{%s,"datacontenttype":"application/json","data":%s}' % (fields, data)
         return envelope, [(CONTENT_TYPE, STRUCTURED.encode())]

@@ -23,6 +23,7 @@ from worker.events.mapping import Argmax, InputMap, OutputRef, TopicMapping
 from worker.events.paths import MISSING, EventPath
 from worker.events.values import expected
 from worker.registry import Registry
+from worker.registry.results import ResultWriter
 from worker.wire import tensors
 from worker.wire.bytes_tensor import serialize_bytes_tensor
 from worker.wire.headers import CONTENT_TYPE, X_REQUEST_ID, Headers, Source, header_text
@@ -43,7 +44,7 @@ def _show(value: Any) -> str:
 class MappedEvent:
     """The event a request was made of, and how to make its result event."""
 
-    __slots__ = ("batched", "cloud", "event", "mapping", "source")
+    __slots__ = ("batched", "cloud", "event", "mapping", "source", "writer")
 
     def __init__(
         self,
@@ -51,12 +52,15 @@ class MappedEvent:
         event: dict[str, Any],
         source: Source,
         cloud: CloudEvent | None = None,
+        writer: ResultWriter | None = None,
     ) -> None:
         self.mapping = mapping
         self.event = event
         self.source = source
         #: The request came as a CloudEvent: the result goes out as one, in its mode.
         self.cloud = cloud
+        #: A registry-format topic's: how the result event is written (its schema and id).
+        self.writer = writer
         #: The inputs were given a batch dimension (the model batches).
         self.batched = False
 
@@ -87,18 +91,27 @@ class MappedEvent:
                 name: array[0] if array.ndim and array.shape[0] == 1 else array
                 for name, array in outputs.items()
             }
-        result = self.mapping.result
+        result, writer = self.mapping.result, self.writer
+        # A registry format's library writes plain Python values; orjson writes numpy's.
+        value_of = _json if writer is None else _python
         if result.into is not None:
             document = dict(self.event)
-            document[result.into] = {name: _json(array) for name, array in outputs.items()}
+            document[result.into] = {name: value_of(array) for name, array in outputs.items()}
         else:
-            document = {name: self._field(name, source, outputs) for name, source in result.fields}
-        data = orjson.dumps(document, option=orjson.OPT_SERIALIZE_NUMPY)
+            document = {
+                name: self._field(name, source, outputs, value_of) for name, source in result.fields
+            }
+        if writer is not None:
+            data, content_type = writer.encode(document), writer.content_type
+        else:
+            data = orjson.dumps(document, option=orjson.OPT_SERIALIZE_NUMPY)
+            content_type = b"application/json"
         if self.cloud is not None:
-            return self.cloud.result(data, self.mapping.cloudevents, self.source)
-        return data, [(CONTENT_TYPE, b"application/json")]
+            return self.cloud.result(data, self.mapping.cloudevents, self.source, content_type)
+        return data, [(CONTENT_TYPE, content_type)]
 
-    def _field(self, name: str, source: Any, outputs: dict[str, Any]) -> Any:
+    def _field(self, name: str, source: Any, outputs: dict[str, Any], value_of: Any = None) -> Any:
+        value_of = value_of or _json
         if isinstance(source, EventPath):
             value = source.find(self.event)
             return None if value is MISSING else value
@@ -111,13 +124,13 @@ class MappedEvent:
         flat = array.reshape(-1)
         if isinstance(source, OutputRef):
             if source.index is None:
-                return _json(array)
+                return value_of(array)
             if source.index >= flat.size:
                 raise InferenceError(
                     f"result field {name!r} reads {source}, but {source.output} has "
                     f"{flat.size} elements"
                 )
-            return _json(flat[source.index])
+            return value_of(flat[source.index])
         assert isinstance(source, Argmax)
         if not flat.size or flat.dtype == object:
             raise InferenceError(
@@ -150,6 +163,16 @@ def _json(value: Any) -> Any:
     if isinstance(value, bytes):
         return value.decode("utf-8", "replace")
     return value
+
+
+def _python(value: Any) -> Any:
+    """A numpy array or scalar as plain Python values (lists, floats, ints, text), for a
+    registry format's writer (a NaN stays a NaN: Avro's floats hold it)."""
+    if isinstance(value, np.ndarray):
+        return _texts(value.tolist())
+    if isinstance(value, np.generic):
+        return _texts(value.item())
+    return _texts(value)
 
 
 def _texts(items: Any) -> Any:
@@ -209,7 +232,13 @@ def decode_event(
         infer_request=request,
         binary_outputs=False,
         payload_bytes=len(value),
-        event=MappedEvent(mapping, event, source, cloud),
+        event=MappedEvent(
+            mapping,
+            event,
+            source,
+            cloud,
+            registry.result(mapping.topic) if registry and mapping.registry_format else None,
+        ),
     )
 
 

@@ -94,12 +94,22 @@ class Argmax:
 ResultSource = EventPath | OutputRef | Argmax
 
 
+#: Subject name strategies of a registry-format topic's results: the output topic's
+#: ``<topic>-value`` (Confluent's TopicNameStrategy), the record's full name
+#: (RecordNameStrategy), or both (TopicRecordNameStrategy).
+SUBJECT_STRATEGIES: Final = ("topic", "record", "topic-record")
+
+
 @dataclass(frozen=True, slots=True)
 class ResultForm:
     """The result: the event with the outputs ``into`` a field, or new ``fields``."""
 
     into: str | None
     fields: tuple[tuple[str, ResultSource], ...]
+    #: A registry-format topic's result record: its full name (None: derived from the
+    #: topic) and its subject name strategy.
+    name: str | None = None
+    subject: str = "topic"
 
 
 @dataclass(frozen=True, slots=True)
@@ -358,7 +368,14 @@ def _result(table: Any, where: str, problems: list[str]) -> ResultForm | None:
     if not isinstance(table, dict):
         problems.append(f"{where}: expected a table (into, or fields)")
         return None
-    _unknown(table, {"into", "fields"}, where, problems)
+    _unknown(table, {"into", "fields", "name", "subject"}, where, problems)
+    name = _text(table, "name", where, problems)
+    subject = table.get("subject", "topic")
+    if subject not in SUBJECT_STRATEGIES:
+        problems.append(
+            f"{where}.subject: expected one of {', '.join(SUBJECT_STRATEGIES)}, got {subject!r}"
+        )
+        subject = "topic"
     if "into" in table and "fields" in table:
         problems.append(
             f"{where}: give either into (the event, enriched) or fields (a new event), not both"
@@ -366,7 +383,7 @@ def _result(table: Any, where: str, problems: list[str]) -> ResultForm | None:
         return None
     if "fields" not in table:
         into = _text(table, "into", where, problems) if "into" in table else DEFAULT_INTO
-        return ResultForm(into, ()) if into is not None else None
+        return ResultForm(into, (), name, subject) if into is not None else None
     fields = table["fields"]
     if not isinstance(fields, dict) or not fields:
         problems.append(
@@ -374,11 +391,11 @@ def _result(table: Any, where: str, problems: list[str]) -> ResultForm | None:
         )
         return None
     parsed: list[tuple[str, ResultSource]] = []
-    for name, source in fields.items():
-        one = _result_source(source, f"{where}.fields.{name}", problems)
+    for field, source in fields.items():
+        one = _result_source(source, f"{where}.fields.{field}", problems)
         if one is not None:
-            parsed.append((name, one))
-    return ResultForm(None, tuple(parsed))
+            parsed.append((field, one))
+    return ResultForm(None, tuple(parsed), name, subject)
 
 
 def _result_source(source: Any, where: str, problems: list[str]) -> ResultSource | None:

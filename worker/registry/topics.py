@@ -9,6 +9,7 @@ and only the first of an id waits for the registry.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -18,6 +19,7 @@ from worker.flow.retry import Backoff, Budget
 from worker.registry.client import RegistryClient
 from worker.registry.formats import Format
 from worker.registry.framing import schema_id_of, unframe
+from worker.registry.results import ResultWriter
 from worker.registry.writers import WriterSchemas
 from worker.settings import ConfigError, Settings
 
@@ -42,6 +44,21 @@ class Registry:
         self.writers = writers
         #: The format of each registry-format topic.
         self.formats = dict(formats)
+        #: How each topic's results are written, once resolved (``set_result``).
+        self.results: dict[str, ResultWriter] = {}
+        self._resolved = {topic: asyncio.Event() for topic in self.formats}
+
+    def set_result(self, topic: str, writer: ResultWriter) -> None:
+        """The topic's results are written so from now on; its waiting records go on."""
+        self.results[topic] = writer
+        self._resolved[topic].set()
+
+    def result(self, topic: str) -> ResultWriter:
+        """How the topic's results are written; SchemaPending until it is resolved."""
+        writer = self.results.get(topic)
+        if writer is None:
+            raise SchemaPending(f"the result schema of topic {topic!r}")
+        return writer
 
     def read(self, topic: str, value: bytes) -> Any:
         """The record's data, decoded with its writer's schema. BadMagicByte,
@@ -62,19 +79,27 @@ class Registry:
         """True when the record's schema must be fetched before it can be read."""
         if topic not in self.formats:
             return False
+        if topic not in self.results:
+            return True
         schema_id = schema_id_of(value)
         return schema_id is not None and not self.writers.known(schema_id)
 
     async def ready(self, topic: str, value: bytes | None, budget: Budget | None = None) -> None:
         """Return once the record can be read without a fetch (at once for most)."""
-        if self.pending(topic, value):
-            schema_id = schema_id_of(value)
-            assert schema_id is not None
+        if not self.pending(topic, value):
+            return
+        if topic not in self.results:
+            await self._resolved[topic].wait()
+        schema_id = schema_id_of(value)
+        if schema_id is not None:
             await self.writers.ensure(schema_id, budget)
 
     async def ready_many(self, records: Iterable[tuple[str, bytes | None]]) -> None:
         """``ready`` for many (topic, value) records: each schema id fetched once."""
-        ids = {schema_id_of(value) for topic, value in records if self.pending(topic, value)}
+        waiting = [(topic, value) for topic, value in records if self.pending(topic, value)]
+        for topic in {topic for topic, _ in waiting if topic not in self.results}:
+            await self._resolved[topic].wait()
+        ids = {schema_id_of(value) for _, value in waiting}
         await self.writers.ensure_all(i for i in ids if i is not None)
 
     async def probe_loop(self, interval_s: float) -> None:

@@ -13,6 +13,7 @@ from worker.registry import SchemaPending, build_registry
 from worker.registry.client import RegisteredSchema
 from worker.registry.formats import writer_schema
 from worker.registry.framing import frame
+from worker.registry.results import ResultWriter
 from worker.settings import ConfigError, load_settings
 
 REQUIRED = {
@@ -36,14 +37,17 @@ def test_no_registry_without_a_registry_format_and_a_refusal_without_its_url() -
 
 
 def test_a_record_is_pending_until_its_schema_is_known_and_read_with_it() -> None:
-    """A framed record of an unknown id is pending (SchemaPending when read); once its
-    schema is kept, it reads; a schema of another format is a mismatch."""
+    """Every record of a topic is pending until its results' schema is resolved; then a
+    framed record of an unknown id is (SchemaPending when read); once its schema is kept,
+    it reads; a schema of another format is a mismatch."""
     settings = load_settings({**REQUIRED, "WORKER_SCHEMA_REGISTRY_URL": "http://127.0.0.1:1"})
     registry = build_registry(settings, {"clicks": "avro", "plain": "json"})
     assert registry is not None
     out = io.BytesIO()
     fastavro.schemaless_writer(out, fastavro.parse_schema(CLICK), {"x": 0.5})
     value = frame(4, out.getvalue())
+    assert registry.pending("clicks", b"not framed")  # its results' schema: not resolved yet
+    registry.set_result("clicks", ResultWriter.of("avro", "out-value", 1, CLICK))
     assert registry.pending("clicks", value) and not registry.pending("plain", value)
     assert not registry.pending("clicks", b"not framed")  # read at once: BAD_MAGIC_BYTE
     with pytest.raises(SchemaPending):
