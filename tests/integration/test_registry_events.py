@@ -1,13 +1,15 @@
-"""Avro events through a real Schema Registry (Apicurio, Confluent's API), against the real
-broker and Triton.
+"""Avro and JSON Schema events through a real Schema Registry (Apicurio, Confluent's API),
+against the real broker and Triton.
 
-The events are written by confluent-kafka's own ``AvroSerializer`` against the registry, as
-a pipeline's producers write them. In one scenario per delivery mode: events of a first
-schema version, hostile values (truncated Avro, bytes left over, a schema id the registry
-does not have, an empty value, plain JSON, a tombstone, an event the mapping refuses), the
-producer moving to a second, compatible version mid-stream, and the registry stopped while
-events of a third version (whose schema the worker has not fetched yet) arrive: those wait,
-none is dead-lettered, and all are answered once it is back.
+The events are written by confluent-kafka's own ``AvroSerializer`` and ``JSONSerializer``
+against the registry, as a pipeline's producers write them; the results are read back
+with its ``AvroDeserializer`` and ``JSONDeserializer``. In one scenario per delivery mode:
+events of a first schema version, hostile values (truncated Avro, bytes left over, a
+schema id the registry does not have, an empty value, plain JSON, a tombstone, an event
+the mapping refuses, JSON off its schema), the producer moving to a second, compatible
+version mid-stream, and the registry stopped while events of a third version (whose
+schema the worker has not fetched yet) arrive: those wait, none is dead-lettered, and all
+are answered once it is back.
 """
 
 from __future__ import annotations
@@ -23,12 +25,14 @@ import orjson
 import pytest
 from confluent_kafka.schema_registry import Schema, SchemaRegistryClient
 from confluent_kafka.schema_registry.avro import AvroDeserializer, AvroSerializer
+from confluent_kafka.schema_registry.json_schema import JSONDeserializer, JSONSerializer
 from confluent_kafka.serialization import MessageField, SerializationContext
 
 from devtools.devstack.registry import SchemaRegistry
 from tests.integration.test_foreign_traffic import Out, produce
 from tests.support import KafkaUnderTest, Topics, TritonUnderTest, collect, mlp_reference
 from tests.support.worker import run_to_exit, running_worker, settings_for, worker_env
+from worker.registry.framing import frame
 from worker.wire import header_value
 
 pytestmark = pytest.mark.timeout(180)
@@ -52,6 +56,36 @@ def payment(version: int) -> str:
         {"type": "record", "name": "Payment", "namespace": "com.example", "fields": fields}
     )
 
+
+#: The readings topic's JSON Schema (draft 7, as confluent-kafka's JSONSerializer writes).
+READING = json.dumps(
+    {
+        "$schema": "http://json-schema.org/draft-07/schema#",
+        "title": "Reading",
+        "type": "object",
+        "properties": {
+            "id": {"type": "string"},
+            "a": {"type": "number"},
+            "b": {"type": "number"},
+        },
+        "required": ["id", "a", "b"],
+    }
+)
+
+#: A json-schema topic of readings for ``double``, its results under the record's name.
+READINGS_MAPPING = """
+[topics.{readings}]
+model = "double"
+format = "json-schema"
+request_id = "/id"
+[topics.{readings}.inputs.INPUT0]
+datatype = "FP32"
+fields = ["/a", "/b"]
+[topics.{readings}.result]
+name = "com.example.Doubled{unique}"
+subject = "record"
+fields = {{ id = "/id", doubled = "OUTPUT0" }}
+"""
 
 MAPPING = """
 [topics.{topic}]
@@ -93,6 +127,10 @@ def registry_client(schema_registry: SchemaRegistry) -> Iterator[SchemaRegistryC
         yield client
 
 
+def context_of(topic: str) -> SerializationContext:
+    return SerializationContext(topic, MessageField.VALUE)
+
+
 async def wait_open(worker: Any, timeout_s: float) -> None:
     """Until the worker's registry breaker opens (the registry is out and was asked)."""
     await asyncio.wait_for(worker.registry.writers.breaker.wait_open(), timeout_s)
@@ -110,9 +148,12 @@ async def test_avro_events_hostile_values_evolution_and_a_registry_restart(
 ) -> None:
     """Avro events of two versions answered, each hostile value a dead letter of its own
     code with its bytes, and the events of a third version held through a registry
-    restart and answered, none dead-lettered."""
+    restart and answered, none dead-lettered; JSON Schema readings beside them answered,
+    one that does not match its schema dead-lettered; every result read back by
+    confluent-kafka's own deserializers."""
     topics = Topics.fresh(unique)
-    await kafka.create_topics([topics.input, topics.output, topics.dlq])
+    readings = f"readings-{unique}"
+    await kafka.create_topics([topics.input, readings, topics.output, topics.dlq])
     rng = np.random.default_rng(11)
     payments = Payments(registry_client, topics.input)
     first = [payments.event(f"v1-{i}", 1, rng) for i in range(4)]
@@ -129,12 +170,24 @@ async def test_avro_events_hostile_values_evolution_and_a_registry_restart(
     short = payments.event("short", 1, rng, features=[0.5] * 63)
     second = [payments.event(f"v2-{i}", 2, rng, currency="USD") for i in range(3)]
     third = [payments.event(f"v3-{i}", 3, rng, channel="web") for i in range(3)]
+    read_context = SerializationContext(readings, MessageField.VALUE)
+    to_json = JSONSerializer(READING, registry_client)
+    json_readings = [
+        Out(to_json({"id": f"r-{i}", "a": i + 0.5, "b": -i}, read_context), f"r-{i}".encode())
+        for i in range(3)
+    ]
+    reading_id = int.from_bytes((json_readings[0].value or b"")[1:5], "big")
+    off_schema = frame(reading_id, b'{"id": "r-bad", "a": "lots", "b": 1}')
     mapping = tmp_path / "mapping.toml"
-    mapping.write_text(MAPPING.format(topic=topics.input, labels=json.dumps(LABELS)))
+    mapping.write_text(
+        MAPPING.format(topic=topics.input, labels=json.dumps(LABELS))
+        + READINGS_MAPPING.format(readings=readings, unique=unique)
+    )
     settings = settings_for(
         kafka,
         triton,
         topics,
+        input_topics=f"{topics.input},{readings}",
         mapping_file=str(mapping),
         delivery=delivery,
         schema_registry_url=schema_registry.url,
@@ -146,18 +199,22 @@ async def test_avro_events_hostile_values_evolution_and_a_registry_restart(
         short,
         *second,
     ]
+    json_sent = [*json_readings, Out(off_schema, b"r-bad")]
     async with running_worker(settings) as worker:
         await produce(kafka.bootstrap_servers, topics.input, sent)
-        got = await collect(kafka.bootstrap_servers, topics, len(sent))
+        await produce(kafka.bootstrap_servers, readings, json_sent)
+        got = await collect(kafka.bootstrap_servers, topics, len(sent) + len(json_sent))
         # Events of a version the worker has not read yet, while the registry is out.
         await asyncio.to_thread(schema_registry.stop)
         try:
             await produce(kafka.bootstrap_servers, topics.input, third)
             await wait_open(worker, 60)
-            assert got.dead_letters.keys() == {*hostile, "short"}
+            assert got.dead_letters.keys() == {*hostile, "short", "r-bad"}
         finally:
             await asyncio.to_thread(schema_registry.start)
-        await collect(kafka.bootstrap_servers, topics, len(sent) + len(third), into=got)
+        await collect(
+            kafka.bootstrap_servers, topics, len(sent) + len(json_sent) + len(third), into=got
+        )
 
     assert got.duplicates == 0
     for name, code in {
@@ -168,16 +225,31 @@ async def test_avro_events_hostile_values_evolution_and_a_registry_restart(
         assert header_value(letter.headers, "x-error-code") == code.encode(), name
     for name, (_, value) in hostile.items():
         assert got.dead_letters[name].value == value, name
+    bad = got.dead_letters["r-bad"]
+    assert header_value(bad.headers, "x-error-code") == b"SCHEMA_MISMATCH"
+    assert header_value(bad.headers, "x-error-message") == (
+        f"$.a: does not match schema id {reading_id}: 'lots' is not of type 'number'".encode()
+    )
+    assert bad.value == off_schema
     answered = {*(f"v1-{i}" for i in range(4)), *(f"v2-{i}" for i in range(3))}
     answered |= {f"v3-{i}" for i in range(3)}
-    assert got.results.keys() == answered
+    assert got.results.keys() == answered | {f"r-{i}" for i in range(3)}
+    from_json = JSONDeserializer(None, schema_registry_client=registry_client)
+    for i in range(3):
+        result = got.results[f"r-{i}"]
+        assert from_json(result.value, context_of(topics.output)) == {
+            "id": f"r-{i}",
+            "doubled": [2 * (i + 0.5), -2.0 * i],
+        }
+        assert header_value(result.headers, "content-type") == b"application/json"
+    subject = registry_client.get_latest_version(f"com.example.Doubled{unique}")
+    assert subject.schema is not None and subject.schema.schema_type == "JSON"
     # The results, read back by confluent-kafka's own deserializer with the schema the
     # worker registered under the output topic's subject.
     read = AvroDeserializer(registry_client)
-    context = SerializationContext(topics.output, MessageField.VALUE)
     for name in answered:
         record = got.results[name]
-        body = read(record.value, context)
+        body = read(record.value, context_of(topics.output))
         expected = mlp_reference(np.asarray([payments.sent[name]], dtype=np.float32))[0]
         assert body is not None and set(body) == {"id", "amount", "score", "label"}
         assert body["id"] == name and body["amount"] == 12.5
