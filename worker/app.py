@@ -34,6 +34,7 @@ from worker.observability import HealthServer, InFlightRegistry, Metrics
 from worker.observability.readiness import readiness_of
 from worker.observability.tracing import Tracing, build_tracing
 from worker.records import RecordRules, Steps, build_dispatcher
+from worker.registry import Registry
 from worker.settings import Settings
 from worker.shutdown import TwoStageSignals
 from worker.triton import auth as triton_auth
@@ -82,17 +83,7 @@ class Worker:
             health=self.model_health,
             audit=self.audit,
         )
-        self.registry = self.steps.rules.registry
-        self.result_schemas: ResultSchemas | None = None
-        if self.registry is not None:
-            # The registry's failed requests are counted as retries, by their code.
-            self.registry.writers.on_retry = self.steps.retried
-            self.result_schemas = ResultSchemas(
-                self.registry,
-                self.steps.rules.mappings,
-                settings.topics.output_topic,
-                settings.registry.schema_registry_auto_register,
-            )
+        self.registry, self.result_schemas = build_result_schemas(settings, self.steps)
         self.inflight = InFlightRegistry(
             settings.ops.stuck_after_s, progress=self.delivery.offsets.progress
         )
@@ -346,6 +337,25 @@ def build_triton(settings: Settings, metrics: Metrics) -> tuple[TritonPool, Micr
     )
     flow = settings.flow
     return pool, MicroBatcher(pool, flow.batch_max_size, flow.batch_delay_ms / 1000)
+
+
+def build_result_schemas(
+    settings: Settings, steps: Steps
+) -> tuple[Registry | None, ResultSchemas | None]:
+    """The Schema Registry of the registry-format topics (as the steps read it) and the
+    resolution of their results' schemas; (None, None) without such a topic."""
+    registry = steps.rules.registry
+    if registry is None:
+        return None, None
+    # The registry's failed requests are counted as retries, by their code.
+    registry.writers.on_retry = steps.retried
+    results = ResultSchemas(
+        registry,
+        steps.rules.mappings,
+        settings.topics.output_topic,
+        settings.registry.schema_registry_auto_register,
+    )
+    return registry, results
 
 
 def build_model_holds(

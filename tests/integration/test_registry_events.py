@@ -32,7 +32,9 @@ from devtools.devstack.registry import SchemaRegistry
 from tests.integration.test_foreign_traffic import Out, produce
 from tests.support import KafkaUnderTest, Topics, TritonUnderTest, collect, mlp_reference
 from tests.support.worker import run_to_exit, running_worker, settings_for, worker_env
+from worker.checks.report import run_checks
 from worker.registry.framing import frame
+from worker.settings import load_settings
 from worker.wire import header_value
 
 pytestmark = pytest.mark.timeout(180)
@@ -277,7 +279,7 @@ async def test_a_subject_schema_that_does_not_take_the_result_stops_the_start_in
 ) -> None:
     """Without auto-registration, the output subject's latest schema must take what the
     mapping writes: one that lacks a field (or has none at all) refuses the start, exit 2,
-    one line naming the subject and the first difference."""
+    one line naming the subject and the first difference; `check` fails its row."""
     topics = Topics.fresh(unique)
     await kafka.create_topics([topics.input, topics.output, topics.dlq])
     mapping = tmp_path / "mapping.toml"
@@ -324,3 +326,13 @@ async def test_a_subject_schema_that_does_not_take_the_result_stops_the_start_in
     ):
         assert exited.code == 2, exited.lines[-10:]
         assert [x for x in exited.lines if not x.startswith("{")] == [line], exited.lines[-10:]
+    # `check` says the same of the subject, and shows the registry.
+    rows = {r.check: r for r in await run_checks(load_settings(env), 10.0)}
+    assert rows["Schema Registry"].outcome == "ok", rows["Schema Registry"]
+    assert schema_registry.url in rows["Schema Registry"].detail
+    row = rows[f"registry {topics.input}"]
+    assert row.outcome == "fail" and row.detail == (
+        f"avro; events {topics.input}-value version 1; results under '{subject}' (version 1, "
+        f"id {schema_id}) does not accept what the mapping writes: it has no field 'amount', "
+        "which the mapping writes"
+    )

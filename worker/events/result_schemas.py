@@ -350,6 +350,8 @@ class ResultSchemas:
         self._pending = {t: m for t, m in mappings.items() if m.registry_format}
         self._output_topic = output_topic
         self._auto_register = auto_register
+        #: The registry answered once: its URL and the worker's credentials are right.
+        self._probed = False
 
     @property
     def pending(self) -> list[str]:
@@ -358,8 +360,19 @@ class ResultSchemas:
 
     async def resolve(self, spec_of: SpecOf) -> None:
         """Resolve every pending topic it can now; ResultSchemaRefused (exit 2) when a
-        result schema is refused. A Triton or registry that does not answer leaves the
-        topic pending (its records wait)."""
+        result schema is refused, or the registry's URL or credentials are. A Triton or
+        registry that does not answer leaves the topic pending (its records wait)."""
+        if self._pending and not self._probed:
+            try:
+                await self._registry.client.schema_types()
+            except RegistryRejected as exc:
+                raise ResultSchemaRefused(f"WORKER_SCHEMA_REGISTRY_URL: {exc}") from None
+            except RegistryRefused as exc:
+                raise ResultSchemaRefused(exc.message) from None
+            except WorkerError as exc:
+                log.warning("result_schema_waiting", reason=exc.message[:300])
+                return
+            self._probed = True
         for topic, mapping in list(self._pending.items()):
             try:
                 spec = await spec_of(mapping.model, mapping.version)

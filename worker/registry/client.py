@@ -133,6 +133,11 @@ class RegistryClient:
     async def schema_types(self) -> list[str]:
         """The schema types the registry serves (AVRO, JSON, PROTOBUF): a cheap probe."""
         status, body = await self._call("GET", "/schemas/types")
+        if status == 404:
+            raise RegistryRejected(
+                f"{self.url} serves no Schema Registry API (404 for /schemas/types): give the "
+                "base of its Confluent API (Apicurio: http://HOST:PORT/apis/ccompat/v7)"
+            )
         _expect_ok(status, body, "schema types")
         return [str(kind) for kind in body]
 
