@@ -96,6 +96,10 @@ class MappedEvent:
         value_of = _json if writer is None else _python
         if result.into is not None:
             document = dict(self.event)
+            if writer is not None:  # an Avro event's arrays of numbers, as lists
+                for key, value in document.items():
+                    if isinstance(value, np.ndarray):
+                        document[key] = value_of(value)
             document[result.into] = {name: value_of(array) for name, array in outputs.items()}
         else:
             document = {
@@ -114,6 +118,8 @@ class MappedEvent:
         value_of = value_of or _json
         if isinstance(source, EventPath):
             value = source.find(self.event)
+            if isinstance(value, np.ndarray):  # an Avro event's array of numbers
+                return value_of(value)
             return None if value is MISSING else value
         array = outputs.get(source.output)
         if array is None:
@@ -330,10 +336,29 @@ def _tensor(
             )
         count = int(np.prod(spec.shape)) if spec.shape else 1
         return list(spec.shape), _raw(spec.datatype, [default] * count, lambda _: str(path))
+    if isinstance(found, np.ndarray):  # an Avro array of numbers, read as one
+        numbers = _numbers(spec, found)
+        if numbers is not None:
+            return numbers
+        found = found.tolist()  # checked element by element, as a JSON event's
     if not isinstance(found, list) and spec.shape in ((), (1,)):
         return list(spec.shape), _raw(spec.datatype, [found], lambda _: str(path))
     shape, flat = _flatten(found, spec.shape, path)
     return shape, _raw(spec.datatype, flat, lambda i: _place(path, i, shape))
+
+
+def _numbers(spec: InputMap, found: np.ndarray[Any, Any]) -> tuple[list[int], bytes] | None:
+    """A floating-point input of one dimension from an array of numbers, converted at once
+    when every value fits (None: the element-wise path says what does not)."""
+    dtype = tensors.DATATYPES[spec.datatype].dtype
+    if dtype is None or dtype.kind != "f" or len(spec.shape) != 1:
+        return None
+    if spec.shape[0] not in (-1, found.size):
+        return None
+    converted = found.astype(dtype, copy=False)
+    if not np.isfinite(converted).all():
+        return None
+    return [found.size], converted.tobytes()
 
 
 def _default(spec: InputMap, path: EventPath, found: Any, mapping: TopicMapping) -> Any:
