@@ -10,6 +10,7 @@ and only the first of an id waits for the registry.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -89,7 +90,10 @@ class Registry:
         if not self.pending(topic, value):
             return
         if topic not in self.results:
+            waited = time.monotonic()
             await self._resolved[topic].wait()
+            if budget is not None:  # not the record's fault: its deadline moves on
+                budget.pause(time.monotonic() - waited)
         schema_id = schema_id_of(value)
         if schema_id is not None:
             await self.writers.ensure(schema_id, budget)
