@@ -416,7 +416,7 @@ class ResultSchemas:
                 raise ResultSchemaRefused(
                     f"{where}: the Schema Registry refused the result schema: {exc}"
                 ) from None
-            return ResultWriter.of(fmt, subject, schema_id, derived)
+            return _result_writer(fmt, subject, schema_id, derived, 0, where)
         latest = await client.latest(subject)
         if latest is None:
             raise ResultSchemaRefused(
@@ -431,7 +431,19 @@ class ResultSchemas:
                 f"{where}: the latest schema of subject {subject!r} (version {latest.version}, "
                 f"id {latest.schema_id}) does not accept what the mapping writes: {refusals[0]}"
             )
-        return ResultWriter.of(fmt, subject, latest.schema_id, theirs, latest.version)
+        return _result_writer(fmt, subject, latest.schema_id, theirs, latest.version, where)
+
+
+def _result_writer(
+    fmt: Format, subject: str, schema_id: int, schema: Any, version: int, where: str
+) -> ResultWriter:
+    try:
+        return ResultWriter.of(fmt, subject, schema_id, schema, version)
+    except Exception as exc:  # the library cannot use the schema (a name defined twice)
+        raise ResultSchemaRefused(
+            f"{where}: schema id {schema_id} of subject {subject!r} cannot be written with: "
+            f"{type(exc).__name__}: {str(exc)[:200]}"
+        ) from None
 
 
 def derive(

@@ -127,7 +127,12 @@ class JsonSchemaWriter:
             raise SchemaMismatch(
                 f"JSON Schema payload of schema id {self.schema_id} is not valid JSON: {exc}"
             ) from None
-        error = next(iter(self.validator.iter_errors(data)), None)
+        try:
+            error = next(iter(self.validator.iter_errors(data)), None)
+        except Exception as exc:  # a $ref the schema cannot resolve here, say
+            raise SchemaMismatch(
+                f"schema id {self.schema_id} cannot validate the payload: {_said(exc)}"
+            ) from None
         if error is not None:
             from jsonschema.exceptions import best_match
 
