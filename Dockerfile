@@ -6,7 +6,8 @@
 #   docker run --rm kafka-triton-worker:0.1.0 check     # or: run (the default)
 #
 # The image has what every documented mode needs: both Kafka clients (aiokafka, and
-# librdkafka for WORKER_KAFKA_CLIENT=confluent) and OpenTelemetry tracing.
+# librdkafka for WORKER_KAFKA_CLIENT=confluent), OpenTelemetry tracing, YAML mapping files
+# and the Schema Registry formats (Avro, JSON Schema).
 #
 # PYTHON_IMAGE names the base (any Debian-based image with python3 and its venv module).
 # pip reaches PyPI from inside the build, or whatever index the base image's pip
@@ -24,7 +25,7 @@ WORKDIR /src
 # that a change to the worker's code does not reinstall them.
 COPY constraints.txt pyproject.toml README.md ./
 COPY worker ./worker
-RUN pip install -c constraints.txt ".[confluent,otel,yaml]" && pip check
+RUN pip install -c constraints.txt ".[confluent,otel,yaml,registry]" && pip check
 
 FROM ${PYTHON_IMAGE}
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PATH=/opt/venv/bin:$PATH

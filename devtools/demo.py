@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import logging
 import shutil
 import statistics
 import time
@@ -35,6 +37,10 @@ DEMO_PAYMENTS = 20
 #: The mapped topic of the demo's CloudEvents (examples/readings.json maps it to ``double``).
 READINGS_TOPIC = "readings"
 DEMO_READINGS = 4
+#: The mapped topic of the demo's Avro events (examples/payments-avro.toml maps it to
+#: ``mlp``), their schema in the stack's Schema Registry.
+AVRO_TOPIC = "payments-avro"
+DEMO_AVRO = 5
 
 
 def add_demo_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -97,12 +103,14 @@ def run_demo(args: argparse.Namespace) -> int:
     console = Console()
     workdir = run_dir() / "demo"
     shutil.rmtree(workdir, ignore_errors=True)
-    with console.status("starting a local Kafka broker and Triton server..."):
-        stack = LocalStack.create(workdir, log=console.print)
+    with console.status("starting a local Kafka broker, Triton server and Schema Registry..."):
+        stack = LocalStack.create(workdir, registry=True, log=console.print)
         stack.start()
+    assert stack.registry is not None
     console.print(
         f"stack ready in {stack.timings_s['total']:.1f}s: "
-        f"kafka {stack.kafka.bootstrap_servers}, triton {stack.triton.grpc_address}"
+        f"kafka {stack.kafka.bootstrap_servers}, triton {stack.triton.grpc_address}, "
+        f"schema registry {stack.registry.url}"
     )
     try:
         code = asyncio.run(_demo(stack, args, console, workdir))
@@ -132,12 +140,17 @@ async def _demo(stack: Any, args: argparse.Namespace, console: Console, workdir:
 
     topics = DEFAULT_TOPICS
     await stack.kafka.create_topics([topics["input"]], partitions=INPUT_PARTITIONS)
-    await stack.kafka.create_topics([PAYMENTS_TOPIC, READINGS_TOPIC], partitions=1)
+    await stack.kafka.create_topics([PAYMENTS_TOPIC, READINGS_TOPIC, AVRO_TOPIC], partitions=1)
+    avro = AvroPayments(stack.registry.url, PROJECT_ROOT / "examples" / "payment.avsc")
     await stack.kafka.create_topics([topics["output"], topics["dlq"]], partitions=INPUT_PARTITIONS)
     settings = load_settings(
         {
             "WORKER_BOOTSTRAP_SERVERS": stack.kafka.bootstrap_servers,
-            "WORKER_INPUT_TOPICS": f"{topics['input']},{PAYMENTS_TOPIC},{READINGS_TOPIC}",
+            "WORKER_INPUT_TOPICS": (
+                f"{topics['input']},{PAYMENTS_TOPIC},{READINGS_TOPIC},{AVRO_TOPIC}"
+            ),
+            "WORKER_SCHEMA_REGISTRY_URL": stack.registry.url,
+            "WORKER_SCHEMA_REGISTRY_AUTO_REGISTER": "true",
             "WORKER_MAPPING_FILE": str(_examples_mapping(PROJECT_ROOT / "examples", workdir)),
             "WORKER_OUTPUT_TOPIC": topics["output"],
             "WORKER_DLQ_TOPIC": topics["dlq"],
@@ -184,16 +197,93 @@ async def _demo(stack: Any, args: argparse.Namespace, console: Console, workdir:
                 {r.request_id for r in phase},
                 progress,
             )
+        avro_events = avro.events(DEMO_AVRO)
+        await send_requests(stack.kafka.bootstrap_servers, AVRO_TOPIC, avro_events, progress)
+        avro_answers = await collect(
+            stack.kafka.bootstrap_servers,
+            [topics["output"], topics["dlq"]],
+            {(r.key or b"").decode() for r in avro_events},
+            progress,
+        )
     worker.request_stop()
     await running
     log_file.close()
     _summary(console, requests, answers, sent_at, topics)
     _show_events(console, events, answers)
     _show_cloud_events(console, readings, answers)
+    avro_ok = avro.show(console, avro_answers, topics["output"], len(avro_events))
     console.print(f"worker log: {log_path}")
     expected = {r.request_id: r.expected_code for r in requests}
     wrong = [rid for rid, (topic, code, _) in answers.items() if code != expected[rid]]
-    return 1 if wrong or len(answers) != len(requests) else 0
+    return 1 if wrong or len(answers) != len(requests) or not avro_ok else 0
+
+
+class AvroPayments:
+    """The demo's Avro payments: written by confluent-kafka's AvroSerializer against the
+    stack's registry (the schema registered before the worker starts: the results' schema
+    copies its field types), their results read back by its AvroDeserializer."""
+
+    def __init__(self, url: str, schema_file: Path) -> None:
+        from confluent_kafka.schema_registry import Schema, SchemaRegistryClient
+
+        # Its HTTP client logs each request at info, into the worker's log stream.
+        for name in ("httpx", "httpx2"):
+            logging.getLogger(name).setLevel(logging.WARNING)
+        self._closing = contextlib.ExitStack()
+        self._client = self._closing.enter_context(SchemaRegistryClient({"url": url}))
+        self._schema = schema_file.read_text()
+        self._client.register_schema(f"{AVRO_TOPIC}-value", Schema(self._schema, "AVRO"))
+
+    def events(self, count: int, seed: int = 21) -> list[Outgoing]:
+        """``count`` payments in the Confluent wire format, keyed by their id."""
+        import numpy as np
+        from confluent_kafka.schema_registry.avro import AvroSerializer
+        from confluent_kafka.serialization import MessageField, SerializationContext
+
+        serialize = AvroSerializer(self._client, self._schema)
+        context = SerializationContext(AVRO_TOPIC, MessageField.VALUE)
+        rng = np.random.default_rng(seed)
+        out = []
+        for i in range(count):
+            payment_id = f"avro-payment-{i}"
+            payment = {
+                "payment_id": payment_id,
+                "amount": round(float(rng.uniform(1, 500)), 2),
+                "features": [float(x) for x in rng.standard_normal(64).astype(np.float32)],
+            }
+            value = serialize(payment, context)
+            out.append(Outgoing(value, payment_id.encode(), []))
+        return out
+
+    def show(
+        self,
+        console: Console,
+        answers: dict[str, tuple[str, str | None, Any]],
+        output_topic: str,
+        sent: int,
+    ) -> bool:
+        """The first Avro result as AvroDeserializer reads it; True when every payment
+        was answered with a result."""
+        from confluent_kafka.schema_registry.avro import AvroDeserializer
+        from confluent_kafka.serialization import MessageField, SerializationContext
+
+        read = AvroDeserializer(self._client)
+        context = SerializationContext(output_topic, MessageField.VALUE)
+        results = [a for a in answers.values() if a[1] is None]
+        if results:
+            value = results[0][2][1]
+            schema_id = int.from_bytes(value[1:5], "big")
+            line = (
+                f"[bold]{AVRO_TOPIC}[/bold] Avro event scored, read back by AvroDeserializer "
+                f"(schema id {schema_id}): {escape(str(read(value, context)))}"
+            )
+            console.print(line, soft_wrap=True, highlight=False)
+        for rid, (_, code, (_, _, headers)) in answers.items():
+            if code is not None:
+                message = (header_value(headers, "x-error-message") or b"").decode()
+                console.print(f"[bold]{AVRO_TOPIC}[/bold] event {rid}: {code} {escape(message)}")
+        self._closing.close()
+        return len(results) == sent
 
 
 async def collect(
@@ -316,13 +406,14 @@ def _show_cloud_events(
 
 
 def _examples_mapping(examples: Path, workdir: Path) -> Path:
-    """One mapping file of the examples' two (the worker takes one): the payments and the
-    readings."""
+    """One mapping file of the examples' three (the worker takes one): the payments, the
+    readings and the Avro payments."""
     import json
     import tomllib
 
     topics = tomllib.loads((examples / "payments.toml").read_text())["topics"]
     topics |= json.loads((examples / "readings.json").read_text())["topics"]
+    topics |= tomllib.loads((examples / "payments-avro.toml").read_text())["topics"]
     path = workdir / "mapping.json"
     path.write_text(json.dumps({"topics": topics}, indent=2))
     return path

@@ -1,4 +1,5 @@
-"""``dev up|down|status|fetch``: the local Kafka + Triton stack from the command line."""
+"""``dev up|down|status|fetch``: the local Kafka + Triton (+ Schema Registry) stack from the
+command line."""
 
 from __future__ import annotations
 
@@ -13,14 +14,19 @@ from devtools.devstack import stack
 def add_dev_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     dev = commands.add_parser("dev", help="run a local Kafka + Triton stack (no Docker needed)")
     actions = dev.add_subparsers(dest="dev_command", required=True)
-    start = actions.add_parser("up", help="start Kafka and Triton; they keep running")
+    start = actions.add_parser(
+        "up", help="start Kafka, Triton and a Schema Registry; they keep running"
+    )
     start.add_argument("--kafka-nodes", type=int, default=1, help="Kafka nodes (default 1)")
     start.add_argument(
         "--models", default=None, help="comma-separated models to load (default: all)"
     )
     actions.add_parser("down", help="stop the stack and delete its data")
     actions.add_parser("status", help="show what runs")
-    actions.add_parser("fetch", help="download the Kafka jars and the Triton wheel (cached)")
+    actions.add_parser(
+        "fetch",
+        help="download the Kafka jars and the Triton wheel, build the Schema Registry (cached)",
+    )
     dev.set_defaults(handler=run_dev)
 
 
@@ -28,7 +34,7 @@ def _up(args: argparse.Namespace, console: Console) -> int:
     """``dev up``: 0 once the stack runs with its topics; one line (and 0) if one already ran."""
     models = [m for m in args.models.split(",") if m] if args.models else None
     try:
-        with console.status("starting Kafka and Triton..."):
+        with console.status("starting Kafka, Triton and the Schema Registry..."):
             running = stack.up(kafka_nodes=args.kafka_nodes, models=models, log=console.print)
     except stack.StackRunning as already:
         where = already.stack.describe()
@@ -57,7 +63,7 @@ def run_dev(args: argparse.Namespace) -> int:
     log = console.print
     if args.dev_command == "fetch":
         stack.fetch(log=log)
-        log("[green]Kafka jars and Triton are in the cache[/green]")
+        log("[green]Kafka jars, Triton and the Schema Registry are in the cache[/green]")
         return 0
     if args.dev_command == "up":
         return _up(args, console)

@@ -27,6 +27,10 @@ FLOW = (
     ),
     ("wire", "bytes and headers to inference requests and back; the schemas' types"),
     ("events", "plain events in and out: a topic's mapping to a model's inputs and results"),
+    (
+        "registry",
+        "the Schema Registry edge: Avro and JSON Schema events by their writers' schemas",
+    ),
     ("triton", "the Triton edge: stream pool, micro-batching, shared memory, errors"),
     ("delivery", "when a record is done and what is committed"),
     ("observability", "logs, metrics, health endpoints, records in flight"),

@@ -15,6 +15,7 @@ import pytest
 
 from devtools.devstack.containers import ContainerKafka, ContainerTriton, docker_available
 from devtools.devstack.kafka import KafkaCluster
+from devtools.devstack.registry import SchemaRegistry, ensure_registry_jar
 from devtools.devstack.stack import LocalStack
 from tests.support import KafkaUnderTest, StackUnderTest, TritonUnderTest, local_kafka
 from worker.triton.pool import TritonPool
@@ -110,3 +111,15 @@ async def pool(triton: TritonUnderTest) -> AsyncIterator[TritonPool]:
 def unique() -> str:
     """A short unique suffix for topic and group names, so tests never share state."""
     return uuid.uuid4().hex[:10]
+
+
+@pytest.fixture(scope="session")
+def schema_registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SchemaRegistry]:
+    """A real Schema Registry (Apicurio, Confluent's API), started the first time a test
+    asks for one: most sessions never do."""
+    registry = SchemaRegistry(
+        ensure_registry_jar(log=lambda _: None), tmp_path_factory.mktemp("schema-registry")
+    )
+    registry.start()
+    yield registry
+    registry.stop()

@@ -18,9 +18,10 @@ from typing import Any
 import structlog
 
 from worker.audit import Audit
-from worker.checks.startup import run_startup_checks
+from worker.checks.startup import CHECK_TIMEOUT_S, run_startup_checks
 from worker.delivery import build_delivery
-from worker.errors import ExitCode
+from worker.errors import ExitCode, TritonTimeout
+from worker.events.result_schemas import ResultSchemas
 from worker.flow.bounded import CLOSE_TIMEOUT_S, Forced, bounded_step, within
 from worker.flow.breaker import CircuitBreaker
 from worker.flow.holds import ModelGate
@@ -33,11 +34,13 @@ from worker.observability import HealthServer, InFlightRegistry, Metrics
 from worker.observability.readiness import readiness_of
 from worker.observability.tracing import Tracing, build_tracing
 from worker.records import RecordRules, Steps, build_dispatcher
+from worker.registry import Registry
 from worker.settings import Settings
 from worker.shutdown import TwoStageSignals
 from worker.triton import auth as triton_auth
 from worker.triton.batching import MicroBatcher
 from worker.triton.pool import TritonPool
+from worker.wire.validation import ModelSpec
 
 log = structlog.get_logger(__name__)
 
@@ -80,6 +83,7 @@ class Worker:
             health=self.model_health,
             audit=self.audit,
         )
+        self.registry, self.result_schemas = build_result_schemas(settings, self.steps)
         self.inflight = InFlightRegistry(
             settings.ops.stuck_after_s, progress=self.delivery.offsets.progress
         )
@@ -125,6 +129,10 @@ class Worker:
             )
             await self.health.start()
         await self.pool.start()
+        if self.result_schemas is not None:
+            # Refused (exit 2) here, before the group is joined; what Triton or the registry
+            # cannot answer yet is resolved once they do, its records waiting meanwhile.
+            await self.result_schemas.resolve(self._model_spec)
         await self.publisher.start()
         await self.intake.start(self)
         log.info("worker_started", settings=self.settings.redacted())
@@ -183,6 +191,18 @@ class Worker:
                 tasks.create_task(self.model_health.probe_loop(), name="model-health"),
                 tasks.create_task(self.inflight.watch(), name="stuck-records"),
             ]
+            if self.registry is not None:
+                interval_s = self.settings.retry.breaker_probe_interval_ms / 1000
+                background.append(
+                    tasks.create_task(self.registry.probe_loop(interval_s), name="registry-health")
+                )
+            if self.result_schemas is not None and self.result_schemas.pending:
+                background.append(
+                    tasks.create_task(
+                        self.result_schemas.resolve_loop(self._model_spec, interval_s),
+                        name="result-schemas",
+                    )
+                )
             self.started.set()
             await self._stop.wait()
             self.intake.request_stop()
@@ -271,6 +291,13 @@ class Worker:
         """Prepare what the delivery mode needs before the partitions' records are done."""
         await self.delivery.assigned(partitions)
 
+    async def _model_spec(self, name: str, version: str) -> ModelSpec:
+        """The model's spec from Triton, bounded: one that does not answer is late."""
+        try:
+            return await asyncio.wait_for(self.pool.model_spec(name, version), CHECK_TIMEOUT_S)
+        except TimeoutError:
+            raise TritonTimeout(f"model {name!r}: no metadata in {CHECK_TIMEOUT_S:.0f} s") from None
+
     # -- health ------------------------------------------------------------------
 
     def _report_health(self, triton_up: bool, breaker_open: bool) -> None:
@@ -310,6 +337,25 @@ def build_triton(settings: Settings, metrics: Metrics) -> tuple[TritonPool, Micr
     )
     flow = settings.flow
     return pool, MicroBatcher(pool, flow.batch_max_size, flow.batch_delay_ms / 1000)
+
+
+def build_result_schemas(
+    settings: Settings, steps: Steps
+) -> tuple[Registry | None, ResultSchemas | None]:
+    """The Schema Registry of the registry-format topics (as the steps read it) and the
+    resolution of their results' schemas; (None, None) without such a topic."""
+    registry = steps.rules.registry
+    if registry is None:
+        return None, None
+    # The registry's failed requests are counted as retries, by their code.
+    registry.writers.on_retry = steps.retried
+    results = ResultSchemas(
+        registry,
+        steps.rules.mappings,
+        settings.topics.output_topic,
+        settings.registry.schema_registry_auto_register,
+    )
+    return registry, results
 
 
 def build_model_holds(

@@ -17,6 +17,7 @@ from typing import ClassVar, Final
 
 __all__ = [
     "ERROR_CODES",
+    "BadMagicByte",
     "CannotRun",
     "DecodeError",
     "ExitCode",
@@ -30,7 +31,10 @@ __all__ = [
     "ModelNotReady",
     "OutputTooLarge",
     "PartitionRevoked",
+    "RegistryUnavailable",
     "RetriesExhausted",
+    "SchemaMismatch",
+    "SchemaNotFound",
     "TooLarge",
     "TooManyInternalErrors",
     "TritonFailover",
@@ -119,6 +123,26 @@ class Forbidden(WorkerError):
     code = "FORBIDDEN"
 
 
+class BadMagicByte(WorkerError):
+    """A record of a registry-format topic is not in the Confluent wire format: empty, or
+    its first byte is not 0 (a plain JSON value, or another format's)."""
+
+    code = "BAD_MAGIC_BYTE"
+
+
+class SchemaNotFound(WorkerError):
+    """A record names a schema id its Schema Registry does not have."""
+
+    code = "SCHEMA_NOT_FOUND"
+
+
+class SchemaMismatch(WorkerError):
+    """A record's payload does not decode with the schema it names (truncated, garbage,
+    bytes left over), or does not match it (a JSON Schema's rules)."""
+
+    code = "SCHEMA_MISMATCH"
+
+
 class InternalError(WorkerError):
     """A bug met while handling one record: that record is dead-lettered, the worker goes on."""
 
@@ -164,6 +188,14 @@ class ModelNotReady(WorkerError):
     """The model exists but is loading, unloading or has no ready version."""
 
     code = "MODEL_NOT_READY"
+    retryable = True
+
+
+class RegistryUnavailable(WorkerError):
+    """The Schema Registry cannot be reached, or answers with a server error: the records
+    that need it are held until it answers, never dead-lettered for it."""
+
+    code = "REGISTRY_UNAVAILABLE"
     retryable = True
 
 

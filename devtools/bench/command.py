@@ -217,11 +217,17 @@ def run_bench(args: argparse.Namespace) -> int:
             # double: the shared-memory measurement; faulty: the scale-out one;
             # tokens: the decoupled one; mlp and embedding: the payloads.
             models = sorted({args.model, "double", "faulty", "tokens", "mlp", "embedding"})
-            stack = LocalStack.create(workdir, models=models, log=console.print)
+            # A Schema Registry for the payloads' Avro events.
+            registry = "payloads" in args.variants.split(",")
+            stack = LocalStack.create(workdir, models=models, registry=registry, log=console.print)
             stack.start()
         kafka_pids = tuple(n["pid"] for n in stack.kafka.to_state()["nodes"] if n["pid"])
         servers = Servers(
-            stack.kafka.bootstrap_servers, stack.triton.grpc_address, stack.triton.pid, kafka_pids
+            stack.kafka.bootstrap_servers,
+            stack.triton.grpc_address,
+            stack.triton.pid,
+            kafka_pids,
+            stack.registry.url if stack.registry is not None else None,
         )
     try:
         return run_async(_bench(args, servers, console, stack))
@@ -477,6 +483,7 @@ async def _extras(
                     args.out,
                     records=args.drain_records,
                     base=tuned,
+                    registry_url=servers.registry_url,
                 ),
             )
     if "commits" in wanted:

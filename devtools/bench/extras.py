@@ -152,6 +152,7 @@ async def drain(
     on_sample: Callable[[int, int], Awaitable[None]] | None = None,
     stall_s: float = 60.0,
     mapping: str | None = None,
+    before_start: Callable[[str], Awaitable[None]] | None = None,
 ) -> Drain:
     """Produce ``backlog`` records (copies of ``request``, or of several, else ``distinct``
     samples for ``model``), start one worker, sample it until ``until_results``.
@@ -159,6 +160,8 @@ async def drain(
     ``on_sample(pid, results)`` is awaited after every sample (the profiler attaches so).
     A drain with no new result for ``stall_s`` fails (Triton died under it, say).
     ``mapping``: a mapping file's text for the input topic (``{topic}`` in it names it).
+    ``before_start(input_topic)`` is awaited before the worker starts (the Avro payload
+    registers its events' schema under the topic's subject so).
     """
     run = f"drain-{uuid.uuid4().hex[:8]}"
     topic_in, topic_out, topic_dlq = f"{run}-in", f"{run}-out", f"{run}-dlq"
@@ -183,6 +186,8 @@ async def drain(
         mapping_file = out_dir / f"{label}-mapping.toml"
         mapping_file.write_text(mapping.format(topic=topic_in))
         env["WORKER_MAPPING_FILE"] = str(mapping_file)
+    if before_start is not None:
+        await before_start(topic_in)
     child = spawn([_python(), "-m", "worker", "run"], env, out_dir / f"{label}.log")
     target = until_results or backlog
     points: list[tuple[float, int, float]] = []
@@ -398,17 +403,33 @@ async def compression(
 
 
 #: The payloads measured side by side: (model, encoding) of each drain; ``events`` are
-#: plain JSON events of the same floats on a mapped topic (WORKER_MAPPING_FILE).
+#: plain JSON events of the same floats on a mapped topic (WORKER_MAPPING_FILE), ``avro``
+#: the same events in Avro through a Schema Registry (results in Avro too).
 PAYLOADS: tuple[tuple[str, str], ...] = (
     ("mlp", "json"),
     ("mlp", "binary"),
     ("mlp", "events"),
+    ("mlp", "avro"),
     ("embedding", "json"),
     ("embedding", "binary"),
 )
 #: The mapping of the ``events`` payload: the event's floats to ``mlp``'s input, its id
 #: and the probabilities as the result event (as an OIP result has them).
 EVENTS_MAPPING = samples.MLP_EVENTS_MAPPING
+#: The ``avro`` payload's: the same, of Avro events.
+AVRO_MAPPING = EVENTS_MAPPING.replace('model = "mlp"\n', 'model = "mlp"\nformat = "avro"\n', 1)
+#: The ``avro`` payload's events: an id and the 64 floats.
+AVRO_EVENT = orjson.dumps(
+    {
+        "type": "record",
+        "name": "MlpEvent",
+        "namespace": "bench",
+        "fields": [
+            {"name": "id", "type": "string"},
+            {"name": "features", "type": {"type": "array", "items": "float"}},
+        ],
+    }
+).decode()
 #: Floats per request of the payloads' models.
 PAYLOAD_FLOATS = {"mlp": 64, "embedding": 768}
 
@@ -420,15 +441,39 @@ def payload_of(run: Drain) -> tuple[str, str]:
 
 
 async def payloads(
-    bootstrap: str, triton_url: str, out_dir: Path, *, records: int, base: Mapping[str, str]
+    bootstrap: str,
+    triton_url: str,
+    out_dir: Path,
+    *,
+    records: int,
+    base: Mapping[str, str],
+    registry_url: str | None = None,
+    only: Sequence[tuple[str, str]] = PAYLOADS,
 ) -> list[Drain]:
-    """The tuned worker draining ``records`` requests of each of ``PAYLOADS``: 64 floats
-    (``mlp``) and 768 (``embedding``), as OIP JSON and with the binary extension."""
+    """The tuned worker draining ``records`` requests of each of ``PAYLOADS`` (or
+    ``only``): 64 floats (``mlp``) and 768 (``embedding``), as OIP JSON and with the
+    binary extension, and ``mlp``'s as events (JSON, and Avro when a ``registry_url`` is
+    given)."""
     runs = []
-    for model, encoding in PAYLOADS:
-        mapping = EVENTS_MAPPING if encoding == "events" else None
+    for model, encoding in only:
+        if encoding == "avro" and registry_url is None:
+            continue
+        settings, before_start, mapping = dict(base), None, None
         if encoding == "events":
-            requests = _events(samples_for(model, 200, seed=5))
+            mapping, requests = EVENTS_MAPPING, _events(samples_for(model, 200, seed=5))
+        elif encoding == "avro":
+            assert registry_url is not None
+            schema_id = await asyncio.to_thread(_register, registry_url, "bench-mlp-event")
+            mapping = AVRO_MAPPING
+            requests = _avro_events(_events(samples_for(model, 200, seed=5)), schema_id)
+            settings |= {
+                "SCHEMA_REGISTRY_URL": registry_url,
+                "SCHEMA_REGISTRY_AUTO_REGISTER": "true",
+            }
+
+            async def before_start(topic: str, url: str = registry_url) -> None:
+                await asyncio.to_thread(_register, url, f"{topic}-value")
+
         else:
             requests = samples_for(model, 200, seed=5, encoding=encoding)  # type: ignore[arg-type]
         runs.append(
@@ -439,13 +484,50 @@ async def payloads(
                 label=f"payloads-{model}-{encoding}",
                 model=model,
                 backlog=records,
-                settings=dict(base),
+                settings=settings,
                 sample_s=0.5,
                 request=requests,
                 mapping=mapping,
+                before_start=before_start,
             )
         )
     return runs
+
+
+def _register(url: str, subject: str) -> int:
+    """Register the Avro events' schema under ``subject``; its id (the same for every
+    subject: the registry's id is the schema's)."""
+    import urllib.request
+
+    body = orjson.dumps({"schema": AVRO_EVENT})
+    request = urllib.request.Request(
+        f"{url}/subjects/{subject}/versions",
+        body,
+        {"Content-Type": "application/vnd.schemaregistry.v1+json"},
+        method="POST",
+    )
+    with urllib.request.urlopen(request, timeout=10) as answer:
+        return int(orjson.loads(answer.read())["id"])
+
+
+def _avro_events(
+    events: list[samples.SampleRequest], schema_id: int
+) -> list[samples.SampleRequest]:
+    """The JSON events as Avro in the Confluent wire format (as AvroSerializer frames it)."""
+    import io
+
+    import fastavro
+
+    from worker.registry.framing import frame
+
+    schema = fastavro.parse_schema(orjson.loads(AVRO_EVENT))
+    out = []
+    for event in events:
+        buffer = io.BytesIO()
+        fastavro.schemaless_writer(buffer, schema, orjson.loads(event.value))
+        value = frame(schema_id, buffer.getvalue())
+        out.append(samples.SampleRequest(value, [], event.model, "json", event.request_id))
+    return out
 
 
 def _events(requests: list[samples.SampleRequest]) -> list[samples.SampleRequest]:

@@ -581,6 +581,10 @@ def _payload_ratios(runs: list[Any] | None) -> list[Ratio]:
         value = cpu[("mlp", "events")] / cpu[("mlp", "json")]
         name = "`mlp`: CPU per record, mapped events / OIP JSON"
         out.append(Ratio(name, value, "<= 1.2", value <= 1.2))
+    if cpu.get(("mlp", "events")) and cpu.get(("mlp", "avro")):
+        value = cpu[("mlp", "avro")] / cpu[("mlp", "events")]
+        name = "`mlp`: CPU per record, Avro events (Schema Registry) / JSON events"
+        out.append(Ratio(name, value, "<= 1.0", value <= 1.0))
     for encoding in ("json", "binary"):
         if cpu.get(("mlp", encoding)):
             value = cpu[("embedding", encoding)] / cpu[("mlp", encoding)]

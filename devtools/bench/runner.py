@@ -53,6 +53,8 @@ class Servers:
     triton: str
     triton_pid: int | None = None
     kafka_pids: tuple[int, ...] = ()
+    #: The Schema Registry's Confluent API (the Avro payload), when one runs.
+    registry_url: str | None = None
 
     def server_cpu_s(self) -> tuple[float, float]:
         return cpu_s(self.triton_pid), sum(cpu_s(pid) for pid in self.kafka_pids)

@@ -20,7 +20,7 @@ from devtools.devstack.paths import PROJECT_ROOT
 
 PROJECT_NAME = "kafka-triton-worker-test"
 #: Every service but Grafana, which has no stand-in (nothing here can run it).
-SERVICES = ("kafka", "topics", "triton", "worker", "prometheus")
+SERVICES = ("kafka", "topics", "triton", "schema-registry", "worker", "prometheus")
 #: The one-shot job: done means exited 0, not healthy.
 ONE_SHOT = ("topics",)
 _LABEL = "com.docker.compose.project"

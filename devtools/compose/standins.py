@@ -4,8 +4,9 @@ A Debian bookworm base comes from ``mmdebstrap`` (Debian's mirror, the one the h
 apt uses); each stand-in is built from its Containerfile in ``deploy/compose-test/``.
 What the builds would otherwise download from inside a container is prepared on the
 host, where the package registries are reachable: wheels (for the worker and for
-Triton) and Kafka's jars. Docker's layer cache makes a second build of an unchanged
-stand-in take seconds; the base is made once and kept until its image is removed.
+Triton), Kafka's jars and the Schema Registry's jar. Docker's layer cache makes a second
+build of an unchanged stand-in take seconds; the base is made once and kept until its
+image is removed.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from devtools.devstack.paths import PROJECT_ROOT, cache_dir, state_home
+from devtools.devstack.registry import ensure_registry_jar
 from devtools.devstack.triton import TRITON_REQUIREMENTS
 
 STANDINS_DIR = PROJECT_ROOT / "deploy" / "compose-test"
@@ -55,6 +57,7 @@ STANDINS = (
     StandIn("kafka", "4.1.1"),
     StandIn("triton", "2.51"),
     StandIn("prometheus", "2.42"),
+    StandIn("schema-registry", "2.4.2.Final"),
 )
 
 
@@ -205,6 +208,12 @@ def kafka_jars() -> Path:
     return dest
 
 
+def registry_jar() -> Path:
+    """The folder of the Schema Registry's runnable jar, the one the local stack runs
+    (built by Maven once, ``devtools.devstack.registry``)."""
+    return ensure_registry_jar(log=lambda _: None).parent
+
+
 def _stage(standin: StandIn, extras: Mapping[str, Path]) -> Path:
     """The build context: the stand-in's folder plus the host-made inputs it copies."""
     context = _work_dir() / "contexts" / standin.name
@@ -249,6 +258,7 @@ def build_standins(
             "kafka": {"jars": pool.submit(kafka_jars)},
             "triton": {"wheels": pool.submit(triton_wheels)},
             "prometheus": {},
+            "schema-registry": {"jar": pool.submit(registry_jar)},
         }
         base.result()
 

@@ -1,4 +1,6 @@
-"""The local stack: Kafka and Triton started together, for the demo, the tests and ``dev``.
+"""The local stack: Kafka and Triton started together, for the demo, the tests and ``dev``;
+with a Schema Registry beside them for the demo and ``dev up`` (the test session starts one
+only when a test asks for it).
 
 ``dev up`` leaves the servers running after the command exits; their pids and
 addresses live in ``run_dir()/state.json`` so that ``dev status`` and
@@ -19,6 +21,7 @@ from typing import Any
 from devtools.devstack.kafka import KafkaCluster, ensure_kafka_jars, run_sync
 from devtools.devstack.paths import models_dir, run_dir
 from devtools.devstack.process import pid_alive
+from devtools.devstack.registry import SchemaRegistry, ensure_registry_jar
 from devtools.devstack.triton import TritonServer, ensure_triton
 
 #: The topics `dev up` creates and the demo uses: the worker's input, output and dead letters.
@@ -40,21 +43,26 @@ class StackRunning(RuntimeError):
 
 
 def fetch(log: Callable[[str], None] = print) -> None:
-    """Download what the stack needs (Kafka jars, the Triton wheel), once; cached after."""
+    """Download what the stack needs (Kafka jars, the Triton wheel) and build the Schema
+    Registry, once; cached after."""
     with ThreadPoolExecutor(max_workers=2) as pool:
         jars = pool.submit(ensure_kafka_jars, log)
         triton = pool.submit(ensure_triton, log)
         jars.result()
+        # Maven once at a time: the registry's build shares the local Maven repository.
+        ensure_registry_jar(log)
         triton.result()
 
 
 @dataclass
 class LocalStack:
-    """A Kafka cluster and a Triton server on free local ports, data under ``workdir``."""
+    """A Kafka cluster and a Triton server on free local ports, data under ``workdir``;
+    a Schema Registry beside them when asked for."""
 
     workdir: Path
     kafka: KafkaCluster
     triton: TritonServer
+    registry: SchemaRegistry | None = None
     timings_s: dict[str, float] = field(default_factory=dict)
 
     @classmethod
@@ -64,30 +72,43 @@ class LocalStack:
         *,
         kafka_nodes: int = 1,
         models: Sequence[str] | None = None,
+        registry: bool = False,
         log: Callable[[str], None] = print,
     ) -> LocalStack:
-        """Prepare (fetching once) but do not start."""
+        """Prepare (fetching once) but do not start; ``registry``: a Schema Registry too."""
         workdir.mkdir(parents=True, exist_ok=True)
         with ThreadPoolExecutor(max_workers=2) as pool:
             jars_job = pool.submit(ensure_kafka_jars, log)
             triton_job = pool.submit(ensure_triton, log)
-            jars, install = jars_job.result(), triton_job.result()
+            jars = jars_job.result()
+            jar = ensure_registry_jar(log) if registry else None
+            install = triton_job.result()
         kafka = KafkaCluster(jars, workdir / "kafka", nodes=kafka_nodes)
         triton = TritonServer(install, models_dir(), workdir / "triton", models=models)
-        return cls(workdir, kafka, triton)
+        schemas = SchemaRegistry(jar, workdir / "registry") if jar is not None else None
+        return cls(workdir, kafka, triton, schemas)
+
+    def _servers(self) -> dict[str, Callable[[], float]]:
+        starts: dict[str, Callable[[], float]] = {
+            "kafka": self.kafka.start,
+            "triton": self.triton.start,
+        }
+        if self.registry is not None:
+            starts["schema registry"] = self.registry.start
+        return starts
 
     def start(self) -> float:
-        """Start Kafka and Triton side by side; return the seconds until both are ready."""
+        """Start the servers side by side; return the seconds until all are ready."""
         started = time.monotonic()
-        with ThreadPoolExecutor(max_workers=2) as pool:
-            kafka_job = pool.submit(self.kafka.start)
-            triton_job = pool.submit(self.triton.start)
+        servers = self._servers()
+        with ThreadPoolExecutor(max_workers=len(servers)) as pool:
+            jobs = {name: pool.submit(start) for name, start in servers.items()}
             try:
-                self.timings_s["kafka"] = kafka_job.result()
-                self.timings_s["triton"] = triton_job.result()
+                for name, job in jobs.items():
+                    self.timings_s[name] = job.result()
             except BaseException:
-                # One failed: leave nothing of the other behind.
-                for job in (kafka_job, triton_job):
+                # One failed: leave nothing of the others behind.
+                for job in jobs.values():
                     job.exception()
                 self.stop()
                 raise
@@ -95,19 +116,25 @@ class LocalStack:
         return self.timings_s["total"]
 
     def stop(self) -> None:
-        """Stop both servers. Idempotent."""
-        with ThreadPoolExecutor(max_workers=2) as pool:
-            for job in [pool.submit(self.kafka.stop), pool.submit(self.triton.stop)]:
+        """Stop every server. Idempotent."""
+        stops = [self.kafka.stop, self.triton.stop]
+        if self.registry is not None:
+            stops.append(self.registry.stop)
+        with ThreadPoolExecutor(max_workers=len(stops)) as pool:
+            for job in [pool.submit(stop) for stop in stops]:
                 job.result()
 
     def describe(self) -> dict[str, str]:
         """The addresses a user needs to connect."""
-        return {
+        where = {
             "kafka bootstrap": self.kafka.bootstrap_servers,
             "triton grpc": self.triton.grpc_address,
             "triton http": self.triton.http_address,
             "triton metrics": f"http://{self.triton.metrics_address}/metrics",
         }
+        if self.registry is not None:
+            where["schema registry"] = self.registry.url
+        return where
 
     def create_default_topics(self) -> None:
         """Create DEFAULT_TOPICS (the input with INPUT_PARTITIONS); wait for their leaders."""
@@ -122,13 +149,16 @@ class LocalStack:
 
     def worker_env(self) -> dict[str, str]:
         """The WORKER_* settings of a worker on this stack and its default topics."""
-        return {
+        env = {
             "WORKER_BOOTSTRAP_SERVERS": self.kafka.bootstrap_servers,
             "WORKER_TRITON_URL": self.triton.grpc_address,
             "WORKER_INPUT_TOPICS": DEFAULT_TOPICS["input"],
             "WORKER_OUTPUT_TOPIC": DEFAULT_TOPICS["output"],
             "WORKER_DLQ_TOPIC": DEFAULT_TOPICS["dlq"],
         }
+        if self.registry is not None:
+            env["WORKER_SCHEMA_REGISTRY_URL"] = self.registry.url
+        return env
 
     # -- persisted state, for `dev up` / `dev status` / `dev down` ---------
 
@@ -139,6 +169,7 @@ class LocalStack:
             "workdir": str(self.workdir),
             "kafka": self.kafka.to_state(),
             "triton": self.triton.to_state(),
+            "registry": self.registry.to_state() if self.registry is not None else None,
         }
         path.write_text(json.dumps(state, indent=2))
         return path
@@ -149,10 +180,12 @@ class LocalStack:
         if not path.exists():
             return None
         state: dict[str, Any] = json.loads(path.read_text())
+        registry = state.get("registry")
         return cls(
             Path(state["workdir"]),
             KafkaCluster.from_state(state["kafka"]),
             TritonServer.from_state(state["triton"]),
+            SchemaRegistry.from_state(registry) if registry else None,
         )
 
     def processes(self) -> list[tuple[str, int | None, bool]]:
@@ -163,13 +196,17 @@ class LocalStack:
             rows.append((f"kafka node {node['node_id']}", pid, pid is not None and pid_alive(pid)))
         pid = self.triton.to_state().get("pid")
         rows.append(("triton", pid, pid is not None and pid_alive(pid)))
+        if self.registry is not None:
+            pid = self.registry.pid
+            rows.append(("schema registry", pid, pid is not None and pid_alive(pid)))
         return rows
 
 
 def up(
     *, kafka_nodes: int = 1, models: Sequence[str] | None = None, log: Callable[[str], None] = print
 ) -> LocalStack:
-    """Start a stack that outlives this process (``dev up``), with DEFAULT_TOPICS created.
+    """Start a stack that outlives this process (``dev up``), with DEFAULT_TOPICS created
+    and a Schema Registry beside Kafka and Triton.
 
     Raises StackRunning when one recorded by an earlier ``dev up`` still runs.
     """
@@ -178,7 +215,9 @@ def up(
         raise StackRunning(existing)
     workdir = run_dir() / "stack"
     shutil.rmtree(workdir, ignore_errors=True)
-    stack = LocalStack.create(workdir, kafka_nodes=kafka_nodes, models=models, log=log)
+    stack = LocalStack.create(
+        workdir, kafka_nodes=kafka_nodes, models=models, registry=True, log=log
+    )
     stack.start()
     try:
         stack.create_default_topics()

@@ -66,12 +66,14 @@ def test_every_service_has_a_healthcheck_or_a_reason() -> None:
 
 
 def test_startup_order_waits_on_health() -> None:
-    """Workers start after the topics job succeeded and Triton is healthy; topics after Kafka."""
+    """Workers start after the topics job succeeded and Triton and the Schema Registry are
+    healthy; topics after Kafka."""
     services = _services()
     assert services["topics"]["depends_on"] == {"kafka": {"condition": "service_healthy"}}
     assert services["worker"]["depends_on"] == {
         "topics": {"condition": "service_completed_successfully"},
         "triton": {"condition": "service_healthy"},
+        "schema-registry": {"condition": "service_healthy"},
     }
     for name, service in services.items():
         for dependency, condition in service.get("depends_on", {}).items():

@@ -10,8 +10,10 @@ promtool checks the Prometheus files first, in the stand-in image.
 from __future__ import annotations
 
 import asyncio
+import json
 import subprocess
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -50,6 +52,8 @@ PARTITIONS = 12
 #: Partitions of the results and dead-letter topics, as the compose file's topics job makes them.
 ANSWER_PARTITIONS = {TOPICS.output: 12, TOPICS.dlq: 3}
 PROMETHEUS_IMAGE = next(s.image for s in STANDINS if s.name == "prometheus")
+#: The compose file's Schema Registry, as the host reaches it.
+REGISTRY = "http://localhost:8081/apis/ccompat/v7"
 
 
 def _docker(env: dict[str, str], *args: str) -> str:
@@ -158,17 +162,22 @@ def test_alerts_and_workers_up_hold_whatever_the_scrape_job_is_called(
 
 
 def test_every_service_becomes_healthy(project: ComposeProject) -> None:
-    """`up -d --build`: Kafka, Triton, Prometheus and two workers healthy; the topics job exit 0."""
+    """`up -d --build`: Kafka, Triton, the Schema Registry, Prometheus and two workers
+    healthy; the topics job exit 0; the registry's Confluent API answers from the host."""
     states = {s.name: s for s in project.states()}
     by_service = sorted((s.service, s.status, s.health, s.exit_code) for s in states.values())
     assert by_service == [
         ("kafka", "running", "healthy", 0),
         ("prometheus", "running", "healthy", 0),
+        ("schema-registry", "running", "healthy", 0),
         ("topics", "exited", None, 0),
         ("triton", "running", "healthy", 0),
         ("worker", "running", "healthy", 0),
         ("worker", "running", "healthy", 0),
     ]
+
+    with urllib.request.urlopen(f"{REGISTRY}/schemas/types", timeout=10) as answer:
+        assert set(json.loads(answer.read())) >= {"AVRO", "JSON"}
 
 
 @pytest.mark.usefixtures("project")

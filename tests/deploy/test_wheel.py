@@ -176,6 +176,7 @@ async def test_the_base_install_runs_every_command(
 NEEDS_AN_EXTRA = {
     "confluent": ("confluent_kafka", "WORKER_KAFKA_CLIENT", "confluent"),
     "yaml": ("yaml", "WORKER_MAPPING_FILE", "{tmp}/mapping.yaml"),
+    "registry": ("fastavro", "WORKER_MAPPING_FILE", "{tmp}/avro.toml"),
 }
 
 
@@ -188,11 +189,13 @@ def test_the_base_install_refuses_what_needs_an_extra_in_one_line(
     tmp_path: Path,
     extra: str,
 ) -> None:
-    """No extra, WORKER_KAFKA_CLIENT=confluent or a YAML mapping file (TOML and JSON need
-    none): ``run`` and ``check`` exit 2 at once, with one line naming the extra."""
+    """No extra, WORKER_KAFKA_CLIENT=confluent, a YAML mapping file (TOML and JSON need
+    none) or a topic of Avro events: ``run`` and ``check`` exit 2 at once, with one line
+    naming the extra."""
     module, setting, value = NEEDS_AN_EXTRA[extra]
     assert not venv.has(module)
     (tmp_path / "mapping.yaml").write_text("topics: {}\n")
+    (tmp_path / "avro.toml").write_text('[topics.payments]\nmodel = "mlp"\nformat = "avro"\n')
     env = _env(kafka, triton, Topics.fresh(unique), **{setting: value.format(tmp=tmp_path)})
     started = time.monotonic()
     for command in ("run", "check"):

@@ -31,8 +31,9 @@ def _dev(home: Path, *args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_dev_up_status_down_leaves_nothing_running(tmp_path: Path) -> None:
-    """`dev up` prints the addresses and the exports, creates the topics; a second `dev up`
-    says one line; `status` sees every process, `down` leaves none behind."""
+    """`dev up` prints the addresses and the exports (the Schema Registry's among them),
+    creates the topics; a second `dev up` says one line; `status` sees every process, `down`
+    leaves none behind."""
     home = tmp_path / "devstack"
     home.mkdir()
     (home / "cache").symlink_to(cache_dir())  # reuse the downloaded jars and wheel
@@ -42,6 +43,7 @@ def test_dev_up_status_down_leaves_nothing_running(tmp_path: Path) -> None:
         assert up.returncode == 0, up.stdout + up.stderr
         state = json.loads((home / "run" / "state.json").read_text())
         pids = [n["pid"] for n in state["kafka"]["nodes"]] + [state["triton"]["pid"]]
+        pids.append(state["registry"]["pid"])
         assert all(pid_alive(pid) for pid in pids)
         bootstrap = ",".join(f"127.0.0.1:{n['broker_port']}" for n in state["kafka"]["nodes"])
         assert bootstrap in up.stdout
@@ -53,6 +55,9 @@ def test_dev_up_status_down_leaves_nothing_running(tmp_path: Path) -> None:
             "WORKER_INPUT_TOPICS": "inference-requests",
             "WORKER_OUTPUT_TOPIC": "inference-results",
             "WORKER_DLQ_TOPIC": "inference-dead-letters",
+            "WORKER_SCHEMA_REGISTRY_URL": (
+                f"http://127.0.0.1:{state['registry']['port']}/apis/ccompat/v7"
+            ),
         }
         _assert_topics_exist(exports)
 

@@ -10,7 +10,8 @@ carries its partition and sequence number in its request id ("p{partition}-s{seq
 A fifth input, a topic of its own mapped to ``mlp`` by a mapping file (librdkafka, gzip),
 carries payment events: plain JSON, CloudEvents in binary and structured mode, and about
 10 % hostile events (tests/support/soak/events.py); its request ids are "p4-s{seq}".
-Two Triton endpoints serve every model. Meanwhile a schedule drawn from the seed
+Two Triton endpoints serve every model (``double`` as two versions, the first retired by
+the version policy, which a share of the requests name). Meanwhile a schedule drawn from the seed
 SIGKILLs or SIGTERMs the worker and starts a new one, restarts or kills both Tritons,
 kills one of them, reloads a model and restarts the broker. A watcher reads the
 group's committed offsets every commit interval and fails the run as soon as a
@@ -38,6 +39,7 @@ import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from aiokafka import AIOKafkaConsumer
@@ -47,6 +49,7 @@ from devtools import samples
 from devtools.devstack.paths import models_dir
 from devtools.devstack.triton import TritonServer, ensure_triton
 from tests.support import COMMIT_SLACK_MS, Topics, local_kafka
+from tests.support.models import load_versions, version_states
 from tests.support.soak import (
     FIRST_KINDS,
     MODELS,
@@ -68,6 +71,7 @@ from tests.support.soak import (
 from tests.support.soak.events import mapping_text
 from tests.support.soak.oracle import Limits, Run, describe, judge, measure
 from tests.support.soak.schedule import TYPICAL_S
+from tests.support.soak.traffic import RETIRED_VERSION
 from tests.support.worker import kafka_client_under_test
 
 SOAK_S = float(os.environ.get("SOAK_S", "30"))
@@ -170,7 +174,19 @@ def stack(servers: Stack) -> Stack:
         for model in MODELS:
             if not triton_model_ready(triton.http_address, model):
                 triton_model_call(triton.http_address, model, "load")
+        _retire_double_v1(triton.http_address)
     return servers
+
+
+def _retire_double_v1(http_address: str) -> None:
+    """``double`` as versions 1 and 2, then version 1 retired by the version policy (2
+    serves): the traffic's requests naming version 1 must be MODEL_NOT_FOUND, not held."""
+    policies: list[dict[str, Any]] = [{"all": {}}, {"latest": {"num_versions": 1}}]
+    for policy in policies:
+        status, body = load_versions(http_address, "double", policy)
+        assert status == 200, body
+    states = version_states(http_address, "double")
+    assert states.get("2") == "READY" and states.get(RETIRED_VERSION) != "READY", states
 
 
 async def _end_offsets(

@@ -11,7 +11,6 @@ then the repository's again: from then on the index also lists an ``embedding`` 
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import json
 import re
@@ -28,7 +27,6 @@ import pytest
 from aiokafka import AIOKafkaProducer
 from aiokafka.structs import ConsumerRecord
 
-from devtools.devstack.paths import models_dir
 from devtools.samples import (
     ENCODINGS,
     MLP_EVENTS_MAPPING,
@@ -52,6 +50,7 @@ from tests.support import (
     send,
     settings_for,
 )
+from tests.support.models import load_versions, version_states
 from worker.app import Worker
 from worker.checks.mappings import inspect_mappings, mapping_rows
 
@@ -416,51 +415,11 @@ async def test_mapped_model_in_a_rollout_at_start_holds_its_events_until_loaded(
 # -- versions Triton no longer serves while it serves the model -----------------------------
 
 
-def _get_json(triton: TritonUnderTest, path: str) -> Any:
-    with urllib.request.urlopen(f"http://{triton.http_address}{path}", timeout=10) as response:
-        return json.loads(response.read())
-
-
-def _load_versions(
-    triton: TritonUnderTest, model: str, policy: dict[str, Any], broken: str | None = None
-) -> tuple[int, str]:
-    """Load ``model`` as versions 1 and 2 of its own code under ``policy`` (Triton's
-    ``version_policy``); ``broken``: the version whose code raises as it loads."""
-    config = _get_json(triton, f"/v2/models/{model}/config")
-    config["version_policy"] = policy
-    code = (models_dir() / model / "1" / "model.py").read_bytes()
-    failing = code + b"\nraise RuntimeError('this version cannot load')\n"
-    files = {
-        f"file:{version}/model.py": base64.b64encode(
-            failing if version == broken else code
-        ).decode()
-        for version in ("1", "2")
-    }
-    request = urllib.request.Request(
-        f"http://{triton.http_address}/v2/repository/models/{model}/load",
-        data=json.dumps({"parameters": {"config": json.dumps(config), **files}}).encode(),
-        headers={"Content-Type": "application/json"},
-        method="POST",
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=60) as response:
-            return int(response.status), response.read().decode()
-    except urllib.error.HTTPError as exc:
-        return int(exc.code), exc.read().decode()
-
-
-async def _version_states(triton: TritonUnderTest, model: str) -> dict[str, str]:
-    index = await asyncio.to_thread(_post, triton, "/v2/repository/index")
-    return {
-        e["version"]: e.get("state", "") for e in index if e["name"] == model and "version" in e
-    }
-
-
 async def _until_versions(triton: TritonUnderTest, model: str, states: dict[str, set[str]]) -> None:
     """Wait until the index gives one of these states for each of these versions of ``model``."""
     deadline = time.monotonic() + 30
     while True:
-        got = await _version_states(triton, model)
+        got = await asyncio.to_thread(version_states, triton.http_address, model)
         if all(got.get(version) in wanted for version, wanted in states.items()):
             return
         assert time.monotonic() < deadline, f"{model}: {got}, not {states}, after 30 s"
@@ -484,7 +443,7 @@ async def test_a_version_retired_or_failed_while_others_serve_is_model_not_found
 
     try:
         status, body = await asyncio.to_thread(
-            _load_versions, triton, "embedding", {"all": {}}, "2"
+            load_versions, triton.http_address, "embedding", {"all": {}}, "2"
         )
         assert status == 400, body
         await _until_versions(triton, "embedding", {"1": {"READY"}, "2": {"UNAVAILABLE"}})
@@ -493,12 +452,14 @@ async def test_a_version_retired_or_failed_while_others_serve_is_model_not_found
             await send(kafka.bootstrap_servers, topics.input, failed)
             got = await collect(kafka.bootstrap_servers, topics, len(failed), timeout_s=30)
 
-            status, body = await asyncio.to_thread(_load_versions, triton, "embedding", {"all": {}})
+            status, body = await asyncio.to_thread(
+                load_versions, triton.http_address, "embedding", {"all": {}}
+            )
             assert status == 200, body
             await send(kafka.bootstrap_servers, topics.input, [request("seen-v1", "1")])
             got = await collect(kafka.bootstrap_servers, topics, 4, timeout_s=30, into=got)
             status, body = await asyncio.to_thread(
-                _load_versions, triton, "embedding", {"latest": {"num_versions": 1}}
+                load_versions, triton.http_address, "embedding", {"latest": {"num_versions": 1}}
             )
             assert status == 200, body
             # Still UNLOADING while the worker's streams are open: Triton 2.51 finishes
@@ -512,7 +473,7 @@ async def test_a_version_retired_or_failed_while_others_serve_is_model_not_found
     finally:
         # The repository's own embedding again, and version 2 no longer failed (a failed
         # version keeps Triton not ready, for the tests after this one).
-        await asyncio.to_thread(_load_versions, triton, "embedding", {"all": {}})
+        await asyncio.to_thread(load_versions, triton.http_address, "embedding", {"all": {}})
         await _load(triton, "embedding")
         await _until_versions(triton, "embedding", {"1": {"READY"}, "2": {"UNAVAILABLE"}})
 

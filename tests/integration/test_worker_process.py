@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import json
 import signal
@@ -266,7 +267,8 @@ async def test_produce_command_sends_generated_and_bad_requests(
 
 def test_demo_answers_every_request_and_exits_zero() -> None:
     """`python -m devtools demo` (`make demo`) answers all, shows a token stream, scored
-    payment events and CloudEvents readings, stops all."""
+    payment events, CloudEvents readings and an Avro payment read back by
+    AvroDeserializer, stops all."""
     done = subprocess.run(
         [sys.executable, "-m", "devtools", "demo", "--requests", "90"],
         capture_output=True,
@@ -302,6 +304,13 @@ def test_demo_answers_every_request_and_exits_zero() -> None:
     assert envelope["type"] == "com.example.reading.doubled", structured
     assert envelope["id"].startswith("readings/0/") and envelope["correlationid"] == "reading-1"
     assert envelope["data"]["doubled"]["OUTPUT0"] == pytest.approx([43.0, 1.0, 1.2])
+    # An Avro payment through the stack's Schema Registry, its result read back by
+    # confluent-kafka's AvroDeserializer (examples/payments-avro.toml).
+    (avro,) = [line for line in done.stdout.splitlines() if "payments-avro Avro event" in line]
+    assert "scored, read back by AvroDeserializer (schema id " in avro, avro
+    read = ast.literal_eval(avro.split("): ", 1)[1])
+    assert set(read) == {"payment_id", "amount", "fraud_score", "label"}, avro
+    assert read["payment_id"] == "avro-payment-0" and read["label"].startswith("class-")
 
 
 async def test_worker_produce_sends_ndjson_from_stdin(kafka: KafkaUnderTest, unique: str) -> None:

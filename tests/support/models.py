@@ -1,7 +1,12 @@
-"""The models' side of the tests: sample requests decoded, references, result decoding."""
+"""The models' side of the tests: sample requests decoded, references, result decoding, and
+a model loaded as several versions in a Triton of the tests'."""
 
 from __future__ import annotations
 
+import base64
+import json
+import urllib.error
+import urllib.request
 from collections.abc import Sequence
 from typing import Any
 
@@ -9,6 +14,7 @@ import numpy as np
 import numpy.typing as npt
 from aiokafka.structs import ConsumerRecord
 
+from devtools.devstack.paths import models_dir
 from devtools.samples import Encoding, Tensor, encode_request
 from worker import wire
 from worker.wire import header_value
@@ -95,4 +101,50 @@ def result_outputs(record: ConsumerRecord[bytes, bytes]) -> dict[str, Any]:
             else np.asarray(o["data"], dtype=np.float64).reshape(o["shape"])
         )
         for o in doc["outputs"]
+    }
+
+
+def _get_json(http_address: str, path: str) -> Any:
+    with urllib.request.urlopen(f"http://{http_address}{path}", timeout=10) as response:
+        return json.loads(response.read())
+
+
+def load_versions(
+    http_address: str, model: str, policy: dict[str, Any], broken: str | None = None
+) -> tuple[int, str]:
+    """Load ``model`` in the Triton at ``http_address`` (explicit model control) as versions
+    1 and 2 of its own code under ``policy`` (Triton's ``version_policy``); ``broken``: the
+    version whose code raises as it loads. Triton's HTTP status and answer."""
+    config = _get_json(http_address, f"/v2/models/{model}/config")
+    config["version_policy"] = policy
+    code = (models_dir() / model / "1" / "model.py").read_bytes()
+    failing = code + b"\nraise RuntimeError('this version cannot load')\n"
+    files = {
+        f"file:{version}/model.py": base64.b64encode(
+            failing if version == broken else code
+        ).decode()
+        for version in ("1", "2")
+    }
+    request = urllib.request.Request(
+        f"http://{http_address}/v2/repository/models/{model}/load",
+        data=json.dumps({"parameters": {"config": json.dumps(config), **files}}).encode(),
+        headers={"Content-Type": "application/json"},
+        method="POST",
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return int(response.status), response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return int(exc.code), exc.read().decode()
+
+
+def version_states(http_address: str, model: str) -> dict[str, str]:
+    """Each version of ``model`` Triton's repository index lists, and its state."""
+    request = urllib.request.Request(
+        f"http://{http_address}/v2/repository/index", data=b"{}", method="POST"
+    )
+    with urllib.request.urlopen(request, timeout=10) as response:
+        index = json.loads(response.read())
+    return {
+        e["version"]: e.get("state", "") for e in index if e["name"] == model and "version" in e
     }

@@ -18,6 +18,9 @@ NON_RETRYABLE = (
     errors.RetriesExhausted,
     errors.OutputTooLarge,
     errors.Forbidden,
+    errors.BadMagicByte,
+    errors.SchemaNotFound,
+    errors.SchemaMismatch,
     errors.InternalError,
 )
 RETRYABLE = (
@@ -25,10 +28,11 @@ RETRYABLE = (
     errors.TritonTimeout,
     errors.TritonOverloaded,
     errors.ModelNotReady,
+    errors.RegistryUnavailable,
 )
 
 
-def test_dead_letter_codes_are_the_nine_non_retryable_ones() -> None:
+def test_dead_letter_codes_are_the_twelve_non_retryable_ones() -> None:
     """ERROR_CODES lists exactly the codes of the non-retryable errors, in contract order."""
     assert errors.ERROR_CODES == (
         "DECODE_ERROR",
@@ -39,6 +43,9 @@ def test_dead_letter_codes_are_the_nine_non_retryable_ones() -> None:
         "RETRIES_EXHAUSTED",
         "OUTPUT_TOO_LARGE",
         "FORBIDDEN",
+        "BAD_MAGIC_BYTE",
+        "SCHEMA_NOT_FOUND",
+        "SCHEMA_MISMATCH",
         "INTERNAL_ERROR",
     )
     assert tuple(cls.code for cls in NON_RETRYABLE) == errors.ERROR_CODES

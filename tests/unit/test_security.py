@@ -1,12 +1,18 @@
-"""Security options, secrets kept out of messages, the model allowlist and the tensor limits."""
+"""Security options (Kafka's, Triton's, the Schema Registry's), secrets kept out of messages,
+the model allowlist and the tensor limits."""
 
 from __future__ import annotations
 
+import base64
+import contextlib
+import http.server
 import json
 import os
 import ssl
 import sys
+import threading
 import tracemalloc
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +25,7 @@ from worker.checks.kafka import scrub as _scrub
 from worker.checks.startup import StartupCheckFailed, _raise_if_fatal
 from worker.kafka.options import OAuthTokenProvider, kafka_client_kwargs
 from worker.records import RecordRules
+from worker.registry.client import RegistryClient, RegistryRefused
 from worker.settings import ConfigError, KafkaAuthSettings, Settings, load_settings
 from worker.triton.auth import TritonAuth, triton_client_kwargs
 
@@ -425,3 +432,90 @@ def test_limits_default_to_off_in_decode_request() -> None:
     """Without limits a large tensor decodes (the worker always passes its settings)."""
     decoded = _decode(_json([1000], [0.0] * 1000), [])
     assert len(decoded.infer_request.raw_input_contents[0]) == 4000
+
+
+class _Registry(http.server.BaseHTTPRequestHandler):
+    """A Schema Registry's seam: answers ``status`` with ``body``, notes what it was sent."""
+
+    status = 200
+    body = b'["AVRO"]'
+    seen: list[str | None] = []
+
+    def do_GET(self) -> None:
+        type(self).seen.append(self.headers.get("Authorization"))
+        self.send_response(self.status)
+        self.send_header("Content-Type", "application/json")
+        self.end_headers()
+        self.wfile.write(self.body)
+
+    def log_message(self, *args: Any) -> None:
+        """Quiet."""
+
+
+@contextlib.contextmanager
+def _registry(context: ssl.SSLContext | None = None) -> Iterator[str]:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Registry)
+    if context is not None:
+        server.socket = context.wrap_socket(server.socket, server_side=True)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        scheme = "https" if context is not None else "http"
+        yield f"{scheme}://127.0.0.1:{server.server_address[1]}/apis/ccompat/v7"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+
+
+async def test_registry_basic_auth_is_sent_and_its_refusal_never_shows_the_password(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The user and the password file's password go as HTTP basic auth; a 401 is
+    RegistryRefused naming the settings, never the password."""
+    secret = tmp_path / "registry-password"
+    secret.write_text(PASSWORD + "\n")
+    monkeypatch.setattr(_Registry, "status", 401)
+    monkeypatch.setattr(_Registry, "body", b'{"message": "Unauthorized", "error_code": 401}')
+    monkeypatch.setattr(_Registry, "seen", [])
+    with _registry() as url:
+        client = RegistryClient(
+            settings(
+                schema_registry_url=url,
+                schema_registry_user="reader",
+                schema_registry_password_file=str(secret),
+            ).registry
+        )
+        with pytest.raises(RegistryRefused) as refused:
+            await client.schema_types()
+    token = base64.b64encode(f"reader:{PASSWORD}".encode()).decode()
+    assert _Registry.seen == [f"Basic {token}"]
+    assert "refused the worker (401 Unauthorized)" in refused.value.message
+    assert "WORKER_SCHEMA_REGISTRY_PASSWORD" in refused.value.message
+    assert PASSWORD not in refused.value.message and token not in refused.value.message
+
+
+async def test_registry_tls_trusts_its_ca_and_presents_the_client_certificate(
+    pki: LocalPki, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An https registry that requires a client certificate: answered with the CA file and
+    the client's certificate; a CA that did not sign it is RegistryUnavailable (the
+    verification's reason), a certificate without its key a config error at once."""
+    monkeypatch.setattr(_Registry, "status", 200)
+    monkeypatch.setattr(_Registry, "body", b'["AVRO", "JSON"]')
+    server = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=str(pki.ca_cert))
+    server.load_cert_chain(pki.server.cert, pki.server.key)
+    server.verify_mode = ssl.CERT_REQUIRED
+    with _registry(server) as url:
+        trusted = settings(
+            schema_registry_url=url,
+            schema_registry_cafile=str(pki.ca_cert),
+            schema_registry_certfile=str(pki.client.cert),
+            schema_registry_keyfile=str(pki.client.key),
+        )
+        assert await RegistryClient(trusted.registry).schema_types() == ["AVRO", "JSON"]
+        other = settings(schema_registry_url=url, schema_registry_cafile=str(pki.other_ca_cert))
+        with pytest.raises(errors.RegistryUnavailable, match="CERTIFICATE_VERIFY_FAILED"):
+            await RegistryClient(other.registry).schema_types()
+    with pytest.raises(ConfigError, match="WORKER_SCHEMA_REGISTRY_KEYFILE"):
+        settings(schema_registry_url=url, schema_registry_certfile=str(pki.client.cert))

@@ -125,7 +125,7 @@ def test_the_traffic_mixes_every_kind_and_sums_its_sequences() -> None:
     assert [m.value for m in made[:50]] == [m.value for m in again]
     kinds = {m.sent.kind for m in made}
     expected = {"unserved-model", "tokens", "sequence", "result-too-large", "plain"}
-    assert expected | {"big-key", "big-header", "compressed-too-large"} <= kinds
+    assert expected | {"big-key", "big-header", "compressed-too-large", "retired-version"} <= kinds
     unknown = [m.sent.model for m in made if m.sent.kind == "unserved-model"]
     assert len(set(unknown)) == len(unknown)  # a new name each time
     for big in (m for m in made if m.sent.kind == "result-too-large"):

@@ -18,6 +18,9 @@ Nothing is written and no group is joined, so ``check`` is safe against a live s
   (``WORKER_DEFAULT_MODEL`` and the models named in ``WORKER_MODEL_ALLOWLIST``)
   ready, with metadata the worker's request validation can use; each mapped topic's
   inputs beside its model's (``worker.checks.mappings``).
+- The Schema Registry, when one is set: it answers, and each registry-format topic's
+  events' and results' subjects are as the start-up gate wants them
+  (``worker.checks.registry``).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from rich.table import Table
 from worker.checks import probes
 from worker.checks.kafka import inspect_kafka
 from worker.checks.mappings import inspect_mappings, mapping_rows
+from worker.checks.registry import registry_rows
 from worker.checks.rows import CheckResult, kafka_rows
 from worker.errors import CannotRun, ExitCode
 from worker.events import load_mappings
@@ -202,7 +206,8 @@ async def run_checks(settings: Settings, timeout_s: float = 10.0) -> list[CheckR
         inspect_mappings(settings, timeout_s, mappings),
     )
     rows = [CheckResult("settings valid", "ok", detail), *kafka, *triton]
-    return rows + mapping_rows(mapped)
+    schemas = await registry_rows(settings, mapped, timeout_s)
+    return rows + mapping_rows(mapped) + schemas
 
 
 def render(results: Sequence[CheckResult]) -> Table:

@@ -60,9 +60,14 @@ class CloudEvent:
     id: str
 
     def result(
-        self, data: bytes, out: CloudEventsOut, source: Source
+        self,
+        data: bytes,
+        out: CloudEventsOut,
+        source: Source,
+        content_type: bytes = b"application/json",
     ) -> tuple[bytes, list[tuple[str, bytes]]]:
-        """The result event of ``data`` (JSON) in this event's mode: value and headers."""
+        """The result event of ``data`` (JSON, unless a binary event's ``content_type``
+        says otherwise) in this event's mode: value and headers."""
         attributes = {
             "specversion": SPEC_VERSION,
             "id": f"{source.topic}/{source.partition}/{source.offset}",
@@ -72,7 +77,7 @@ class CloudEvent:
         }
         if self.mode == "binary":
             headers = [(f"{CE_PREFIX}{k}", v.encode()) for k, v in attributes.items()]
-            return data, [(CONTENT_TYPE, b"application/json"), *headers]
+            return data, [(CONTENT_TYPE, content_type), *headers]
         fields = b",".join(b'"%s":"%s"' % (k.encode(), _escape(v)) for k, v in attributes.items())
         envelope = b'{%s,"datacontenttype":"application/json","data":%s}' % (fields, data)
         return envelope, [(CONTENT_TYPE, STRUCTURED.encode())]
@@ -82,12 +87,15 @@ def _escape(text: str) -> bytes:
     return orjson.dumps(text)[1:-1]
 
 
-def cloud_event_of(headers: Headers, envelope: Any | None) -> CloudEvent | None:
+def cloud_event_of(
+    headers: Headers, envelope: Any | None, *, json_data: bool = True
+) -> CloudEvent | None:
     """The record's CloudEvent, if it is one: structured when ``envelope`` (the parsed
     value of an ``application/cloudevents+json`` record) is given, binary when any header
     of a required attribute (``ce_specversion``, ``ce_id``, ``ce_source``, ``ce_type``)
     is there; DecodeError when a required attribute is missing or empty, or the event is
-    not of CloudEvents 1.0."""
+    not of CloudEvents 1.0. ``json_data``: a binary event's data must be JSON (its
+    content type says so); False for a registry format's, which its framing tells."""
     if envelope is not None:
         if not isinstance(envelope, dict):
             raise DecodeError("structured CloudEvent: expected a JSON object")
@@ -110,6 +118,8 @@ def cloud_event_of(headers: Headers, envelope: Any | None) -> CloudEvent | None:
     if missing:
         raise DecodeError(f"binary CloudEvent: header(s) {', '.join(missing)} missing or empty")
     _check_version(f"binary CloudEvent: {CE_PREFIX}specversion", values["specversion"] or "")
+    if not json_data:
+        return CloudEvent("binary", values["id"] or "")
     content_type = (header_text(headers, CONTENT_TYPE) or "application/json").lower()
     media = content_type.split(";", 1)[0].strip()
     if media != "application/json" and not media.endswith("+json"):

@@ -22,6 +22,8 @@ from worker.events.cloudevents import CloudEvent, cloud_event_of, is_structured
 from worker.events.mapping import Argmax, InputMap, OutputRef, TopicMapping
 from worker.events.paths import MISSING, EventPath
 from worker.events.values import expected
+from worker.registry import Registry
+from worker.registry.results import ResultWriter
 from worker.wire import tensors
 from worker.wire.bytes_tensor import serialize_bytes_tensor
 from worker.wire.headers import CONTENT_TYPE, X_REQUEST_ID, Headers, Source, header_text
@@ -42,7 +44,7 @@ def _show(value: Any) -> str:
 class MappedEvent:
     """The event a request was made of, and how to make its result event."""
 
-    __slots__ = ("batched", "cloud", "event", "mapping", "source")
+    __slots__ = ("batched", "cloud", "event", "mapping", "source", "writer")
 
     def __init__(
         self,
@@ -50,12 +52,15 @@ class MappedEvent:
         event: dict[str, Any],
         source: Source,
         cloud: CloudEvent | None = None,
+        writer: ResultWriter | None = None,
     ) -> None:
         self.mapping = mapping
         self.event = event
         self.source = source
         #: The request came as a CloudEvent: the result goes out as one, in its mode.
         self.cloud = cloud
+        #: A registry-format topic's: how the result event is written (its schema and id).
+        self.writer = writer
         #: The inputs were given a batch dimension (the model batches).
         self.batched = False
 
@@ -86,20 +91,35 @@ class MappedEvent:
                 name: array[0] if array.ndim and array.shape[0] == 1 else array
                 for name, array in outputs.items()
             }
-        result = self.mapping.result
+        result, writer = self.mapping.result, self.writer
+        # A registry format's library writes plain Python values; orjson writes numpy's.
+        value_of = _json if writer is None else _python
         if result.into is not None:
             document = dict(self.event)
-            document[result.into] = {name: _json(array) for name, array in outputs.items()}
+            if writer is not None:  # an Avro event's arrays of numbers, as lists
+                for key, value in document.items():
+                    if isinstance(value, np.ndarray):
+                        document[key] = value_of(value)
+            document[result.into] = {name: value_of(array) for name, array in outputs.items()}
         else:
-            document = {name: self._field(name, source, outputs) for name, source in result.fields}
-        data = orjson.dumps(document, option=orjson.OPT_SERIALIZE_NUMPY)
+            document = {
+                name: self._field(name, source, outputs, value_of) for name, source in result.fields
+            }
+        if writer is not None:
+            data, content_type = writer.encode(document), writer.content_type
+        else:
+            data = orjson.dumps(document, option=orjson.OPT_SERIALIZE_NUMPY)
+            content_type = b"application/json"
         if self.cloud is not None:
-            return self.cloud.result(data, self.mapping.cloudevents, self.source)
-        return data, [(CONTENT_TYPE, b"application/json")]
+            return self.cloud.result(data, self.mapping.cloudevents, self.source, content_type)
+        return data, [(CONTENT_TYPE, content_type)]
 
-    def _field(self, name: str, source: Any, outputs: dict[str, Any]) -> Any:
+    def _field(self, name: str, source: Any, outputs: dict[str, Any], value_of: Any = None) -> Any:
+        value_of = value_of or _json
         if isinstance(source, EventPath):
             value = source.find(self.event)
+            if isinstance(value, np.ndarray):  # an Avro event's array of numbers
+                return value_of(value)
             return None if value is MISSING else value
         array = outputs.get(source.output)
         if array is None:
@@ -110,13 +130,13 @@ class MappedEvent:
         flat = array.reshape(-1)
         if isinstance(source, OutputRef):
             if source.index is None:
-                return _json(array)
+                return value_of(array)
             if source.index >= flat.size:
                 raise InferenceError(
                     f"result field {name!r} reads {source}, but {source.output} has "
                     f"{flat.size} elements"
                 )
-            return _json(flat[source.index])
+            return value_of(flat[source.index])
         assert isinstance(source, Argmax)
         if not flat.size or flat.dtype == object:
             raise InferenceError(
@@ -151,6 +171,16 @@ def _json(value: Any) -> Any:
     return value
 
 
+def _python(value: Any) -> Any:
+    """A numpy array or scalar as plain Python values (lists, floats, ints, text), for a
+    registry format's writer (a NaN stays a NaN: Avro's floats hold it)."""
+    if isinstance(value, np.ndarray):
+        return _texts(value.tolist())
+    if isinstance(value, np.generic):
+        return _texts(value.item())
+    return _texts(value)
+
+
 def _texts(items: Any) -> Any:
     if isinstance(items, list):
         return [_texts(item) for item in items]
@@ -163,8 +193,12 @@ def decode_event(
     headers: Headers,
     source: Source,
     limits: DecodeLimits,
+    registry: Registry | None = None,
 ) -> DecodedRequest:
-    """The event's request for the mapping's model; a WorkerError naming what is wrong."""
+    """The event's request for the mapping's model; a WorkerError naming what is wrong.
+
+    ``registry``: where a registry-format topic's records find their schemas (they
+    raise ``SchemaPending`` while theirs is not fetched yet)."""
     if value is None:
         raise DecodeError(
             f"record value is null (a tombstone); topic {mapping.topic!r} expects an event"
@@ -174,7 +208,11 @@ def decode_event(
         raise TooLarge(
             f"record value is {len(value)} bytes, over the {limits.max_request_bytes}-byte limit"
         )
-    event, cloud = _event_of(mapping, value, headers)
+    if mapping.registry_format:
+        assert registry is not None, "a registry-format topic without its registry"
+        event, cloud = _registry_event_of(mapping, value, headers, registry)
+    else:
+        event, cloud = _event_of(mapping, value, headers)
     request = service_pb2.ModelInferRequest(model_name=mapping.model, model_version=mapping.version)
     element_limits = tensors.TensorLimits(limits.max_tensor_elements, limits.max_tensor_bytes)
     total = 0
@@ -200,7 +238,13 @@ def decode_event(
         infer_request=request,
         binary_outputs=False,
         payload_bytes=len(value),
-        event=MappedEvent(mapping, event, source, cloud),
+        event=MappedEvent(
+            mapping,
+            event,
+            source,
+            cloud,
+            registry.result(mapping.topic) if registry and mapping.registry_format else None,
+        ),
     )
 
 
@@ -226,6 +270,20 @@ def _event_of(
             f"got {type(event).__name__ if event is not None else 'null'}"
         )
     return event, cloud
+
+
+def _registry_event_of(
+    mapping: TopicMapping, value: bytes, headers: Headers, registry: Registry
+) -> tuple[dict[str, Any], CloudEvent | None]:
+    """The record of a registry-format topic, read with its writer's schema; a binary
+    CloudEvent's attributes from its headers (a structured one is JSON, not framed)."""
+    event = registry.read(mapping.topic, value)
+    if not isinstance(event, dict):
+        raise DecodeError(
+            f"record value: topic {mapping.topic!r} expects a record (an event), got "
+            f"{type(event).__name__ if event is not None else 'null'}"
+        )
+    return event, cloud_event_of(headers, None, json_data=False)
 
 
 def _request_id(
@@ -278,10 +336,29 @@ def _tensor(
             )
         count = int(np.prod(spec.shape)) if spec.shape else 1
         return list(spec.shape), _raw(spec.datatype, [default] * count, lambda _: str(path))
+    if isinstance(found, np.ndarray):  # an Avro array of numbers, read as one
+        numbers = _numbers(spec, found)
+        if numbers is not None:
+            return numbers
+        found = found.tolist()  # checked element by element, as a JSON event's
     if not isinstance(found, list) and spec.shape in ((), (1,)):
         return list(spec.shape), _raw(spec.datatype, [found], lambda _: str(path))
     shape, flat = _flatten(found, spec.shape, path)
     return shape, _raw(spec.datatype, flat, lambda i: _place(path, i, shape))
+
+
+def _numbers(spec: InputMap, found: np.ndarray[Any, Any]) -> tuple[list[int], bytes] | None:
+    """A floating-point input of one dimension from an array of numbers, converted at once
+    when every value fits (None: the element-wise path says what does not)."""
+    dtype = tensors.DATATYPES[spec.datatype].dtype
+    if dtype is None or dtype.kind != "f" or len(spec.shape) != 1:
+        return None
+    if spec.shape[0] not in (-1, found.size):
+        return None
+    converted = found.astype(dtype, copy=False)
+    if not np.isfinite(converted).all():
+        return None
+    return [found.size], converted.tobytes()
 
 
 def _default(spec: InputMap, path: EventPath, found: Any, mapping: TopicMapping) -> Any:

@@ -7,6 +7,7 @@ maps any number of input topics::
     [topics.payments]
     model = "mlp"                          # version = "1" to pin one
     request_id = "/payment_id"             # optional: the field naming the request
+    format = "avro"                        # optional: json (the default), avro, json-schema
     [topics.payments.inputs.INPUT0]
     datatype = "FP32"
     from = "/features"                     # an array (nested as the shape), or a scalar
@@ -27,6 +28,7 @@ import json
 import re
 import tomllib
 from dataclasses import dataclass
+from importlib.util import find_spec
 from pathlib import Path
 from typing import Any, Final
 
@@ -48,6 +50,10 @@ __all__ = [
 ]
 
 SETTING: Final = "WORKER_MAPPING_FILE"
+#: The events' formats: plain JSON, or one of a Schema Registry's (the Confluent wire format).
+EVENT_FORMATS: Final = ("json", "avro", "json-schema")
+#: The module each registry format needs, and the extra that installs it.
+_FORMAT_LIBRARIES: Final = {"avro": "fastavro", "json-schema": "jsonschema"}
 #: The result field an event's outputs go under when the mapping names no form.
 DEFAULT_INTO: Final = "prediction"
 _OUTPUT_REF: Final = re.compile(r"([^\[\]]+?)(?:\[(\d+)\])?")
@@ -88,12 +94,22 @@ class Argmax:
 ResultSource = EventPath | OutputRef | Argmax
 
 
+#: Subject name strategies of a registry-format topic's results: the output topic's
+#: ``<topic>-value`` (Confluent's TopicNameStrategy), the record's full name
+#: (RecordNameStrategy), or both (TopicRecordNameStrategy).
+SUBJECT_STRATEGIES: Final = ("topic", "record", "topic-record")
+
+
 @dataclass(frozen=True, slots=True)
 class ResultForm:
     """The result: the event with the outputs ``into`` a field, or new ``fields``."""
 
     into: str | None
     fields: tuple[tuple[str, ResultSource], ...]
+    #: A registry-format topic's result record: its full name (None: derived from the
+    #: topic) and its subject name strategy.
+    name: str | None = None
+    subject: str = "topic"
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +124,14 @@ class TopicMapping:
     result: ResultForm
     #: The type and source of result events, when the requests are CloudEvents.
     cloudevents: CloudEventsOut = CloudEventsOut()  # noqa: RUF009 (frozen: shared safely)
+    #: How the events are written: json, or a registry format (avro, json-schema).
+    format: str = "json"
+
+    @property
+    def registry_format(self) -> bool:
+        """True when the events are in the Confluent wire format, their schemas in a
+        Schema Registry."""
+        return self.format != "json"
 
     def outputs(self) -> tuple[str, ...]:
         """The model outputs the result reads (none named: all of them)."""
@@ -225,8 +249,9 @@ def _path(value: Any, where: str, problems: list[str]) -> EventPath | None:
 def _topic(
     topic: str, table: dict[str, Any], where: str, problems: list[str]
 ) -> TopicMapping | None:
-    known = {"model", "version", "request_id", "inputs", "result", "cloudevents"}
+    known = {"model", "version", "request_id", "inputs", "result", "cloudevents", "format"}
     _unknown(table, known, where, problems)
+    fmt = _format(table.get("format", "json"), where, problems)
     model = _text(table, "model", where, problems)
     if model is None and "model" not in table:
         problems.append(f"{where}.model: missing; name the model the events feed")
@@ -255,7 +280,24 @@ def _topic(
     if model is None or result is None:
         return None
     version = version.lstrip("0") or version[:1]
-    return TopicMapping(topic, model, version, request_id, tuple(inputs), result, cloudevents)
+    return TopicMapping(topic, model, version, request_id, tuple(inputs), result, cloudevents, fmt)
+
+
+def _format(value: Any, where: str, problems: list[str]) -> str:
+    if value not in EVENT_FORMATS:
+        problems.append(
+            f"{where}.format: expected one of {', '.join(EVENT_FORMATS)}, got {value!r}"
+        )
+        return "json"
+    module = _FORMAT_LIBRARIES.get(value)
+    if module is not None and find_spec(module) is None:
+        # At once, as for YAML: one line naming the extra, whatever else the file holds.
+        raise ConfigError(
+            SETTING,
+            f"{SETTING}: {where}.format: reading {value} events needs {module}: pip install "
+            "'kafka-triton-worker[registry]'",
+        )
+    return str(value)
 
 
 def _input(name: str, spec: Any, where: str, problems: list[str]) -> InputMap | None:
@@ -326,7 +368,14 @@ def _result(table: Any, where: str, problems: list[str]) -> ResultForm | None:
     if not isinstance(table, dict):
         problems.append(f"{where}: expected a table (into, or fields)")
         return None
-    _unknown(table, {"into", "fields"}, where, problems)
+    _unknown(table, {"into", "fields", "name", "subject"}, where, problems)
+    name = _text(table, "name", where, problems)
+    subject = table.get("subject", "topic")
+    if subject not in SUBJECT_STRATEGIES:
+        problems.append(
+            f"{where}.subject: expected one of {', '.join(SUBJECT_STRATEGIES)}, got {subject!r}"
+        )
+        subject = "topic"
     if "into" in table and "fields" in table:
         problems.append(
             f"{where}: give either into (the event, enriched) or fields (a new event), not both"
@@ -334,7 +383,7 @@ def _result(table: Any, where: str, problems: list[str]) -> ResultForm | None:
         return None
     if "fields" not in table:
         into = _text(table, "into", where, problems) if "into" in table else DEFAULT_INTO
-        return ResultForm(into, ()) if into is not None else None
+        return ResultForm(into, (), name, subject) if into is not None else None
     fields = table["fields"]
     if not isinstance(fields, dict) or not fields:
         problems.append(
@@ -342,11 +391,11 @@ def _result(table: Any, where: str, problems: list[str]) -> ResultForm | None:
         )
         return None
     parsed: list[tuple[str, ResultSource]] = []
-    for name, source in fields.items():
-        one = _result_source(source, f"{where}.fields.{name}", problems)
+    for field, source in fields.items():
+        one = _result_source(source, f"{where}.fields.{field}", problems)
         if one is not None:
-            parsed.append((name, one))
-    return ResultForm(None, tuple(parsed))
+            parsed.append((field, one))
+    return ResultForm(None, tuple(parsed), name, subject)
 
 
 def _result_source(source: Any, where: str, problems: list[str]) -> ResultSource | None:

@@ -11,6 +11,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Final
 
+import numpy as np
+
 __all__ = ["MISSING", "EventPath", "parse_path"]
 
 #: What ``EventPath.find`` returns where the event has nothing.
@@ -35,6 +37,9 @@ class EventPath:
                 node = node.get(step if isinstance(step, str) else str(step), MISSING)
             elif isinstance(node, list) and isinstance(step, int):
                 node = node[step] if step < len(node) else MISSING
+            elif isinstance(node, np.ndarray) and isinstance(step, int):
+                # An Avro event's array of numbers (worker.registry.flat_avro).
+                node = node[step].item() if step < len(node) else MISSING
             else:
                 return MISSING
             if node is MISSING:

@@ -1,5 +1,8 @@
 """Circuit breaker for Triton outages: stop taking work, keep records in Kafka, resume by itself.
 
+(The Schema Registry has one of its own, named ``registry``: while it is open the records
+that need a schema wait for it; see ``worker.registry.writers``.)
+
 Closed: records flow. Consecutive outage failures (Triton unreachable, streams
 broken) past a threshold open it. Open: the intake pauses every partition (the
 member stays in its group), records already in flight wait for it to close
@@ -22,8 +25,13 @@ class CircuitBreaker:
     """Counts consecutive outage failures; opens past ``failure_threshold``."""
 
     def __init__(
-        self, failure_threshold: int, on_change: Callable[[bool], None] | None = None
+        self,
+        failure_threshold: int,
+        on_change: Callable[[bool], None] | None = None,
+        name: str = "triton",
     ) -> None:
+        """``name``: what it guards, in its log events."""
+        self.name = name
         self._threshold = failure_threshold
         self._on_change = on_change
         self._failures = 0
@@ -51,7 +59,7 @@ class CircuitBreaker:
         self._closed.clear()
         self._opened.set()
         self.opened_at = time.monotonic()
-        log.warning("circuit_open", consecutive_failures=self._failures)
+        log.warning("circuit_open", breaker=self.name, consecutive_failures=self._failures)
         if self._on_change is not None:
             self._on_change(True)
 
@@ -62,7 +70,7 @@ class CircuitBreaker:
         self._failures = 0
         self._opened.clear()
         self._closed.set()
-        log.info("circuit_closed", outage_s=round(outage_s, 3))
+        log.info("circuit_closed", breaker=self.name, outage_s=round(outage_s, 3))
         if self._on_change is not None:
             self._on_change(False)
 

@@ -8,6 +8,10 @@ given a task of its own on the per-record path (``worker.records.single``), with
 ordering turns, retries, holds, decoupled streams and sequences. Every task
 belongs to the worker's TaskGroup and to ``running``, so that a shutdown drains
 them and a forced stop cancels them.
+
+Records of a registry-format topic whose writer's schema is not known yet wait for it
+together (one request per schema id) and then take the batch path as a group, rather than
+each going the per-record way for it.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from worker.records.outcome import Handed
 from worker.records.single import SinglePath
 from worker.records.steps import Steps
 from worker.records.stream import StreamCalls, StreamRules
+from worker.registry import Registry
 from worker.settings import Settings
 from worker.settings.fields import Ordering
 from worker.triton.batching import MicroBatcher
@@ -48,8 +53,10 @@ class Dispatcher:
         batch: BatchPath | None,
         ordering: Ordering,
         sequence_from_key: bool,
+        registry: Registry | None = None,
     ) -> None:
-        """``batch``: None when the settings keep every record on the per-record path."""
+        """``batch``: None when the settings keep every record on the per-record path;
+        ``registry``: the Schema Registry of the registry-format topics, if any."""
         self._delivery = delivery
         self._window = window
         self._single = single
@@ -57,6 +64,8 @@ class Dispatcher:
         self.batch = batch
         self._ordering = ordering
         self._sequence_from_key = sequence_from_key
+        # Records wait for their schemas out of offset order: only where no turn is taken.
+        self._registry = registry if ordering == "unordered" and not sequence_from_key else None
         self._turns = Turns()
         self._group: asyncio.TaskGroup | None = None
         self.running: set[asyncio.Task[None]] = set()
@@ -73,12 +82,17 @@ class Dispatcher:
         """Start the records of one dispatch pass (each holds its window slot): those the
         group path takes in groups, each other in a task of its own."""
         batch = self.batch if self.batch is not None and self.batch.open else None
+        registry = self._registry if batch is not None else None
         delivery, groups = self._delivery, _Groups(self._ordering, self._turns)
+        waiting: list[tuple[ConsumerRecord[bytes, bytes], int]] = []
         for record in records:
             generation = delivery.track(record)
             if delivery.settle_if_done(record, generation):
                 # Done before a crash or hand-over (the commit metadata says so): skipped.
                 self._window.release(TopicPartition(record.topic, record.partition))
+                continue
+            if registry is not None and registry.pending(record.topic, record.value):
+                waiting.append((record, generation))
                 continue
             candidate = batch.select(record, generation) if batch is not None else None
             if candidate is None:
@@ -90,6 +104,33 @@ class Dispatcher:
             if group.candidates:
                 assert batch is not None
                 self._spawn(batch.run(group, self._fall_back))
+        if waiting:
+            self._spawn(self._after_schemas(waiting))
+
+    async def _after_schemas(self, waiting: list[tuple[ConsumerRecord[bytes, bytes], int]]) -> None:
+        """The records whose schemas are fetched first (each id once; while the registry
+        is out, they wait), then dispatched as a group; their slots are held meanwhile."""
+        assert self._registry is not None
+        try:
+            await self._registry.ready_many((r.topic, r.value) for r, _ in waiting)
+        except Exception:  # a bug here: the per-record path fetches for each record
+            pass
+        except BaseException:
+            # Cancelled (a forced stop): the records are not done; their slots go back.
+            for record, _ in waiting:
+                self._window.release(TopicPartition(record.topic, record.partition))
+            raise
+        batch = self.batch if self.batch is not None and self.batch.open else None
+        chosen = []
+        for record, generation in waiting:
+            candidate = batch.select(record, generation) if batch is not None else None
+            if candidate is not None:
+                chosen.append(candidate)
+            else:
+                self._dispatch_one(record, generation)
+        if chosen:
+            assert batch is not None
+            await batch.run(Group(chosen), self._fall_back)
 
     def _dispatch_one(self, record: ConsumerRecord[bytes, bytes], generation: int) -> None:
         tp = TopicPartition(record.topic, record.partition)
@@ -179,6 +220,7 @@ def build_dispatcher(
         batch=batch,
         ordering=settings.delivery.ordering,
         sequence_from_key=settings.delivery.sequence_from_key,
+        registry=steps.rules.registry,
     )
 
 

@@ -1,5 +1,6 @@
 """What the settings say about handling one record, read once: limits, the default model,
-the allowlist, the retry policy, the mapped topics."""
+the allowlist, the retry policy, the mapped topics (and the Schema Registry of those whose
+events are Avro or JSON Schema)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from dataclasses import dataclass
 from worker import errors, wire
 from worker.events import Mappings, load_mappings
 from worker.flow.retry import Backoff, RetryPolicy
+from worker.registry import Registry, build_registry
 from worker.settings import Settings
 
 __all__ = ["Allowlist", "RecordRules"]
@@ -31,10 +33,18 @@ class RecordRules:
     mappings: Mappings
     #: Which headers say why a dead letter failed (WORKER_DLQ_HEADER_STYLE).
     dlq_header_style: str = "worker"
+    #: Where the registry-format topics' records find their schemas (None: no such topic).
+    registry: Registry | None = None
 
     @classmethod
     def from_settings(cls, settings: Settings) -> RecordRules:
         limits, retry = settings.limits, settings.retry
+        mappings = (
+            load_mappings(limits.mapping_file, settings.topics.input_topics)
+            if limits.mapping_file
+            else {}
+        )
+        formats = {topic: mapping.format for topic, mapping in mappings.items()}
         return cls(
             limits=wire.DecodeLimits(
                 limits.max_request_bytes, limits.max_tensor_elements, limits.max_tensor_bytes
@@ -51,12 +61,9 @@ class RecordRules:
             ),
             max_consecutive_internal_errors=retry.max_consecutive_internal_errors,
             sequence_from_key=settings.delivery.sequence_from_key,
-            mappings=(
-                load_mappings(limits.mapping_file, settings.topics.input_topics)
-                if limits.mapping_file
-                else {}
-            ),
+            mappings=mappings,
             dlq_header_style=settings.topics.dlq_header_style,
+            registry=build_registry(settings, formats),
         )
 
     def check_model_allowed(self, topic: str, model: str) -> None:

@@ -162,6 +162,7 @@ class SinglePath:
             raise errors.DecodeError(
                 "record has neither key nor value (both null); expected an inference request"
             )
+        await steps.schemas_ready(record, budget)
         request = steps.decode(record.value, record.headers, outcome.source)
         outcome.request = request
         budget.entry.request_id, budget.entry.model = request.request_id, request.model_name

@@ -25,7 +25,7 @@ from worker.flow.guard import InternalErrorGuard
 from worker.flow.holds import ModelGate
 from worker.flow.limiter import AdaptiveLimiter
 from worker.flow.model_health import ModelHealth
-from worker.flow.retry import Retrier
+from worker.flow.retry import Budget, Retrier
 from worker.kafka.types import ConsumerRecord
 from worker.observability import Metrics
 from worker.observability.metrics import observe_all, observe_times
@@ -113,10 +113,18 @@ class Steps:
         rules = self.rules
         mapping = rules.mappings.get(source.topic) if rules.mappings else None
         if mapping is not None:
-            return decode_event(mapping, value, headers, source, rules.limits)
+            return decode_event(mapping, value, headers, source, rules.limits, rules.registry)
         return wire.decode_request(
             value, headers, source, rules.limits, rules.default_model, defer=defer
         )
+
+    async def schemas_ready(self, record: ConsumerRecord[bytes, bytes], budget: Budget) -> None:
+        """Return once ``decode`` can read the record without asking the Schema Registry
+        (at once, but for the first record of a registry-format topic's schema id; while
+        the registry is out, it waits, the deadline paused)."""
+        registry = self.rules.registry
+        if registry is not None:
+            await registry.ready(record.topic, record.value, budget)
 
     @staticmethod
     def fit(spec: ModelSpec, request: wire.DecodedRequest) -> None:

@@ -24,6 +24,7 @@ from worker.settings.sections import (
     KafkaSettings,
     LimitSettings,
     OpsSettings,
+    RegistrySettings,
     RetrySettings,
     TopicSettings,
     TritonSettings,
@@ -44,6 +45,7 @@ __all__ = [
     "KafkaSettings",
     "LimitSettings",
     "OpsSettings",
+    "RegistrySettings",
     "RetrySettings",
     "SettingSpec",
     "Settings",
@@ -64,6 +66,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     retry: RetrySettings = msgspec.field(default_factory=RetrySettings)
     delivery: DeliverySettings = msgspec.field(default_factory=DeliverySettings)
     limits: LimitSettings = msgspec.field(default_factory=LimitSettings)
+    registry: RegistrySettings = msgspec.field(default_factory=RegistrySettings)
     ops: OpsSettings = msgspec.field(default_factory=OpsSettings)
 
     #: Section attribute -> its class, in declaration order (the settings reference's order).
@@ -96,7 +99,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
 Settings.SECTIONS = {
     name: typing.get_type_hints(Settings)[name]
     for name in ("topics", "kafka", "kafka_auth", "triton", "flow", "retry", "delivery",
-                 "limits", "ops")
+                 "limits", "registry", "ops")
 }  # fmt: skip
 
 

@@ -53,6 +53,7 @@ __all__ = [
     "KafkaSettings",
     "LimitSettings",
     "OpsSettings",
+    "RegistrySettings",
     "RetrySettings",
     "TopicSettings",
     "TritonSettings",
@@ -353,6 +354,58 @@ class KafkaAuthSettings(_Section, frozen=True, kw_only=True):
              "set either WORKER_SASL_PASSWORD or WORKER_SASL_PASSWORD_FILE, not both"),
             ("WORKER_SSL_KEYFILE", (self.ssl_certfile is None) != (self.ssl_keyfile is None),
              "WORKER_SSL_CERTFILE and WORKER_SSL_KEYFILE go together"),
+        ])
+
+
+class RegistrySettings(_Section, frozen=True, kw_only=True):
+    """The Schema Registry of the mapped topics whose events are Avro or JSON Schema."""
+
+    schema_registry_url: Annotated[str | None, Doc(
+        "Base URL of a Schema Registry's Confluent API (Confluent's, Karapace's, Apicurio's "
+        "/apis/ccompat/v7), for mapped topics of format avro or json-schema: the writers' "
+        "schemas are read from it, the results' checked or registered in it.")] = None
+    schema_registry_user: Annotated[str | None, Doc(
+        "Schema Registry basic-auth user name.")] = None
+    schema_registry_password: Annotated[str | None, Doc(
+        "Schema Registry basic-auth password (prefer WORKER_SCHEMA_REGISTRY_PASSWORD_FILE).",
+        secret=True)] = None
+    schema_registry_password_file: Annotated[str | None, Doc(
+        "File holding the Schema Registry basic-auth password.")] = None
+    schema_registry_cafile: Annotated[str | None, Doc(
+        "CA bundle that signs the Schema Registry's certificate (https URL).")] = None
+    schema_registry_certfile: Annotated[str | None, Doc(
+        "Client certificate for the Schema Registry (mutual TLS).")] = None
+    schema_registry_keyfile: Annotated[str | None, Doc(
+        "Client private key for the Schema Registry (mutual TLS).")] = None
+    schema_registry_auto_register: Annotated[bool, Doc(
+        "Register each registry-format topic's result schema at start-up. Off (for "
+        "production): the subject's latest schema must accept what the mapping writes, "
+        "else the worker refuses to start.")] = False
+    schema_registry_timeout_ms: Annotated[int, Meta(ge=1), Doc(
+        "Deadline of one request to the Schema Registry.")] = 10_000
+    schema_registry_cache_size: Annotated[int, Meta(ge=1), Doc(
+        "Most writers' schemas kept in memory, shared by every mapped topic (each fetched "
+        "once by id).")] = 1000
+
+    def _check_combinations(self) -> None:
+        self._refuse([
+            ("WORKER_SCHEMA_REGISTRY_PASSWORD",
+             self.schema_registry_password is not None
+             and self.schema_registry_password_file is not None,
+             "set either WORKER_SCHEMA_REGISTRY_PASSWORD or WORKER_SCHEMA_REGISTRY_PASSWORD_FILE, "
+             "not both"),
+            ("WORKER_SCHEMA_REGISTRY_USER",
+             self.schema_registry_user is None
+             and (self.schema_registry_password or self.schema_registry_password_file)
+             is not None,
+             "a password is set for no user: set WORKER_SCHEMA_REGISTRY_USER too"),
+            ("WORKER_SCHEMA_REGISTRY_KEYFILE",
+             (self.schema_registry_certfile is None) != (self.schema_registry_keyfile is None),
+             "WORKER_SCHEMA_REGISTRY_CERTFILE and WORKER_SCHEMA_REGISTRY_KEYFILE go together"),
+            ("WORKER_SCHEMA_REGISTRY_URL",
+             self.schema_registry_url is not None
+             and not self.schema_registry_url.startswith(("http://", "https://")),
+             f"expected an http:// or https:// URL, got {self.schema_registry_url!r}"),
         ])
 
 

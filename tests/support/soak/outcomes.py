@@ -151,7 +151,7 @@ class Collector:
         where = (record.topic, record.partition, record.offset)
         if sent is None:
             return f"{where}: request id {rid!r} was never sent", None
-        if code is None and sent.expected_code is not None:
+        if code is None and sent.expected_code is not None and not sent.result_allowed:
             return f"{rid} ({sent.kind}): a result, expected {sent.expected_code}", None
         if code is None and cut_short(sent, record):
             self.cut_short.append((rid, record.timestamp))

@@ -37,6 +37,8 @@ BIG_PART_BYTES = OUTPUT_MAX_BYTES + 512
 #: producers' own limit lets it through.
 COMPRESSED_HUGE_BYTES = 3 * 2**19
 PRODUCER_MAX_BYTES = 4 * 2**20
+#: The version of ``double`` the soak's Tritons retire (their version policy serves 2 only).
+RETIRED_VERSION = "1"
 _BAD = {s.request_id.removeprefix("bad-"): s for s in samples.bad_requests()}
 #: Hostile kinds: every bad sample, plus two a librdkafka producer can send.
 HOSTILE_KINDS = (*sorted(_BAD), "null-record", "header-not-utf8")
@@ -50,6 +52,7 @@ _SHARES = (
     ("result-too-large", 0.171),
     ("big-key-or-header", 0.172),
     ("compressed-too-large", 0.173),
+    ("retired-version", 0.178),
 )
 
 _INPUTS = {
@@ -82,6 +85,9 @@ class Sent:
     step: int = 0
     expected_sum: int = 0  # the step's running sum when nothing disturbs the sequence
     fields: dict[str, Any] | None = None  # a mapped event's fields its result must copy
+    #: A result is right as well as its dead letter (a retired version a Triton's restart or
+    #: a model reload brought back).
+    result_allowed: bool = False
     produced_ms: int = 0  # wall clock when handed to the producer
 
 
@@ -138,6 +144,7 @@ class Traffic:
             "result-too-large": self._oversized,
             "big-key-or-header": self._big_key_or_header,
             "compressed-too-large": self._compressed_too_large,
+            "retired-version": self._retired_version,
             "plain": self._plain,
         }[kind](rid)
         made.sent.produced_ms = int(time.time() * 1000)
@@ -234,6 +241,18 @@ class Traffic:
         padded = value[:-1] + b', "pad": "' + b"x" * COMPRESSED_HUGE_BYTES + b'"}'
         sent = Sent(rid, self._partition, "compressed-too-large", "TOO_LARGE", "double", "json")
         return Produced(sent, rid.encode(), padded, _named(headers, rid))
+
+    def _retired_version(self, rid: str) -> Produced:
+        """A good ``double`` request naming its version 1, which the soak's Tritons retired
+        by their version policy (version 2 serves): MODEL_NOT_FOUND after a short hold, or a
+        result where a Triton's restart or a model reload served version 1 again."""
+        encoding = self._encoding()
+        tensors = samples.double_inputs(self._rng)
+        value, headers = encode_request("double", tensors, encoding, rid)
+        named = [*_named(headers, rid), ("x-model-version", RETIRED_VERSION.encode())]
+        sent = Sent(rid, self._partition, "retired-version", "MODEL_NOT_FOUND", "double", encoding)
+        sent.tensors, sent.result_allowed = tensors, True
+        return Produced(sent, rid.encode(), value, named)
 
     def _tokens(self, rid: str) -> Produced:
         """A token stream of 1 to 12 responses, a few ms apart, its final flag alone or not."""

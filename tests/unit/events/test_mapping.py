@@ -286,3 +286,41 @@ def test_yaml_without_pyyaml_names_the_extra(
     monkeypatch.setitem(sys.modules, "yaml", None)  # as in an install without the extra
     with pytest.raises(ConfigError, match=r"pip install 'kafka-triton-worker\[yaml\]'"):
         load_mappings(write(tmp_path, "topics: {}", "m.yaml"), ("clicks",))
+
+
+REGISTRY_TOPIC = """
+[topics.clicks]
+model = "mlp"
+format = "{fmt}"
+[topics.clicks.inputs.INPUT0]
+datatype = "FP32"
+from = "/features"
+shape = [64]
+"""
+
+
+def test_a_topic_s_format_is_read_and_an_unknown_one_refused(tmp_path: Path) -> None:
+    """format avro and json-schema are registry formats, json (the default) is not; any
+    other is a problem line naming the choices."""
+    for fmt, registry in (("avro", True), ("json-schema", True), ("json", False)):
+        mapping = load_mappings(write(tmp_path, REGISTRY_TOPIC.format(fmt=fmt)), ("clicks",))[
+            "clicks"
+        ]
+        assert (mapping.format, mapping.registry_format) == (fmt, registry)
+    assert problems_of(tmp_path, REGISTRY_TOPIC.format(fmt="protobuf"), ("clicks",)) == [
+        "topics.clicks.format: expected one of json, avro, json-schema, got 'protobuf'"
+    ]
+
+
+@pytest.mark.parametrize(("fmt", "module"), [("avro", "fastavro"), ("json-schema", "jsonschema")])
+def test_a_registry_format_without_its_library_names_the_extra(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fmt: str, module: str
+) -> None:
+    """Without the registry extra's library, loading says so in one line, at once."""
+    monkeypatch.setitem(sys.modules, module, None)  # as in an install without the extra
+    with pytest.raises(ConfigError) as caught:
+        load_mappings(write(tmp_path, REGISTRY_TOPIC.format(fmt=fmt)), ("clicks",))
+    assert caught.value.message == (
+        f"WORKER_MAPPING_FILE: topics.clicks.format: reading {fmt} events needs {module}: "
+        "pip install 'kafka-triton-worker[registry]'"
+    )

@@ -274,17 +274,22 @@ def test_redacted_is_plain_data_and_hides_secrets(monkeypatch: pytest.MonkeyPatc
     assert list(view) == [spec.field for spec in SETTINGS_SPEC]
     assert view["input_topics"] == ["requests"]
     assert view["max_in_flight"] == 256
-    assert [spec.field for spec in SETTINGS_SPEC if spec.secret] == ["sasl_password"]
+    secrets = [spec.field for spec in SETTINGS_SPEC if spec.secret]
+    assert secrets == ["sasl_password", "schema_registry_password"]
     with_secret = load_settings(
         {
             **REQUIRED,
             "WORKER_SECURITY_PROTOCOL": "SASL_SSL",
             "WORKER_SASL_MECHANISM": "PLAIN",
             "WORKER_SASL_PASSWORD": "hunter2",
+            "WORKER_SCHEMA_REGISTRY_USER": "reader",
+            "WORKER_SCHEMA_REGISTRY_PASSWORD": "swordfish",
         }
     )
     assert with_secret.redacted()["sasl_password"] == "***"
+    assert with_secret.redacted()["schema_registry_password"] == "***"
     assert "hunter2" not in repr(with_secret.redacted())
+    assert "swordfish" not in repr(with_secret) + repr(with_secret.redacted())
     marked = tuple(
         dataclasses.replace(spec, doc=dataclasses.replace(spec.doc, secret=True))
         if spec.field == "group_id"
