@@ -18,10 +18,11 @@ from worker.wire.headers import (
     X_MODEL_NAME,
     X_MODEL_VERSION,
     X_REQUEST_ID,
+    X_SOURCE_OFFSET,
+    X_SOURCE_PARTITION,
+    X_SOURCE_TOPIC,
     Headers,
     Source,
-    merge_headers,
-    source_headers,
 )
 from worker.wire.messages import BINARY_DATA_SIZE, BYTES_ENCODING, parameters_to_json
 from worker.wire.requests import DecodedRequest, Encoding
@@ -178,13 +179,44 @@ def result_headers(
         # plain event's result is no CloudEvent: a ce_* header it came with (ce_subject,
         # say) would make it look like one.
         request_headers = [(n, v) for n, v in request_headers if not n.lower().startswith("ce_")]
-    added = [
+    added: list[tuple[str, bytes]] = [
         (X_REQUEST_ID, request.request_id.encode()),
         (X_MODEL_NAME, request.model_name.encode()),
         (X_MODEL_VERSION, (served_model_version or request.model_version).encode()),
-        *source_headers(source),
-        *((name.lower(), bytes(value)) for name, value in encoding_headers),
-        *extra,
+        (X_SOURCE_TOPIC, source.topic.encode()),
+        (X_SOURCE_PARTITION, str(source.partition).encode()),
+        (X_SOURCE_OFFSET, str(source.offset).encode()),
     ]
-    # A request's binary header length never describes the result.
-    return merge_headers(request_headers, added, frozenset({INFERENCE_HEADER_CONTENT_LENGTH}))
+    added += [(name.lower(), bytes(value)) for name, value in encoding_headers]
+    added += extra
+    if not request_headers:
+        return list(added)
+    replaced: frozenset[str] = _REPLACED
+    encoding_names = {name for name, _ in added[6:]}
+    if extra or CONTENT_TYPE not in encoding_names or not encoding_names <= _REPLACED:
+        replaced = frozenset(name for name, _ in added) | {INFERENCE_HEADER_CONTENT_LENGTH}
+    # The worker's value wins: originals of the same name are dropped, not duplicated.
+    # Null values and repeated names among the others pass through as they came. A
+    # request's binary header length never describes the result.
+    kept: list[tuple[str, bytes | None]] = [
+        (name, None if value is None else bytes(value))
+        for name, value in request_headers
+        if name.lower() not in replaced
+    ]
+    return [*kept, *added]
+
+
+#: The names a result's headers replace of its request's, its encoding giving its
+#: content type (and a binary header length, never the request's).
+_REPLACED: Final = frozenset(
+    {
+        X_REQUEST_ID,
+        X_MODEL_NAME,
+        X_MODEL_VERSION,
+        X_SOURCE_TOPIC,
+        X_SOURCE_PARTITION,
+        X_SOURCE_OFFSET,
+        CONTENT_TYPE,
+        INFERENCE_HEADER_CONTENT_LENGTH,
+    }
+)
