@@ -404,10 +404,11 @@ class BatchPath:
         results: list[_Result | None] = []
         if together is not None:
             served = together.model_version
+            made = wire.ResultHeaders(batch[0].request.model_name, served)
             for i, c in enumerate(batch):
                 try:
                     value, headers = steps.encode_row(
-                        together, i, c.rows, c.request, c.record, c.source
+                        together, i, c.rows, c.request, c.record, c.source, headers=made
                     )
                     results.append((value, headers, served))
                 except Exception:  # OUTPUT_TOO_LARGE, or a bug: the per-record path says which

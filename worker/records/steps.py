@@ -175,12 +175,14 @@ class Steps:
         request: wire.DecodedRequest,
         record: ConsumerRecord[bytes, bytes],
         source: Source,
+        *,
+        headers: wire.ResultHeaders | None = None,
     ) -> tuple[bytes, Written]:
         """The ``index``-th record's part of a batched response as its result (as ``encode``
-        makes it of that part alone)."""
+        makes it of that part alone); ``headers``: its micro-batch's result headers."""
         value, encoding = results.encode(index, rows, request, self.rules.max_output_bytes)
         served = results.model_version
-        return self._result(request, value, encoding, record, source, served)
+        return self._result(request, value, encoding, record, source, served, made=headers)
 
     def _result(
         self,
@@ -192,17 +194,21 @@ class Steps:
         served_version: str,
         *,
         extra: Sequence[tuple[str, bytes]] = (),
+        made: wire.ResultHeaders | None = None,
     ) -> tuple[bytes, Written]:
-        """The value and its headers, the whole result checked against the output topic's
-        known ceiling."""
-        headers = wire.result_headers(
-            record.headers,
-            request,
-            encoding,
-            source,
-            served_model_version=served_version,
-            extra=extra,
-        )
+        """The value and its headers (by ``made`` when given), the whole result checked
+        against the output topic's known ceiling."""
+        if made is not None:
+            headers = made.of(record.headers, request, encoding, source, extra=extra)
+        else:
+            headers = wire.result_headers(
+                record.headers,
+                request,
+                encoding,
+                source,
+                served_model_version=served_version,
+                extra=extra,
+            )
         ceiling = self.refusals.ceiling()
         if ceiling is not None:
             # Measured as the broker measures it: the result carries the request's key and

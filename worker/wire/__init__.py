@@ -23,7 +23,7 @@ from worker.wire.requests import (
     decode_request,
     request_names,
 )
-from worker.wire.results import encode_result, result_headers
+from worker.wire.results import ResultHeaders, encode_result, result_headers
 
 __all__ = [
     "CONTENT_TYPE",
@@ -35,6 +35,7 @@ __all__ = [
     "DecodedRequest",
     "Encoding",
     "Headers",
+    "ResultHeaders",
     "Source",
     "dead_letter_headers",
     "decode_request",

@@ -27,7 +27,13 @@ from worker.wire.headers import (
 from worker.wire.messages import BINARY_DATA_SIZE, BYTES_ENCODING, parameters_to_json
 from worker.wire.requests import DecodedRequest, Encoding
 
-__all__ = ["check_result_size", "encode_result", "response_tensors", "result_headers"]
+__all__ = [
+    "ResultHeaders",
+    "check_result_size",
+    "encode_result",
+    "response_tensors",
+    "result_headers",
+]
 
 RESULT_CONTENT_TYPES: Final[dict[Encoding, bytes]] = {
     "json": CONTENT_TYPE_JSON.encode(),
@@ -174,40 +180,85 @@ def result_headers(
     `served_model_version` is the version Triton reports having used, when known;
     `extra` are further headers of the worker's (a stream's x-response-*).
     """
-    if request.event is not None:
-        # A CloudEvent's attributes describe the request; the result's are its own, and a
-        # plain event's result is no CloudEvent: a ce_* header it came with (ce_subject,
-        # say) would make it look like one.
-        request_headers = [(n, v) for n, v in request_headers if not n.lower().startswith("ce_")]
-    added: list[tuple[str, bytes]] = [
-        (X_REQUEST_ID, request.request_id.encode()),
-        (X_MODEL_NAME, request.model_name.encode()),
-        (X_MODEL_VERSION, (served_model_version or request.model_version).encode()),
-        (X_SOURCE_TOPIC, source.topic.encode()),
-        (X_SOURCE_PARTITION, str(source.partition).encode()),
-        (X_SOURCE_OFFSET, str(source.offset).encode()),
-    ]
-    added += [(name.lower(), bytes(value)) for name, value in encoding_headers]
-    added += extra
-    if not request_headers:
-        return list(added)
-    replaced: frozenset[str] = _REPLACED
-    encoding_names = {name for name, _ in added[6:]}
-    if extra or CONTENT_TYPE not in encoding_names or not encoding_names <= _REPLACED:
-        replaced = frozenset(name for name, _ in added) | {INFERENCE_HEADER_CONTENT_LENGTH}
-    # The worker's value wins: originals of the same name are dropped, not duplicated.
-    # Null values and repeated names among the others pass through as they came. A
-    # request's binary header length never describes the result.
-    kept: list[tuple[str, bytes | None]] = [
-        (name, None if value is None else bytes(value))
-        for name, value in request_headers
-        if name.lower() not in replaced
-    ]
-    return [*kept, *added]
+    version = served_model_version or request.model_version
+    return ResultHeaders(request.model_name, version).of(
+        request_headers, request, encoding_headers, source, extra=extra
+    )
 
 
-#: The names a result's headers replace of its request's, its encoding giving its
-#: content type (and a binary header length, never the request's).
+class ResultHeaders:
+    """Result headers of one model version's results (a micro-batch's): what they share
+    (model, version, topic, partition) encoded once."""
+
+    __slots__ = ("_model", "_partitions", "_topics", "_version")
+
+    def __init__(self, model_name: str, served_version: str) -> None:
+        self._model = (X_MODEL_NAME, model_name.encode())
+        self._version = (X_MODEL_VERSION, served_version.encode())
+        self._topics: dict[str, tuple[str, bytes]] = {}
+        self._partitions: dict[int, tuple[str, bytes]] = {}
+
+    def of(
+        self,
+        request_headers: Headers,
+        request: DecodedRequest,
+        encoding_headers: Sequence[tuple[str, bytes]],
+        source: Source,
+        *,
+        extra: Sequence[tuple[str, bytes]] = (),
+    ) -> list[tuple[str, bytes | None]]:
+        """``result_headers`` of one result of the model version."""
+        if request.event is not None:
+            # A CloudEvent's attributes describe the request; the result's are its own, and
+            # a plain event's result is no CloudEvent: a ce_* header it came with
+            # (ce_subject, say) would make it look like one.
+            request_headers = [
+                (n, v) for n, v in request_headers if not n.lower().startswith("ce_")
+            ]
+        topic = self._topics.get(source.topic)
+        if topic is None:
+            topic = self._topics[source.topic] = (X_SOURCE_TOPIC, source.topic.encode())
+        partition = self._partitions.get(source.partition)
+        if partition is None:
+            partition = (X_SOURCE_PARTITION, str(source.partition).encode())
+            self._partitions[source.partition] = partition
+        added: list[tuple[str, bytes]] = [
+            (X_REQUEST_ID, request.request_id.encode()),
+            self._model,
+            self._version,
+            topic,
+            partition,
+            (X_SOURCE_OFFSET, str(source.offset).encode()),
+        ]
+        # The common case (the encoding gives the content type, nothing else is added)
+        # replaces the names of _REPLACED: that set is not made again.
+        common = not extra and bool(encoding_headers) and encoding_headers[0][0] == CONTENT_TYPE
+        for name, value in encoding_headers:
+            name = name.lower()
+            added.append((name, bytes(value)))
+            common = common and name in _REPLACED
+        added += extra
+        if not request_headers:
+            return list(added)
+        replaced = (
+            _REPLACED
+            if common
+            else frozenset(name for name, _ in added) | {INFERENCE_HEADER_CONTENT_LENGTH}
+        )
+        # The worker's value wins: originals of the same name are dropped, not duplicated.
+        # Null values and repeated names among the others pass through as they came. A
+        # request's binary header length never describes the result.
+        kept: list[tuple[str, bytes | None]] = [
+            (name, None if value is None else bytes(value))
+            for name, value in request_headers
+            if name.lower() not in replaced
+        ]
+        return [*kept, *added]
+
+
+#: The names a result's headers replace of its request's when its encoding gives its
+#: content type (and a binary header length, never the request's): the common case, whose
+#: set is made once.
 _REPLACED: Final = frozenset(
     {
         X_REQUEST_ID,
