@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import codecs
 from dataclasses import dataclass
+from math import prod
 from typing import Any, Final, Literal
 
 import msgspec
@@ -24,7 +25,7 @@ from google.protobuf.message import (  # type: ignore[import-untyped, unused-ign
 )
 from tritonclient.grpc import service_pb2
 
-from worker.errors import DecodeError, InvalidRequest, ModelNotFound, TooLarge
+from worker.errors import DecodeError, InvalidRequest, ModelNotFound, TooLarge, WorkerError
 from worker.wire import tensors
 from worker.wire.headers import (
     CONTENT_TYPE,
@@ -456,25 +457,39 @@ def _deferred(
     body: InferRequestJSON, limits: tensors.TensorLimits
 ) -> tuple[tuple[PendingInput, ...], int] | None:
     """A plain request's inputs, pending (checked against their shapes and the limits, their
-    elements not converted), and their tensors' bytes; None for any other request (it is
-    decoded whole)."""
+    elements not converted), and their tensors' bytes; None for any other request, and for
+    one these checks refuse (it is decoded whole, which says why)."""
     if body.parameters or any(o.parameters for o in body.outputs or ()):
         return None
     pending: list[PendingInput] = []
     names: set[str] = set()
     total_bytes = 0
-    for i, spec in enumerate(body.inputs):
+    max_elements, max_bytes = limits.max_elements, limits.max_bytes
+    for spec in body.inputs:
         dt = tensors.DATATYPES.get(spec.datatype)
-        if spec.parameters or spec.data is None or dt is None or dt.dtype is None:
+        shape, data = spec.shape, spec.data
+        if spec.parameters or data is None or dt is None or dt.dtype is None:
             return None
-        if spec.name in names or not spec.shape:
+        if spec.name in names or not shape or min(shape) < 0:
             return None
         names.add(spec.name)
-        where = f"inputs[{i}]"
-        limits.check(spec.datatype, spec.shape, where)
-        flat, _ = tensors.flat_json(spec.datatype, spec.shape, spec.data, where)
-        pending.append(PendingInput(spec.name, spec.datatype, tuple(spec.shape), flat))
-        total_bytes += len(flat) * dt.size_bytes
+        count = prod(shape)
+        size = count * dt.size_bytes
+        if (max_elements is not None and count > max_elements) or (
+            max_bytes is not None and size > max_bytes
+        ):
+            return None
+        if len(shape) == 1 or not data or not isinstance(data[0], list):
+            if len(data) != count:
+                return None
+            flat = data
+        else:
+            try:
+                flat, _ = tensors.flat_json(spec.datatype, shape, data, "")
+            except WorkerError:
+                return None
+        pending.append(PendingInput(spec.name, spec.datatype, tuple(shape), flat))
+        total_bytes += size
     return tuple(pending), total_bytes
 
 
