@@ -223,8 +223,9 @@ class FlowSettings(_Section, frozen=True, kw_only=True):
         "between WORKER_MIN_IN_FLIGHT and WORKER_MAX_IN_FLIGHT.")] = "fixed"
     min_in_flight: Annotated[int, Meta(ge=1), Doc("Lower bound of the adaptive window.")] = 4
     fast_path: Annotated[bool, Doc(
-        "Records of one fetch handled as a batch (no task per record) when nothing asks for "
-        "the per-record path: at_least_once, unordered, no audit or spans, model ready.")] = True
+        "Records of a batchable model handled in groups (no task per record), in every "
+        "delivery, ordering and audit mode; false sends every record down the per-record "
+        "path (to compare and diagnose).")] = True
 
     def _check_combinations(self) -> None:
         self._refuse([
