@@ -101,6 +101,9 @@ class _TolerantBatch:
         return getattr(self._batch, name)
 
     def __iter__(self) -> _TolerantBatch:
+        # aiokafka's batch decompresses its records when iterated; a control batch is read
+        # with next() alone, as aiokafka's fetcher does.
+        self._records = iter(self._batch)
         return self
 
     def __next__(self) -> Any:

@@ -60,6 +60,9 @@ def _read(data: bytes) -> list[Read]:
     return found
 
 
+#: Each codec a batch may be compressed with (its id in a batch's attributes), and its name.
+CODECS, CODEC_NAMES = [0, 1, 2, 3, 4], ["none", "gzip", "snappy", "lz4", "zstd"]
+
 ODD: list[Raw] = [
     (b"k0", b"v0", [(b"a", b"1")]),
     (None, b"v1", [(b"x-\xff\xfe", b"odd"), (b"b", None)]),
@@ -73,7 +76,7 @@ def test_aiokafka_alone_refuses_the_batch() -> None:
         list(DefaultRecordBatch(_batch([*ODD, *AFTER])))
 
 
-@pytest.mark.parametrize("codec", [0, 1], ids=["none", "gzip"])
+@pytest.mark.parametrize("codec", CODECS, ids=CODEC_NAMES)
 def test_every_record_once_the_odd_key_escaped(codec: int) -> None:
     """Every record of the batch comes out once, in order; the odd key decoded with
     surrogateescape, the others as aiokafka reads them."""
@@ -97,9 +100,10 @@ def test_batches_after_the_odd_one_are_read_by_aiokafka_again() -> None:
     assert seen == [(0, 1700), (1, 1701), (2, 1700), (3, 1701), (4, 1700), (5, 1701)]
 
 
-def test_the_same_bytes_as_aiokafka_reads_them_when_every_key_is_text() -> None:
+@pytest.mark.parametrize("codec", CODECS, ids=CODEC_NAMES)
+def test_the_same_bytes_as_aiokafka_reads_them_when_every_key_is_text(codec: int) -> None:
     """Without an odd key the batch is aiokafka's own: same records, same fields."""
-    data = _batch(AFTER, base_offset=7)
+    data = _batch([*AFTER, *AFTER], base_offset=7, codec=codec)
     ours = _read(data)
     theirs = []
     plain = MemoryRecords(data)
