@@ -11,6 +11,7 @@ does). A header key that is not UTF-8 makes confluent-kafka's ``Message.headers`
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -57,13 +58,20 @@ def headers_of(message: Any) -> list[tuple[str, bytes | None]]:
     ``TolerantRecords`` does (``worker.wire.headers.check_header_keys``).
     """
     try:
-        headers = message.headers() or []
+        headers = _headers(message) or []
     except (SystemError, UnicodeDecodeError) as exc:
         undecodable = _undecodable(exc)
         if undecodable is None:
             raise
         return [(undecodable.decode("utf-8", "surrogateescape"), None)]
     return list(headers)
+
+
+#: ``Message.headers`` called through C: the binding returns the half-built list with the
+#: UnicodeDecodeError still set, which the generic call path turns into the SystemError at
+#: once. Called from Python bytecode, the call site, once specialised (after a few calls),
+#: skips that check: the list came back and the error surfaced at some later call.
+_headers = operator.methodcaller("headers")
 
 
 def _undecodable(exc: BaseException) -> bytes | None:
