@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import subprocess
 import time
@@ -31,6 +32,7 @@ from tests.support import (
     worker_env,
 )
 from tests.support.worker import kafka_client_under_test
+from worker.app import Worker
 from worker.flow.bounded import CLOSE_TIMEOUT_S
 from worker.shutdown import FORCED_EXIT_S
 
@@ -42,6 +44,20 @@ def own_kafka() -> Iterator[KafkaCluster]:
     """A single-node broker for this module alone, so restarting it disturbs no other test."""
     with local_kafka(nodes=1) as cluster:
         yield cluster
+
+
+@contextlib.contextmanager
+def _where_it_stands(worker: Worker) -> Iterator[None]:
+    """An answer that does not come says where the worker stands: its records in flight by
+    state, the oldest of them, each partition's commit point, its assignment, readiness."""
+    try:
+        yield
+    except AssertionError as exc:
+        assigned = sorted(map(str, worker.intake.assignment()))
+        raise AssertionError(
+            f"{exc}; in flight {worker.inflight.snapshot(5)}; assigned {assigned}; "
+            f"readiness {worker.readiness()}"
+        ) from None
 
 
 async def test_single_broker_restart_mid_stream(
@@ -62,9 +78,10 @@ async def test_single_broker_restart_mid_stream(
         await asyncio.to_thread(own_kafka.start_node, 1)
         back = time.monotonic()
         answered = len(got)
-        got = await collect(own_kafka.bootstrap_servers, topics, answered + 1, 120, into=got)
-        recovery_s = time.monotonic() - back
-        got = await collect(own_kafka.bootstrap_servers, topics, len(requests), 120, into=got)
+        with _where_it_stands(worker):
+            got = await collect(own_kafka.bootstrap_servers, topics, answered + 1, 120, into=got)
+            recovery_s = time.monotonic() - back
+            got = await collect(own_kafka.bootstrap_servers, topics, len(requests), 120, into=got)
     report("single broker restarted mid-stream", len(requests), got, recovery_s)
     assert got.dead_letters == {}
     assert set(got.results) == {r.request_id for r in requests}

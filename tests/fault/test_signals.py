@@ -10,6 +10,7 @@ import asyncio
 import os
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,6 +30,7 @@ from tests.support import (
     local_kafka,
     metric_sum,
     send,
+    settings_for,
     silent_broker,
     spawn_worker,
     wait_logged,
@@ -36,6 +38,8 @@ from tests.support import (
     worker_env,
 )
 from worker.errors import ExitCode
+from worker.kafka.rdkafka import config as rdkafka_config
+from worker.kafka.rdkafka.publisher import RdProducer
 from worker.shutdown import FORCED_EXIT_S
 
 pytestmark = pytest.mark.timeout(240)
@@ -191,3 +195,47 @@ async def test_second_signal_with_the_broker_frozen(
         # must find it serving.
         await own_kafka.wait_for_leaders([topics.input])
     assert proc.returncode == ExitCode.FORCED, tail(log, 30)
+    # Nothing raised on the way out, in any thread (the librdkafka producer's poll thread
+    # outlived the loop and raised from call_soon_threadsafe; a SIGSEGV ends with no code).
+    plain = [line for line in log.read_text().splitlines() if line and not line.startswith("{")]
+    assert plain == [], tail(log, 30)
+
+
+@pytest.mark.one_client  # librdkafka's producer, whichever client the workers run on
+async def test_a_producer_left_open_by_a_forced_exit_never_calls_into_the_closed_loop(
+    own_kafka: KafkaCluster, triton: TritonUnderTest, unique: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The loop closes with the librdkafka producer neither flushed nor stopped and a record
+    in flight to the frozen broker (a forced exit); thawed, the broker acknowledges it: its
+    poll thread has ended, and nothing raised in any thread."""
+    topics = Topics.fresh(unique)
+    await create(own_kafka, topics)
+    settings = settings_for(own_kafka, triton, topics)
+    config = rdkafka_config.producer_config(
+        settings.kafka, settings.kafka_auth, max_request_bytes=1 << 20
+    )
+    raised: list[threading.ExceptHookArgs] = []
+    monkeypatch.setattr(threading, "excepthook", raised.append)
+    broker_pid = int(own_kafka.to_state()["nodes"][0]["pid"])
+    producer = RdProducer(config)
+
+    async def forced_exit() -> asyncio.Future[object]:
+        await producer.start()
+        os.kill(broker_pid, signal.SIGSTOP)
+        return await producer.send(topics.output, b"in flight", None, None)
+
+    try:
+        # A loop of its own, closed as the worker's is at a forced exit: the producer open.
+        pending = await asyncio.to_thread(asyncio.run, forced_exit())
+        assert not pending.done()
+    finally:
+        os.kill(broker_pid, signal.SIGCONT)
+    poller = next(t for t in threading.enumerate() if t.name == "rdkafka-producer")
+    await asyncio.to_thread(poller.join, 30)
+    handle = producer.handle
+    # The record's ack reached librdkafka (it was in flight, not lost): flushed here.
+    assert await asyncio.to_thread(handle.flush, 30) == 0
+    await asyncio.to_thread(handle.close)
+    assert not poller.is_alive(), "the poll thread outlived the loop by 30 s"
+    assert [f"{r.thread.name if r.thread else '?'}: {r.exc_value!r}" for r in raised] == []
+    await own_kafka.wait_for_leaders([topics.input])

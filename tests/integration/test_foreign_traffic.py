@@ -35,14 +35,18 @@ from tests.support import (
     mlp_reference,
     result_outputs,
     running_worker,
+    send_raw_headers,
     settings_for,
 )
+from tests.support.worker import kafka_client_under_test
 from worker.app import Worker
 from worker.wire import header_value
 
 pytestmark = pytest.mark.timeout(180)
 
 Headers = list[tuple[str, bytes | None]]
+#: A record as ``send_raw_headers`` writes it: key, value, headers with raw keys.
+RawRecord = tuple[bytes | None, bytes | None, list[tuple[bytes, bytes | None]]]
 MiB = 1024 * 1024
 #: A topic's max.message.bytes that takes the large records of these scenarios.
 LARGE_TOPIC = {"max.message.bytes": str(4 * MiB)}
@@ -536,6 +540,56 @@ async def test_librdkafka_codecs_null_records_headers_bom_and_transactions(
             "librdkafka transactions, 3 committed and 2 aborted (aborted records: 0 answered)",
             committed,
         )
+
+
+def _raw(out: Out, extra: Sequence[tuple[bytes, bytes | None]] = ()) -> RawRecord:
+    """``out`` as ``send_raw_headers`` writes it, with ``extra`` raw headers."""
+    return out.key, out.value, [*((k.encode(), v) for k, v in out.headers), *extra]
+
+
+async def test_header_key_not_utf8_is_a_dead_letter_and_the_partition_goes_on(
+    kafka: KafkaUnderTest, triton: TritonUnderTest, unique: str
+) -> None:
+    """A header key that is not UTF-8 (legal on the wire): a DECODE_ERROR dead letter with
+    value and key intact, the next record answered, on either client."""
+    topics = Topics.fresh(unique)
+    await kafka.create_topics([topics.input, topics.output, topics.dlq], partitions=1)
+    rng = np.random.default_rng(2031)
+    # Records before it: the worker's code reading headers has run often enough for
+    # Python to specialise it (a specialised call let confluent-kafka's error slip past).
+    before = [good(rng, f"before-odd-header-key-{i}") for i in range(16)]
+    odd, follow = good(rng, "odd-header-key"), good(rng, "after-odd-header-key")
+    async with (
+        running_worker(settings_for(kafka, triton, topics)) as worker,
+        Answers(kafka, topics) as answers,
+    ):
+        *before_offsets, odd_offset, follow_offset = await send_raw_headers(
+            kafka.bootstrap_servers,
+            topics.input,
+            0,
+            [
+                *(_raw(request.out) for request in before),
+                _raw(odd.out, [(b"x-\xff\xfe", b"odd key")]),
+                _raw(follow.out),
+            ],
+        )
+        await answers.through(follow_offset)
+        for offset, request in zip(before_offsets, before, strict=True):
+            assert_result(answers, offset, request)
+        letter = answers.dead_letter(odd_offset, "DECODE_ERROR")
+        message = header_value(letter.headers, "x-error-message") or b""
+        assert b"header key b'x-\\xff\\xfe' is not valid UTF-8" in message, message
+        assert (letter.value, letter.key) == (odd.out.value, odd.out.key)
+        if kafka_client_under_test() == "aiokafka":
+            # Every header is kept; the odd key as UTF-8 can carry it (U+FFFD per bad byte).
+            assert ("x-\ufffd\ufffd", b"odd key") in letter.headers
+            assert all(header in letter.headers for header in odd.out.headers)
+        else:
+            # confluent-kafka reads no header of such a record: only the key that failed.
+            assert ("x-\ufffd\ufffd", None) in letter.headers
+        assert_result(answers, follow_offset, follow)
+        assert_running(worker)
+        answers.report("header key not UTF-8", [odd_offset])
 
 
 async def test_worker_zstd_output_is_zstd_and_readable_by_both_clients(

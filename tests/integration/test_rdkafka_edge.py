@@ -10,11 +10,10 @@ import time
 import confluent_kafka
 from aiokafka.structs import ConsumerRecord, TopicPartition
 
-from devtools import samples
 from devtools.devstack.process import free_port
 from tests.support import KafkaUnderTest, TritonUnderTest
-from tests.support.kafka import Topics, collect, create
-from tests.support.worker import running_worker, settings_for
+from tests.support.kafka import Topics, create
+from tests.support.worker import settings_for
 from worker.flow.breaker import CircuitBreaker
 from worker.flow.window import Window
 from worker.kafka.rdkafka import config as rdkafka_config
@@ -29,37 +28,6 @@ _VALUE = b"x" * 1024
 #: Longest the intake may go without handing a record over while a backlog waits: many
 #: consume waits (20 ms), far below librdkafka's default prefetch backoff (1 s).
 _MAX_PAUSE_S = 0.25
-
-
-async def test_header_keys_that_are_not_utf8_do_not_stop_the_partition(
-    kafka: KafkaUnderTest, triton: TritonUnderTest, unique: str
-) -> None:
-    """A header whose key is not UTF-8 is read with replacement characters: answered, and
-    the records behind it too (the confluent client)."""
-    topics = Topics.fresh(unique)
-    await create(kafka, topics)
-    odd, *rest = samples.good_requests(3, seed=91, models=("double",))
-    producer = confluent_kafka.Producer({"bootstrap.servers": kafka.bootstrap_servers})
-    producer.produce(
-        topics.input,
-        odd.value,
-        key=odd.request_id.encode(),
-        # A header key that is not UTF-8, as bytes: librdkafka takes it, its stubs say str.
-        headers=[*odd.headers, (b"x-\xff\xfe", b"odd key")],  # type: ignore[list-item]
-    )
-    for request in rest:
-        producer.produce(
-            topics.input,
-            request.value,
-            key=request.request_id.encode(),
-            headers=list(request.headers),
-        )
-    assert await asyncio.to_thread(producer.flush, 30) == 0
-    settings = settings_for(kafka, triton, topics, kafka_client="confluent")
-    async with running_worker(settings):
-        got = await collect(kafka.bootstrap_servers, topics, 3)
-    assert got.dead_letters == {}
-    assert set(got.results) == {odd.request_id, *(r.request_id for r in rest)}
 
 
 def _intake(settings: Settings, topics: list[str], window: Window) -> RdIntake:

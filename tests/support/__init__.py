@@ -13,6 +13,7 @@ from tests.support.kafka import (
     read_all,
     request_id_of,
     send,
+    send_raw_headers,
     silent_broker,
 )
 from tests.support.models import decode_sample, embedding_reference, mlp_reference, result_outputs
@@ -72,6 +73,7 @@ __all__ = [
     "run_to_exit",
     "running_worker",
     "send",
+    "send_raw_headers",
     "settings_for",
     "silent_broker",
     "spawn_worker",

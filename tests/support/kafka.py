@@ -12,7 +12,9 @@ from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka import AIOKafkaClient, AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka.protocol.produce import ProduceRequest
+from aiokafka.record.default_records import _DefaultRecordBatchBuilderPy
 from aiokafka.structs import ConsumerRecord, TopicPartition
 
 from devtools.devstack.kafka import KafkaCluster, ensure_kafka_jars
@@ -112,6 +114,69 @@ async def send(
         await asyncio.gather(*futures)
     finally:
         await producer.stop()
+
+
+class _RawKey(str):
+    """A header key whose bytes are ``raw`` as written (aiokafka's batch builder encodes
+    each key with ``encode``), so a key that is not UTF-8 can be written at all."""
+
+    raw: bytes = b""
+
+    def encode(self, encoding: str = "utf-8", errors: str = "strict") -> bytes:
+        return self.raw
+
+
+def _raw_key(raw: bytes) -> str:
+    key = _RawKey(raw.decode("latin-1"))
+    key.raw = raw
+    return key
+
+
+async def send_raw_headers(
+    bootstrap: str,
+    topic: str,
+    partition: int,
+    records: Sequence[tuple[bytes | None, bytes | None, Sequence[tuple[bytes, bytes | None]]]],
+) -> list[int]:
+    """Produce (key, value, headers) records whose header keys are raw bytes, in one batch;
+    their offsets.
+
+    Kafka's protocol carries a header key as bytes, and a producer speaking it directly
+    (librdkafka's C API) can send keys that are not UTF-8. No Python client can (aiokafka
+    and confluent-kafka take keys as text), so the batch is built with aiokafka's
+    pure-Python batch builder and sent as a Produce request of its own.
+    """
+    builder = _DefaultRecordBatchBuilderPy(
+        magic=2,
+        compression_type=0,
+        is_transactional=0,
+        producer_id=-1,
+        producer_epoch=-1,
+        base_sequence=-1,
+        batch_size=1 << 20,
+    )
+    for delta, (key, value, headers) in enumerate(records):
+        written = [(_raw_key(name), header) for name, header in headers]
+        assert builder.append(delta, timestamp=None, key=key, value=value, headers=written)
+    batch = bytes(builder.build())
+    client = AIOKafkaClient(bootstrap_servers=bootstrap)
+    await client.bootstrap()
+    try:
+        await client.add_topic(topic)
+        leader = client.cluster.leader_for_partition(TopicPartition(topic, partition))
+        request = ProduceRequest(
+            transactional_id=None,
+            required_acks=-1,
+            timeout=30_000,
+            topics=[(topic, [(partition, batch)])],
+        )
+        response = await client.send(leader, request)
+    finally:
+        await client.close()
+    ((_, partitions),) = response.topics
+    ((_, error_code, base_offset, *_),) = partitions
+    assert error_code == 0, f"produce to {topic}[{partition}]: error {error_code}"
+    return [base_offset + delta for delta in range(len(records))]
 
 
 @dataclass

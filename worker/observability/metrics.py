@@ -93,7 +93,7 @@ METRICS_SPEC: tuple[MetricSpec, ...] = (
                "because their encoding was too long."),
     MetricSpec("commit_metadata_ignored_total", "worker_commit_metadata_ignored_total",
                "counter", (), "Committed offsets found at assignment with metadata this worker "
-               "could not have written (another format, or runs past "
+               "did not write exactly (another format, bytes after its own, or runs past "
                "WORKER_MAX_UNCOMMITTED_PER_PARTITION): ignored, the records processed again."),
     MetricSpec("model_cache_evictions_total", "worker_model_cache_evictions_total", "counter",
                (), "Model lookups dropped from the worker's bounded caches (specs of models "

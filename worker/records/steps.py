@@ -111,6 +111,7 @@ class Steps:
         model's inputs) complete the admission once the caller knows what they need.
         """
         rules = self.rules
+        wire.check_header_keys(headers)
         mapping = rules.mappings.get(source.topic) if rules.mappings else None
         if mapping is not None:
             return decode_event(mapping, value, headers, source, rules.limits, rules.registry)

@@ -26,6 +26,7 @@ __all__ = [
     "TRACESTATE",
     "Headers",
     "Source",
+    "check_header_keys",
     "dead_letter_headers",
     "header_text",
     "header_value",
@@ -34,6 +35,7 @@ __all__ = [
     "replay_count",
     "replay_headers",
     "rfc3339_utc",
+    "sendable_key",
     "source_headers",
     "truncate_utf8",
 ]
@@ -168,6 +170,35 @@ def header_text(headers: Headers, name: str) -> str | None:
         raise DecodeError(f"header {name}: value is not valid UTF-8") from None
 
 
+def check_header_keys(headers: Headers) -> None:
+    """DecodeError naming the first header key that is not UTF-8.
+
+    Kafka's header keys are strings, yet the protocol carries bytes. Both Kafka edges hand
+    such a key over decoded with ``surrogateescape`` (aiokafka's ``TolerantRecords``;
+    on librdkafka it is the only header the record then has: confluent-kafka reads none),
+    and only such a key holds characters that no valid UTF-8 decodes to.
+    """
+    for name, _ in headers:
+        if name.isascii():
+            continue
+        try:
+            name.encode("utf-8")
+        except UnicodeEncodeError:
+            raw = name.encode("utf-8", "surrogateescape")
+            raise DecodeError(
+                f"header key {raw!r} is not valid UTF-8: Kafka header keys are strings, "
+                "have the producer write its header keys as UTF-8"
+            ) from None
+
+
+def sendable_key(name: str) -> str:
+    """A header key a producer can write: one that is not UTF-8 (``check_header_keys``)
+    gets U+FFFD for each byte that is not."""
+    if name.isascii():
+        return name
+    return name.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+
+
 def merge_headers(
     original: Headers, added: list[tuple[str, bytes]], also_drop: frozenset[str] = frozenset()
 ) -> list[tuple[str, bytes | None]]:
@@ -176,7 +207,7 @@ def merge_headers(
     # Null values and repeated names among the others pass through as they came.
     replaced = {name for name, _ in added} | also_drop
     kept: list[tuple[str, bytes | None]] = [
-        (name, None if value is None else bytes(value))
+        (sendable_key(name), None if value is None else bytes(value))
         for name, value in original
         if name.lower() not in replaced
     ]
@@ -298,7 +329,7 @@ def replay_headers(
     """
     ours = DEAD_LETTER_HEADERS | {X_REPLAYED_FROM, X_REPLAY_COUNT}
     kept: list[tuple[str, bytes | None]] = [
-        (name, None if value is None else bytes(value))
+        (sendable_key(name), None if value is None else bytes(value))
         for name, value in headers
         if name.lower() not in ours and not name.lower().startswith((_ERROR_PREFIX, CONNECT_PREFIX))
     ]

@@ -8,6 +8,7 @@ fails the test, as each test's settings say.
 from __future__ import annotations
 
 import asyncio
+import zlib
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -18,6 +19,12 @@ from worker.delivery.base import Delivery
 from worker.kafka.transactions import Message, TransactionDeferred, TransactionFailed
 
 TP = TopicPartition("in", 0)
+
+
+def ours(point: int, runs: str) -> str:
+    """The commit metadata a worker writes for ``runs`` (its own hex notation) at ``point``:
+    the frame and the check, computed here on their own."""
+    return f"d2:{runs};{zlib.crc32(f'{point}:{runs}'.encode()):08x}"
 
 
 class Edge:

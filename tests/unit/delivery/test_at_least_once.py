@@ -14,7 +14,7 @@ import structlog
 from aiokafka.errors import MessageSizeTooLargeError
 from aiokafka.structs import OffsetAndMetadata
 
-from tests.unit.delivery.fakes import TP, Edge, record
+from tests.unit.delivery.fakes import TP, Edge, ours, record
 from worker.delivery import AtLeastOnce
 from worker.delivery.offsets import OffsetTracker
 from worker.observability import Metrics
@@ -138,7 +138,7 @@ async def test_done_runs_beyond_the_point_travel_in_the_commit_metadata() -> Non
         await d.complete(record(offset), tickets[offset], delivered, nothing)
     await d.commit()
     assert edge.commits == [{TP: 100}]
-    assert edge.metadata == [{TP: "d1:1+8"}]  # 101..109 done beyond the commit point
+    assert edge.metadata == [{TP: ours(100, "1+8")}]  # 101..109 done beyond the commit point
     await d.commit()
     assert len(edge.commits) == 1  # nothing moved: no second commit
 
@@ -146,7 +146,7 @@ async def test_done_runs_beyond_the_point_travel_in_the_commit_metadata() -> Non
 async def test_a_member_starting_from_that_commit_skips_the_listed_records() -> None:
     """The next owner reads the metadata on assignment and settles the listed records at once."""
     edge = Edge(
-        highwater=100, committed={TP: OffsetAndMetadata(100, "d1:2+1,5+0")}
+        highwater=100, committed={TP: OffsetAndMetadata(100, ours(100, "2+1,5+0"))}
     )  # 102, 103, 105 done
     d, _, metrics = delivery(edge)
     await d.assigned({TP})
@@ -158,18 +158,22 @@ async def test_a_member_starting_from_that_commit_skips_the_listed_records() -> 
 
 async def test_metadata_of_another_start_is_not_used() -> None:
     """A partition starting elsewhere than the commit (offset reset) skips nothing."""
-    edge = Edge(highwater=100, committed={TP: OffsetAndMetadata(100, "d1:2+1")})
+    edge = Edge(highwater=100, committed={TP: OffsetAndMetadata(100, ours(100, "2+1"))})
     d, _, _ = delivery(edge)
     await d.assigned({TP})
     assert not d.settle_if_done(record(150), d.track(record(150)))
     assert not d.settle_if_done(record(152), d.track(record(152)))
 
 
-@pytest.mark.parametrize("text", ["d1:1+7fffffffffffffff", "d1:1+3e8", "other-tool:v2"])
+@pytest.mark.parametrize(
+    "text",
+    [ours(100, "1+7fffffffffffffff"), ours(100, "1+3e8"), "other-tool:v2", "d1:2+1"],
+)
 async def test_metadata_it_could_not_have_written_is_ignored_logged_once_and_counted(
     text: str,
 ) -> None:
-    """A run past the bound (or past sys.maxsize), or another format: every record processed."""
+    """A run past the bound (or past sys.maxsize), another format, or the first one (which
+    has no check): every record processed."""
     edge = Edge(highwater=100, committed={TP: OffsetAndMetadata(100, text)})
     d, _, metrics = delivery(edge, max_uncommitted=1000)
     with structlog.testing.capture_logs() as logs:
@@ -185,7 +189,7 @@ async def test_metadata_it_could_not_have_written_is_ignored_logged_once_and_cou
 async def test_a_run_within_the_bound_is_trusted() -> None:
     """The farthest run a worker with this bound could have written is still skipped."""
     edge = Edge(
-        highwater=100, committed={TP: OffsetAndMetadata(100, "d1:3e7+0")}
+        highwater=100, committed={TP: OffsetAndMetadata(100, ours(100, "3e7+0"))}
     )  # point + 999, the bound being 1000
     d, _, metrics = delivery(edge, max_uncommitted=1000)
     await d.assigned({TP})

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta, timezone
 
+import pytest
+
 from worker import wire
 from worker.errors import (
+    DecodeError,
     InvalidRequest,
     RetriesExhausted,
     TritonUnavailable,
@@ -117,3 +120,27 @@ def test_both_styles_carry_the_worker_s_headers_then_connect_s() -> None:
 def test_a_replay_leaves_out_the_connect_headers_too() -> None:
     replayed = wire.replay_headers(_styled("both"), "dlq/0/7", 1)
     assert replayed == [("trace", b"1"), ("x-replayed-from", b"dlq/0/7"), ("x-replay-count", b"1")]
+
+
+def test_a_header_key_that_is_not_utf8_is_a_decode_error_naming_it() -> None:
+    """A key holding escaped bytes (as both Kafka edges hand one over) is refused, named by
+    its bytes; keys in any script that are UTF-8 pass."""
+    wire.check_header_keys([("content-type", b"x"), ("ключ", None), ("鍵", b"")])
+    with pytest.raises(DecodeError, match=r"header key b'x-\\xff\\xfe' is not valid UTF-8"):
+        wire.check_header_keys([("ok", b"1"), ("x-\udcff\udcfe", b"odd")])
+
+
+def test_dead_letters_and_replays_write_such_a_key_with_replacement_characters() -> None:
+    """The key a producer cannot write is written with U+FFFD per byte that is not UTF-8;
+    its value and the other headers are kept."""
+    built = wire.dead_letter_headers(
+        [("x-\udcff", b"odd"), ("ключ", b"1")],
+        InvalidRequest("no"),
+        attempts=1,
+        source=wire.Source("requests", 0, 1, 0),
+        group_id="workers",
+        failed_at=datetime(2024, 5, 1, tzinfo=UTC),
+    )
+    assert built[:2] == [("x-\ufffd", b"odd"), ("ключ", b"1")]
+    replayed = wire.replay_headers([("x-\udcff", None)], "dlq/0/1", 1)
+    assert replayed[0] == ("x-\ufffd", None)

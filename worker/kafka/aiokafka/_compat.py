@@ -5,13 +5,25 @@ from __future__ import annotations
 from collections.abc import Awaitable
 from typing import Any
 
+from aiokafka.consumer import fetcher
+
+from worker.kafka.aiokafka.records import TolerantRecords
+
 __all__ = [
     "fail_unsent",
     "fetch_committed",
     "in_transaction",
+    "read_header_keys_tolerantly",
     "rebalancing",
     "send_to_some_broker",
 ]
+
+
+def read_header_keys_tolerantly() -> None:
+    """aiokafka's fetcher reads every fetched partition through ``TolerantRecords``: a
+    header key that is not UTF-8 no longer fails the fetch (see ``records``). It names
+    the class it builds at each fetch, so replacing that name is enough; idempotent."""
+    fetcher.MemoryRecords = TolerantRecords
 
 
 def in_transaction(producer: Any) -> bool:

@@ -15,6 +15,7 @@ from typing import Any
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
+from worker.kafka.aiokafka._compat import read_header_keys_tolerantly
 from worker.kafka.publisher import kafka_compression
 from worker.settings import KafkaSettings
 
@@ -80,7 +81,9 @@ def consumer(
     **options: Any,
 ) -> AIOKafkaConsumer:
     """A consumer (not started) with the worker's settings; ``options`` add the caller's own
-    (its group or none, isolation level, where to start)."""
+    (its group or none, isolation level, where to start). Header keys that are not UTF-8
+    are read, not refused (``_compat.read_header_keys_tolerantly``)."""
+    read_header_keys_tolerantly()
     return AIOKafkaConsumer(**_common(kafka, security, suffix), **options)
 
 

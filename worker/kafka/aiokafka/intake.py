@@ -29,12 +29,30 @@ from worker.kafka.feed import Admits, Dispatch, Feed, Rebalance, refused
 from worker.observability import Metrics
 from worker.settings import KafkaSettings
 
-__all__ = ["Intake"]
+__all__ = ["Intake", "terminated", "unterminated"]
 
 log = structlog.get_logger(__name__)
 
 #: Longest wait in one fetch; also bounds how late a freed slot resumes a paused partition.
 _POLL_TIMEOUT_MS = 100
+
+
+def terminated(metadata: str) -> str:
+    """Commit metadata as librdkafka's Python binding writes it: a C string, NUL included.
+
+    A worker on librdkafka reads commit metadata up to the first NUL, and past the end of
+    metadata that has none (``worker.kafka.rdkafka.types.metadata_of``): with the same
+    terminator, what this worker commits reads back exactly on either client. Empty
+    metadata stays empty (librdkafka reads it as none).
+    """
+    return metadata + "\x00" if metadata else metadata
+
+
+def unterminated(metadata: str | None) -> str:
+    """Committed metadata without the one terminating NUL librdkafka's binding (or
+    ``terminated``) writes."""
+    text = metadata or ""
+    return text[:-1] if text.endswith("\x00") else text
 
 
 class Intake(Feed, ConsumerRebalanceListener):  # type: ignore[misc]
@@ -152,14 +170,21 @@ class Intake(Feed, ConsumerRebalanceListener):  # type: ignore[misc]
         return end
 
     async def commit(self, offsets: Mapping[TopicPartition, OffsetAndMetadata]) -> None:
-        """Commit these offsets for the group (raises the client's errors)."""
-        await self.consumer.commit(dict(offsets))
+        """Commit these offsets for the group (raises the client's errors); their metadata
+        as librdkafka writes it (``terminated``)."""
+        await self.consumer.commit(
+            {tp: OffsetAndMetadata(m.offset, terminated(m.metadata)) for tp, m in offsets.items()}
+        )
 
     async def fetch_committed(
         self, partitions: Iterable[TopicPartition]
     ) -> dict[TopicPartition, OffsetAndMetadata]:
-        """The group's committed offsets with their metadata, asked of the coordinator now."""
-        return await fetch_committed(self.consumer, list(partitions))
+        """The group's committed offsets with their metadata, asked of the coordinator now
+        (without the terminator librdkafka writes, ``unterminated``)."""
+        found = await fetch_committed(self.consumer, list(partitions))
+        return {
+            tp: OffsetAndMetadata(at.offset, unterminated(at.metadata)) for tp, at in found.items()
+        }
 
     def owns(self, tp: TopicPartition) -> bool:
         """True while ``tp`` is assigned and the consumer knows of no rebalance."""

@@ -84,9 +84,11 @@ class RdProducer:
             raise from_rd_error(exc) from None
 
     def _poll(self) -> None:
-        producer = self._producer
-        assert producer is not None
-        while not self._closing.is_set():
+        """The poll thread: until ``stop`` (or a stop given up), or until the event loop
+        that awaits the reports has closed (a forced exit leaves the client open)."""
+        producer, loop = self._producer, self._loop
+        assert producer is not None and loop is not None
+        while not self._closing.is_set() and not loop.is_closed():
             try:
                 producer.poll(0.1)
             except confluent_kafka.KafkaException as exc:
@@ -94,13 +96,17 @@ class RdProducer:
                 # producer fails from then on have delivery reports to hand over, and the
                 # producer's own calls raise the error to the code that replaces it.
                 log.error("kafka_producer_fatal_error", error=str(exc.args[0]))
-            self._hand_over()
+            self._hand_over(loop)
 
-    def _hand_over(self) -> None:
-        """Ask the loop to settle the reports gathered so far (from any thread)."""
-        if self._reports and not self._handing_over and self._loop is not None:
+    def _hand_over(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Ask the loop to settle the reports gathered so far (from any thread); nothing
+        once it has closed: no one awaits them any more."""
+        if self._reports and not self._handing_over:
             self._handing_over = True
-            self._loop.call_soon_threadsafe(self._settle_reports)
+            # The loop may close between the poll and this call (a forced exit abandons
+            # the producer's stop): call_soon_threadsafe raises on a closed loop.
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(self._settle_reports)
 
     def _settle_reports(self) -> None:
         self._handing_over = False
@@ -148,8 +154,12 @@ class RdProducer:
         if producer is None:
             return
         self._producer = None
-        await in_thread(producer.flush, _FLUSH_TIMEOUT_S)
-        self._closing.set()
+        try:
+            await in_thread(producer.flush, _FLUSH_TIMEOUT_S)
+        finally:
+            # Also when the stop is given up (cancelled: a broker that does not answer, a
+            # second signal): the poll thread ends at its next turn, not with the process.
+            self._closing.set()
         if self._poller is not None:
             await in_thread(self._poller.join)
         await _destroy(producer)

@@ -5,12 +5,13 @@ and aiokafka's error classes whichever client runs: this module translates
 confluent-kafka's ``Message``, ``TopicPartition`` and ``KafkaError`` into them.
 
 Headers: librdkafka gives a header's value as None when it is null (as aiokafka
-does); a key that is not UTF-8 is decoded with replacement characters rather than
-stop the partition (``headers_of``).
+does). A header key that is not UTF-8 makes confluent-kafka's ``Message.headers`` fail
+(``headers_of``).
 """
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -22,6 +23,7 @@ __all__ = [
     "committed_of",
     "from_rd_error",
     "headers_of",
+    "metadata_of",
     "record_of",
     "to_rd_offsets",
     "to_rd_partitions",
@@ -46,16 +48,38 @@ _REBALANCE_CODES = {
 
 
 def headers_of(message: Any) -> list[tuple[str, bytes | None]]:
-    """The message's headers, each key as text: one that is not UTF-8 is decoded with
-    replacement characters (a header list the binding cannot decode at all is empty)."""
+    """The message's headers, each key as text.
+
+    confluent-kafka decodes header keys strictly, and fails the whole list on a key that
+    is not UTF-8 (a SystemError whose cause is the UnicodeDecodeError; it leaves the
+    message's cached header list half-built, so it is never asked again). No header of
+    such a message can be read: it gets the one key that failed, decoded with
+    ``surrogateescape`` and without a value, which dead-letters the record as aiokafka's
+    ``TolerantRecords`` does (``worker.wire.headers.check_header_keys``).
+    """
     try:
-        headers = message.headers() or []
-    except UnicodeDecodeError:
-        return []
-    return [
-        (key if isinstance(key, str) else bytes(key).decode("utf-8", "replace"), value)
-        for key, value in headers
-    ]
+        headers = _headers(message) or []
+    except (SystemError, UnicodeDecodeError) as exc:
+        undecodable = _undecodable(exc)
+        if undecodable is None:
+            raise
+        return [(undecodable.decode("utf-8", "surrogateescape"), None)]
+    return list(headers)
+
+
+#: ``Message.headers`` called through C: the binding returns the half-built list with the
+#: UnicodeDecodeError still set, which the generic call path turns into the SystemError at
+#: once. Called from Python bytecode, the call site, once specialised (after a few calls),
+#: skips that check: the list came back and the error surfaced at some later call.
+_headers = operator.methodcaller("headers")
+
+
+def _undecodable(exc: BaseException) -> bytes | None:
+    """The bytes a UnicodeDecodeError (``exc``, or what caused it) failed on."""
+    for error in (exc, exc.__cause__, exc.__context__):
+        if isinstance(error, UnicodeDecodeError):
+            return bytes(error.object)
+    return None
 
 
 def record_of(message: Any) -> ConsumerRecord[bytes, bytes]:
@@ -97,14 +121,32 @@ def to_rd_offsets(
 
 
 def committed_of(partitions: Iterable[Any]) -> dict[TopicPartition, OffsetAndMetadata]:
-    """``Consumer.committed``'s answer: partitions without a commit (offset < 0) left out."""
+    """``Consumer.committed``'s answer: partitions without a commit (offset < 0) left out,
+    each one's metadata as ``metadata_of`` reads it."""
     found: dict[TopicPartition, OffsetAndMetadata] = {}
     for partition in partitions:
         if partition.error is not None:
             raise from_rd_error(partition.error)
         if partition.offset >= 0:
-            found[tp_of(partition)] = OffsetAndMetadata(partition.offset, partition.metadata or "")
+            found[tp_of(partition)] = OffsetAndMetadata(partition.offset, metadata_of(partition))
     return found
+
+
+def metadata_of(partition: Any) -> str:
+    """A committed offset's metadata as confluent-kafka gives it, never raising.
+
+    The binding copies librdkafka's metadata as a C string, up to the first NUL. It
+    writes one after what it commits itself, but metadata another client committed has
+    none, and the copy goes on past its end into whatever bytes follow in memory (seen:
+    a 21-character metadata read as 22 bytes, the last 0xff). Those bytes fail the
+    binding's UTF-8 decode (UnicodeDecodeError), or decode and come out appended: the
+    text is given as read, undecodable bytes replaced, and it is for the reader to
+    accept only what it wrote exactly (``worker.delivery.metadata``).
+    """
+    try:
+        return str(partition.metadata or "")
+    except UnicodeDecodeError as exc:
+        return bytes(exc.object).decode("utf-8", "replace")
 
 
 def from_rd_error(error: Any, *, commit: bool = False) -> aioerrors.KafkaError:

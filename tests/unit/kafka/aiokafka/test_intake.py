@@ -13,7 +13,7 @@ from types import SimpleNamespace
 from aiokafka.structs import ConsumerRecord, TopicPartition
 
 from worker.flow.window import Window
-from worker.kafka.aiokafka.intake import Intake
+from worker.kafka.aiokafka.intake import Intake, terminated, unterminated
 from worker.observability import Metrics
 from worker.settings import load_settings
 
@@ -82,3 +82,13 @@ async def test_a_starved_partition_fetches_while_the_window_is_full() -> None:
         (record,) = taken[-1:]
         window.release(TopicPartition(record.topic, record.partition))
     assert PARTITIONS[0].partition in {r.partition for r in taken}
+
+
+def test_commit_metadata_is_written_and_read_with_librdkafka_s_terminator() -> None:
+    """What the worker commits ends with the NUL librdkafka's binding writes (so that a
+    worker on librdkafka reads it exactly), and reads back without it; empty stays empty."""
+    assert terminated("d2:1+0;0badcafe") == "d2:1+0;0badcafe\x00"
+    assert terminated("") == ""
+    assert unterminated("d2:1+0;0badcafe\x00") == "d2:1+0;0badcafe"
+    assert unterminated("\x00") == unterminated(None) == unterminated("") == ""
+    assert unterminated("another tool's\x00\x00") == "another tool's\x00"

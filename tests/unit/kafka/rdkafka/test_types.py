@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import confluent_kafka
+import pytest
+from aiokafka.structs import OffsetAndMetadata, TopicPartition
 
-from worker.kafka.rdkafka.types import headers_of, record_of
+from worker.kafka.rdkafka.types import committed_of, headers_of, record_of
 
 
 def test_a_message_becomes_the_same_record_aiokafka_gives() -> None:
@@ -33,9 +35,53 @@ def test_null_key_value_and_no_headers() -> None:
     assert (record.serialized_key_size, record.serialized_value_size) == (-1, -1)
 
 
-def test_header_keys_that_are_not_utf8_are_decoded_with_replacement() -> None:
-    """librdkafka may hand a header key over as bytes: it becomes text with U+FFFD."""
-    # The stubs say header keys are str; librdkafka's are bytes when they are not UTF-8.
-    bytes_key = [(b"x-\xff", b"v"), ("ok", b"w")]
-    message = confluent_kafka.Message(topic="t", headers=bytes_key)  # type: ignore[arg-type]
-    assert headers_of(message) == [("x-\ufffd", b"v"), ("ok", b"w")]
+class _UndecodableHeaders:
+    """A message whose header list confluent-kafka cannot build: its ``headers()`` fails
+    as the binding's does on a key that is not UTF-8 (seen with confluent-kafka 2.16)."""
+
+    def __init__(self, key: bytes) -> None:
+        self._key = key
+
+    def headers(self) -> list[tuple[str, bytes | None]]:
+        try:
+            self._key.decode()
+        except UnicodeDecodeError as exc:
+            raise SystemError("<method 'headers'> returned a result with an exception set") from exc
+        raise AssertionError("the key decodes")
+
+
+def test_a_header_key_that_is_not_utf8_is_the_only_header_left() -> None:
+    """No header of the message can be read: the key that failed, decoded with
+    surrogateescape, without a value (which dead-letters the record)."""
+    assert headers_of(_UndecodableHeaders(b"x-\xff\xfe")) == [("x-\udcff\udcfe", None)]
+
+
+def test_other_errors_of_the_binding_are_not_hidden() -> None:
+    """A SystemError that no UnicodeDecodeError caused is raised as it came."""
+
+    class Broken:
+        def headers(self) -> None:
+            raise SystemError("something else")
+
+    with pytest.raises(SystemError, match="something else"):
+        headers_of(Broken())
+
+
+class _ReadPastItsEnd:
+    """A committed offset whose metadata the binding read past its end into bytes that are
+    not UTF-8: its ``metadata`` attribute raises, as the binding's does."""
+
+    topic, partition, offset, error = "t", 0, 5, None
+
+    @property
+    def metadata(self) -> str:
+        return b"d1:1+7fffffffffffffff\xff".decode()
+
+
+def test_committed_metadata_that_does_not_decode_is_read_with_replacement() -> None:
+    """The UnicodeDecodeError never escapes: the text as read, the bad byte U+FFFD (foreign
+    to the worker's metadata, which the reader then ignores)."""
+    found = committed_of([_ReadPastItsEnd()])
+    assert found == {TopicPartition("t", 0): OffsetAndMetadata(5, "d1:1+7fffffffffffffff\ufffd")}
+    none = confluent_kafka.TopicPartition("t", 1, 7)
+    assert committed_of([none]) == {TopicPartition("t", 1): OffsetAndMetadata(7, "")}
