@@ -34,6 +34,8 @@ __all__ = ["AioProducer"]
 log = structlog.get_logger(__name__)
 
 _T = TypeVar("_T")
+#: How ``send`` chooses a record's partition (murmur2 of the key, as the Java client does).
+_PARTITIONER = DefaultPartitioner()
 
 
 class AioProducer:
@@ -143,26 +145,59 @@ class AioProducer:
     async def send_together(
         self, topic: str, records: Sequence[tuple[bytes | None, bytes, Headers]]
     ) -> list[BaseException | None]:
+        """The records appended to batches of their partitions (the default partitioner's,
+        as ``send`` chooses), each batch handed over whole: one acknowledgement per batch,
+        none per record. A batch refused takes its records' refusal with it (each is then
+        written alone); one record over the producer's own limit is refused alone."""
         generation, producer = self._generation, self._producer
-        sent: list[asyncio.Future[Any] | BaseException] = []
-        for key, value, headers in records:
-            try:
-                sent.append(await producer.send(topic, value=value, key=key, headers=list(headers)))
-            except Exception as exc:  # refused before sending (its size), or the producer's state
-                sent.append(exc)
-        outcomes = await settle_acks(sent)
-        refused = next(
-            (
-                o
-                for o in outcomes
-                if isinstance(o, MessageSizeTooLargeError | OutOfOrderSequenceNumber)
-            ),
-            None,
-        )
+        outcomes: list[BaseException | None] = [None] * len(records)
+        try:
+            partitions = sorted(await producer.partitions_for(topic))
+        except Exception as exc:  # the producer's state: every record tries again alone
+            return [exc] * len(records)
+        sent: list[tuple[list[int], asyncio.Future[Any] | BaseException]] = []
+        open_batches: dict[int, tuple[Any, list[int]]] = {}
+        for i, (key, value, headers) in enumerate(records):
+            partition = _PARTITIONER(key, partitions, partitions)
+            batch, indexes = open_batches.get(partition) or (producer.create_batch(), [])
+            if batch.append(key=key, value=value, timestamp=None, headers=list(headers)) is None:
+                if indexes:  # full: it goes, and the record starts the next one
+                    sent.append((indexes, await self._send_batch(batch, topic, partition)))
+                batch, indexes = producer.create_batch(), []
+                if (
+                    batch.append(key=key, value=value, timestamp=None, headers=list(headers))
+                    is None
+                ):
+                    outcomes[i] = MessageSizeTooLargeError("larger than the producer's limit")
+                    continue
+            indexes.append(i)
+            open_batches[partition] = (batch, indexes)
+        for partition, (batch, indexes) in open_batches.items():
+            sent.append((indexes, await self._send_batch(batch, topic, partition)))
+        settled = await settle_acks([future for _, future in sent])
+        refused = None
+        for (indexes, _), outcome in zip(sent, settled, strict=True):
+            for i in indexes:
+                outcomes[i] = outcome
+            if isinstance(outcome, MessageSizeTooLargeError | OutOfOrderSequenceNumber):
+                refused = outcome
         if refused is not None:
             # As in _acked: this producer cannot write to that partition again.
             await self._renew_producer(generation, refused)
         return outcomes
+
+    async def _send_batch(
+        self, batch: Any, topic: str, partition: int
+    ) -> asyncio.Future[Any] | BaseException:
+        """A closed batch handed to the producer: its acknowledgement, or why it was not."""
+        batch.close()
+        try:
+            future: asyncio.Future[Any] = await self._producer.send_batch(
+                batch, topic, partition=partition
+            )
+        except Exception as exc:
+            return exc
+        return future
 
     async def send_audit(self, topic: str, value: bytes, key: bytes | None) -> Any:
         sent = await self._producer.send(topic, value=value, key=key)
