@@ -28,7 +28,6 @@ from aiokafka.errors import KafkaError
 from worker.kafka.publisher import Headers
 from worker.kafka.rdkafka.threads import in_thread, teardown
 from worker.kafka.rdkafka.types import from_rd_error
-from worker.kafka.writes import settle_acks
 
 __all__ = ["RdProducer", "RdProducers"]
 
@@ -43,8 +42,35 @@ _FLUSH_TIMEOUT_S = 30.0
 _DESTROY_TIMEOUT_S = 5.0
 
 
-#: One delivery report: the record's future, librdkafka's error (or None), the message.
-_Report = tuple[asyncio.Future[Any], Any, Any]
+class _Group:
+    """The delivery reports of a group of records: one callable for all of them (the
+    ``on_delivery`` of each), which counts them; its future is set once the last came.
+    Called on librdkafka's poll thread: it only queues the report for the event loop."""
+
+    __slots__ = ("_reports", "errors", "future", "left")
+
+    def __init__(self, future: asyncio.Future[None], reports: deque[_Report]) -> None:
+        self.future = future
+        self.left = 0
+        #: (error, message) of each record refused.
+        self.errors: list[tuple[Any, Any]] = []
+        self._reports = reports
+
+    def __call__(self, error: Any, message: Any) -> None:
+        self._reports.append((self, error, message))
+
+    def report(self, error: Any, message: Any) -> None:
+        """One record's report, on the loop."""
+        self.left -= 1
+        if error is not None:
+            self.errors.append((error, message))
+        if self.left <= 0 and not self.future.done():
+            self.future.set_result(None)
+
+
+#: One delivery report: the record's future (or its group), librdkafka's error (or None),
+#: the message.
+_Report = tuple["asyncio.Future[Any] | _Group", Any, Any]
 
 
 class RdProducer:
@@ -113,6 +139,9 @@ class RdProducer:
         reports = self._reports
         while reports:
             future, error, message = reports.popleft()
+            if isinstance(future, _Group):
+                future.report(error, message)
+                continue
             if future.done():
                 continue
             if error is not None:
@@ -147,6 +176,40 @@ class RdProducer:
             except confluent_kafka.KafkaException as exc:
                 raise from_rd_error(exc) from None
 
+    async def send_group(
+        self, topic: str, records: Sequence[tuple[bytes | None, bytes, Headers]]
+    ) -> list[BaseException | None]:
+        """Queue every record, with one delivery callback for them all, and wait for every
+        report: per record, None once delivered, else its error (aiokafka's classes)."""
+        producer = self.handle
+        group = _Group(asyncio.get_running_loop().create_future(), self._reports)
+        outcomes: list[BaseException | None] = [None] * len(records)
+        for i, (key, value, headers) in enumerate(records):
+            while True:
+                try:
+                    producer.produce(
+                        topic,
+                        value=value,
+                        key=key,
+                        headers=list(headers) if headers else None,
+                        on_delivery=group,
+                    )
+                    group.left += 1
+                    break
+                except BufferError:
+                    # librdkafka's queue is full: its threads are sending; try again shortly.
+                    await asyncio.sleep(_QUEUE_FULL_WAIT_S)
+                except confluent_kafka.KafkaException as exc:
+                    outcomes[i] = from_rd_error(exc)  # refused before it was queued
+                    break
+        if group.left:
+            await group.future
+        for error, message in group.errors:
+            index = _index_of(message, records, outcomes)
+            if index is not None:
+                outcomes[index] = from_rd_error(error)
+        return outcomes
+
     async def stop(self) -> None:
         """Flush what is queued (bounded), stop the poll thread and destroy the client (its
         threads joined). Idempotent."""
@@ -164,6 +227,27 @@ class RdProducer:
             await in_thread(self._poller.join)
         await _destroy(producer)
         self._settle_reports()  # those the flush delivered, and those the destruction failed
+
+
+def _index_of(
+    message: Any,
+    records: Sequence[tuple[bytes | None, bytes, Headers]],
+    outcomes: Sequence[BaseException | None],
+) -> int | None:
+    """Which of the group's records a refused message is (its key, value and headers: a
+    result names its source record in them), the first not known refused yet."""
+    key, value = message.key(), message.value()
+    try:
+        wanted: list[Any] | None = [
+            (name, None if v is None else bytes(v)) for name, v in message.headers() or []
+        ]
+    except Exception:  # a header the binding cannot read: key and value alone tell
+        wanted = None
+    for i, (k, v, h) in enumerate(records):
+        if outcomes[i] is None and k == key and v == value:
+            if wanted is None or [(n, None if x is None else bytes(x)) for n, x in h] == wanted:
+                return i
+    return None
 
 
 async def _destroy(producer: confluent_kafka.Producer) -> None:
@@ -228,13 +312,7 @@ class RdProducers:
     async def send_together(
         self, topic: str, records: Sequence[tuple[bytes | None, bytes, Headers]]
     ) -> list[BaseException | None]:
-        sent: list[asyncio.Future[Any] | BaseException] = []
-        for key, value, headers in records:
-            try:
-                sent.append(await self._rd.send(topic, value, key, headers))
-            except Exception as exc:  # refused before sending: the caller writes it alone
-                sent.append(exc)
-        return await settle_acks(sent)
+        return await self._rd.send_group(topic, records)
 
     async def send_audit(self, topic: str, value: bytes, key: bytes | None) -> Any:
         return await (await self._rd.send(topic, value, key, None))
