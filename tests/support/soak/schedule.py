@@ -38,7 +38,7 @@ TYPICAL_S = {
     "endpoint_kill": 8.0,
     "model_reload": 4.0,
     "broker_restart": 10.0,
-    "registry_restart": 5.0,
+    "registry_restart": 7.0,
 }
 
 
