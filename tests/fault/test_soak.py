@@ -1,5 +1,5 @@
-"""A seeded chaos soak per delivery mode: mixed traffic while workers, Tritons, models and the
-broker fail.
+"""A seeded chaos soak per delivery mode: mixed traffic while workers, Tritons, models, the
+broker and the Schema Registry fail.
 
 Four input partitions are fed continuously (librdkafka with zstd, snappy and no
 compression, aiokafka with lz4) with good requests for every model and encoding, token
@@ -10,10 +10,16 @@ carries its partition and sequence number in its request id ("p{partition}-s{seq
 A fifth input, a topic of its own mapped to ``mlp`` by a mapping file (librdkafka, gzip),
 carries payment events: plain JSON, CloudEvents in binary and structured mode, and about
 10 % hostile events (tests/support/soak/events.py); its request ids are "p4-s{seq}".
+A sixth, a topic mapped to ``mlp`` as Avro (librdkafka, lz4), carries payment events in
+the Confluent wire format written by confluent-kafka's ``AvroSerializer`` against the
+soak's Schema Registry, the producer moving to a second, compatible schema version a
+quarter into the run, and about 10 % hostile values (tests/support/soak/avro.py); its
+request ids are "p5-s{seq}".
 Two Triton endpoints serve every model (``double`` as two versions, the first retired by
 the version policy, which a share of the requests name). Meanwhile a schedule drawn from the seed
 SIGKILLs or SIGTERMs the worker and starts a new one, restarts or kills both Tritons,
-kills one of them, reloads a model and restarts the broker. A watcher reads the
+kills one of them, reloads a model, restarts the broker and restarts the registry. A
+watcher reads the
 group's committed offsets every commit interval and fails the run as soon as a
 partition with records waiting goes without progress for longer than its bound
 outside the faults that make progress impossible, and samples the worker's memory.
@@ -21,8 +27,8 @@ Then a final worker drains everything and the oracle checks every record the bro
 acknowledged.
 
 The run is parametrised by delivery mode, each on the Kafka client under test
-(``WORKER_TEST_KAFKA_CLIENT``). The soak owns its broker and its Tritons (shared by the
-two modes' runs), so restarting them disturbs no other test. ``SOAK_SEED`` replays a
+(``WORKER_TEST_KAFKA_CLIENT``). The soak owns its broker, its Tritons and its registry
+(shared by the two modes' runs), so restarting them disturbs no other test. ``SOAK_SEED`` replays a
 run (the seed is printed first); ``SOAK_S`` sets how long faults are applied in each
 mode (default 30 s: the two modes share the minute a CI pass affords the soak).
 """
@@ -44,9 +50,13 @@ from typing import Any
 import pytest
 from aiokafka import AIOKafkaConsumer
 from aiokafka.structs import TopicPartition
+from confluent_kafka.schema_registry import Schema, SchemaRegistryClient
+from confluent_kafka.schema_registry.avro import AvroDeserializer
+from confluent_kafka.serialization import MessageField, SerializationContext
 
 from devtools import samples
 from devtools.devstack.paths import models_dir
+from devtools.devstack.registry import SchemaRegistry, ensure_registry_jar
 from devtools.devstack.triton import TritonServer, ensure_triton
 from tests.support import COMMIT_SLACK_MS, Topics, local_kafka
 from tests.support.models import load_versions, version_states
@@ -68,6 +78,7 @@ from tests.support.soak import (
     triton_model_call,
     triton_model_ready,
 )
+from tests.support.soak.avro import avro_mapping_text, payment_schema
 from tests.support.soak.events import mapping_text
 from tests.support.soak.oracle import Limits, Run, describe, judge, measure
 from tests.support.soak.schedule import TYPICAL_S
@@ -88,6 +99,9 @@ LANES = (
 #: The mapped topic's one partition: its producer, codec and rate.
 EVENTS_LANE = ("librdkafka", "gzip")
 EVENTS_RATE_S = 50.0
+#: The Avro topic's one partition: its producer, codec and rate.
+AVRO_LANE = ("librdkafka", "lz4")
+AVRO_RATE_S = 40.0
 MAX_IN_FLIGHT = 128
 COMMIT_INTERVAL_MS = 250
 WORKER_SETTINGS = {
@@ -122,7 +136,7 @@ RUN_BOUND_S = (
     SOAK_S
     + 180
     + DRAIN_BOUND_S
-    + SOAK_S * (PARTITIONS * RATE_PER_PARTITION_S + EVENTS_RATE_S) / DRAIN_FLOOR_PER_S
+    + SOAK_S * (PARTITIONS * RATE_PER_PARTITION_S + EVENTS_RATE_S + AVRO_RATE_S) / DRAIN_FLOOR_PER_S
     + 60
     + 120
 )
@@ -133,26 +147,30 @@ RSS_GROWTH_BOUND_MIB = 64.0
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    """A broker and two Tritons (every model) of the soak's own, started side by side."""
+    """A broker, two Tritons (every model) and a Schema Registry of the soak's own, started
+    side by side."""
     install = ensure_triton(log=lambda _: None)
     root = tmp_path_factory.mktemp("soak-servers")
     tritons = tuple(
         TritonServer(install, models_dir(), root / f"triton-{name}", models=list(MODELS))
         for name in ("a", "b")
     )
-    with concurrent.futures.ThreadPoolExecutor(len(tritons)) as pool:
+    registry = SchemaRegistry(ensure_registry_jar(log=lambda _: None), root / "registry")
+    with concurrent.futures.ThreadPoolExecutor(len(tritons) + 1) as pool:
         started = [pool.submit(t.start) for t in tritons]
+        started.append(pool.submit(registry.start))
         try:
             with local_kafka(nodes=1) as kafka:
                 for future in started:
                     future.result()
-                yield Stack(kafka, tritons)
+                yield Stack(kafka, tritons, registry)
         finally:
             for future in started:
                 with contextlib.suppress(Exception):
                     future.result()
             for triton in tritons:
                 triton.stop()
+            registry.stop()
 
 
 @pytest.fixture(autouse=True)
@@ -168,6 +186,8 @@ def stack(servers: Stack) -> Stack:
     """The soak's servers, each up with every model (a failed run may have left one down)."""
     if not servers.kafka.running_nodes():
         servers.kafka.start_node(1)
+    if not servers.registry.running():
+        servers.registry.start()
     for triton in servers.tritons:
         if not triton.running():
             triton.start()
@@ -176,6 +196,16 @@ def stack(servers: Stack) -> Stack:
                 triton_model_call(triton.http_address, model, "load")
         _retire_double_v1(triton.http_address)
     return servers
+
+
+@pytest.fixture
+def registry_client(stack: Stack) -> Iterator[SchemaRegistryClient]:
+    """confluent-kafka's client of the soak's registry, as the Avro producer and the oracle
+    use it: no retries of its own (a request that fails while the registry is out is
+    tried again by the producer, which the event loop waits on), closed after the run."""
+    conf = {"url": stack.registry.url, "max.retries": 0, "timeout": 5}
+    with SchemaRegistryClient(conf) as client:
+        yield client
 
 
 def _retire_double_v1(http_address: str) -> None:
@@ -201,18 +231,23 @@ async def _end_offsets(
 
 
 def _inputs(topics: Topics) -> Inputs:
-    """The request topic's partitions, then the mapped topic's."""
-    return Inputs((*((topics.input, p) for p in range(PARTITIONS)), (_events_topic(topics), 0)))
+    """The request topic's partitions, then the mapped topic's, then the Avro topic's."""
+    requests = ((topics.input, p) for p in range(PARTITIONS))
+    return Inputs((*requests, (_events_topic(topics), 0), (_avro_topic(topics), 0)))
 
 
 def _events_topic(topics: Topics) -> str:
     return topics.input.replace("req-", "events-", 1)
 
 
+def _avro_topic(topics: Topics) -> str:
+    return topics.input.replace("req-", "avro-", 1)
+
+
 async def _create_topics(stack: Stack, topics: Topics) -> None:
     kafka = stack.kafka
     await kafka.create_topics([topics.input], partitions=PARTITIONS)
-    await kafka.create_topics([_events_topic(topics)], partitions=1)
+    await kafka.create_topics([_events_topic(topics), _avro_topic(topics)], partitions=1)
     # The broker stamps outcomes on append: the duplicate bound reads throughput from them.
     stamped = {"message.timestamp.type": "LogAppendTime"}
     await kafka.create_topics(
@@ -224,7 +259,12 @@ async def _create_topics(stack: Stack, topics: Topics) -> None:
 
 
 def _lanes(
-    stack: Stack, topics: Topics, seed: int, delivery: str, ledger: Ledger
+    stack: Stack,
+    topics: Topics,
+    seed: int,
+    delivery: str,
+    ledger: Ledger,
+    registry: SchemaRegistryClient,
 ) -> list[ConfluentLane | AiokafkaLane]:
     bootstrap = stack.kafka.bootstrap_servers
     specs = [
@@ -246,9 +286,26 @@ def _lanes(
         EVENTS_RATE_S,
         delivery,
         number=PARTITIONS,  # after the request topic's partitions (``_inputs``)
-        events=True,
+        input="events",
     )
     specs.append((client, events))
+    client, codec = AVRO_LANE
+    avro = LaneSpec(
+        bootstrap,
+        _avro_topic(topics),
+        0,
+        codec,
+        seed,
+        AVRO_RATE_S,
+        delivery,
+        number=PARTITIONS + 1,  # after the mapped topic's (``_inputs``)
+        input="avro",
+        registry=registry,
+        # A quarter in: even a short run (CI's) produces well past it once its first faults
+        # are applied.
+        evolve_at=int(AVRO_RATE_S * SOAK_S / 4),
+    )
+    specs.append((client, avro))
     return [
         (ConfluentLane if client == "librdkafka" else AiokafkaLane)(spec, ledger)
         for client, spec in specs
@@ -299,9 +356,11 @@ async def _drain(chaos: Chaos, ledger: Ledger, collector: Collector, seed: int) 
 
 
 @pytest.mark.parametrize("delivery", ["at_least_once", "exactly_once"])
-async def test_seeded_chaos_soak(stack: Stack, tmp_path: Path, delivery: str) -> None:
-    """Mixed traffic and mapped events under seeded faults: each record answered right,
-    stalls and RSS bounded."""
+async def test_seeded_chaos_soak(
+    stack: Stack, registry_client: SchemaRegistryClient, tmp_path: Path, delivery: str
+) -> None:
+    """Mixed traffic, mapped JSON and Avro events under seeded faults: each record answered
+    right, stalls and RSS bounded."""
     seed = int(os.environ.get("SOAK_SEED") or secrets.randbelow(2**31))
     client = kafka_client_under_test()
     print(
@@ -313,7 +372,11 @@ async def test_seeded_chaos_soak(stack: Stack, tmp_path: Path, delivery: str) ->
     await _create_topics(stack, topics)
     inputs = _inputs(topics)
     mapping = tmp_path / "mapping.toml"
-    mapping.write_text(mapping_text(_events_topic(topics)))
+    mapping.write_text(mapping_text(_events_topic(topics)) + avro_mapping_text(_avro_topic(topics)))
+    # The producers' first schema, registered before any worker starts (as a pipeline's
+    # owners do): the mapping's copied fields are typed by it.
+    events_subject = f"{_avro_topic(topics)}-value"
+    registry_client.register_schema(events_subject, Schema(payment_schema(1), "AVRO"))
     ledger = Ledger()
     collector = Collector(stack.kafka.bootstrap_servers, topics, inputs, ledger)
     settings = {
@@ -321,12 +384,14 @@ async def test_seeded_chaos_soak(stack: Stack, tmp_path: Path, delivery: str) ->
         "delivery": delivery,
         "input_topics": ",".join(sorted({t for t, _ in inputs.partitions})),
         "mapping_file": str(mapping),
+        "schema_registry_url": stack.registry.url,
+        "schema_registry_auto_register": "true",
     }
     chaos = Chaos(stack, topics, tmp_path, seed, collector, settings)
     chaos.progress = Progress(len(inputs), STALL_BOUND_S, time.monotonic())
     chaos.excuse()  # until the first worker is up
     reader = OffsetReader(stack.kafka.bootstrap_servers, topics.group, inputs)
-    lanes = _lanes(stack, topics, seed, delivery, ledger)
+    lanes = _lanes(stack, topics, seed, delivery, ledger, registry_client)
     traffic_stop, reading_stop = asyncio.Event(), asyncio.Event()
     wall_started = time.monotonic()
     try:  # the reader closed whatever ends the run (a failure cancels the background)
@@ -377,7 +442,18 @@ async def test_seeded_chaos_soak(stack: Stack, tmp_path: Path, delivery: str) ->
         chaos.say(f"worst stall at t={worst.at - chaos.t0:.1f}s: {worst.describe(STALL_BOUND_S)}")
         if chaos.worst_inflight:
             chaos.say(f"in flight then: {chaos.worst_inflight}")
-    run = Run(seed, delivery, ledger, collector, chaos, committed, input_ends)
+    deserializer = AvroDeserializer(registry_client)
+    results = SerializationContext(topics.output, MessageField.VALUE)
+    run = Run(
+        seed,
+        delivery,
+        ledger,
+        collector,
+        chaos,
+        committed,
+        input_ends,
+        read_avro=lambda value: deserializer(value, results),
+    )
     limits = Limits(MAX_IN_FLIGHT, COMMIT_INTERVAL_MS + COMMIT_SLACK_MS, RSS_GROWTH_BOUND_MIB)
     figures = measure(run, limits)
     print(f"SOAK seed {seed}, {delivery}, {client}: {figures.summary()}")

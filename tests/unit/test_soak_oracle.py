@@ -1,17 +1,33 @@
 """The chaos soak's own judgement: stalls, sequences, its schedule, its traffic and the
-result events of its mapped topic."""
+result events of its mapped JSON and Avro topics."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import json
 from typing import Any
+from unittest import mock
 
 import numpy as np
 import orjson
 import pytest
 from aiokafka.structs import ConsumerRecord
+from confluent_kafka.schema_registry import SchemaRegistryClient
+from confluent_kafka.schema_registry.avro import AvroDeserializer, AvroSerializer
+from confluent_kafka.schema_registry.error import SchemaRegistryError
+from confluent_kafka.serialization import MessageField, SerializationContext
 
 from devtools import samples
+from tests.support.soak.avro import (
+    AVRO_VERSIONS,
+    HOSTILE_AVRO,
+    AvroResult,
+    AvroTraffic,
+    check_avro,
+    check_avro_results,
+    payment_schema,
+)
 from tests.support.soak.checks import MlpCheck, check_mlp
 from tests.support.soak.events import (
     CE_SOURCE,
@@ -26,7 +42,10 @@ from tests.support.soak.oracle import sequence_problems
 from tests.support.soak.outcomes import Outcome
 from tests.support.soak.progress import Progress
 from tests.support.soak.schedule import FAULT_KINDS, FIRST_KINDS, schedule
-from tests.support.soak.traffic import OUTPUT_MAX_BYTES, Produced, Sent, Traffic
+from tests.support.soak.traffic import OUTPUT_MAX_BYTES, NotYet, Produced, Sent, Traffic
+from worker.errors import BadMagicByte, SchemaMismatch
+from worker.registry.formats import AvroWriter
+from worker.registry.framing import unframe
 
 pytestmark = pytest.mark.unit
 
@@ -235,3 +254,146 @@ def test_a_right_result_event_passes_and_each_wrong_part_is_named(kind: str) -> 
     if kind.startswith("ce-"):  # the CloudEvent's id is the request record's coordinates
         moved = _result(made, body, offset=8)
         assert f"'id': '{EVENTS_TOPIC}/0/7'" in (check_event(made.sent, moved, []) or "")
+
+
+AVRO_TOPIC = "avro-payments"
+
+
+def _registry() -> SchemaRegistryClient:
+    """confluent-kafka's own in-memory registry."""
+    return SchemaRegistryClient.new_client({"url": "mock://soak"})
+
+
+def _code_of(value: bytes | None, writers: dict[int, AvroWriter]) -> str | None:
+    """The dead letter's code the worker's own decoding gives a value (None: a result)."""
+    if value is None:
+        return "DECODE_ERROR"
+    try:
+        schema_id, payload = unframe(value, AVRO_TOPIC, "avro")
+    except BadMagicByte:
+        return "BAD_MAGIC_BYTE"
+    writer = writers.get(schema_id)
+    if writer is None:
+        return "SCHEMA_NOT_FOUND"
+    try:
+        record = writer.decode(payload)
+    except SchemaMismatch:
+        return "SCHEMA_MISMATCH"
+    return None if len(record["features"]) == 64 else "INVALID_REQUEST"
+
+
+def test_the_avro_traffic_evolves_its_schema_mixes_hostile_values_and_replays() -> None:
+    """Both schema versions (the second from ``evolve_at``) and every hostile kind appear; a
+    seed replays the same values; each value is what the worker's decoding makes of it."""
+    client = _registry()
+    traffic, replay = (AvroTraffic(5, 5, client, AVRO_TOPIC, 1000, librdkafka=True) for _ in "ab")
+    made = [traffic.make(seq) for seq in range(2000)]
+    assert [m.value for m in made] == [replay.make(seq).value for seq in range(2000)]
+    kinds = {m.sent.kind for m in made}
+    assert {*AVRO_VERSIONS.values(), *(kind for kind, _ in HOSTILE_AVRO)} <= kinds
+    subject = f"{AVRO_TOPIC}-value"
+    ids = {v: client.get_version(subject, v).schema_id for v in AVRO_VERSIONS}
+    writers = {
+        i: AvroWriter(i, json.loads(payment_schema(v))) for v, i in ids.items() if i is not None
+    }
+    for seq, m in enumerate(made):
+        assert m.sent.rid == f"p5-s{seq}" and m.key == m.sent.rid.encode()
+        assert _code_of(m.value, writers) == m.sent.expected_code, (m.sent.kind, m.value)
+        if m.sent.expected_code is None:
+            assert m.value is not None
+            assert int.from_bytes(m.value[1:5], "big") == ids[1 if seq < 1000 else 2]
+            assert m.sent.kind == AVRO_VERSIONS[1 if seq < 1000 else 2]
+        else:
+            assert ("x-request-id", m.sent.rid.encode()) in m.headers
+    aiokafka = AvroTraffic(5, 5, client, AVRO_TOPIC, 1000, librdkafka=False)
+    assert all(aiokafka.make(seq).value is not None for seq in range(500))
+
+
+def test_an_avro_record_waits_while_the_registry_is_out_for_its_new_version() -> None:
+    """NotYet while the registry is out as the producer first writes version 2; the same
+    record once it is back, as a run without the outage makes it; a refusal is no outage."""
+    client = _registry()
+    traffic = AvroTraffic(9, 5, client, AVRO_TOPIC, 10, librdkafka=True)
+    replay = AvroTraffic(9, 5, _registry(), AVRO_TOPIC, 10, librdkafka=True)
+    made = [traffic.make(seq) for seq in range(10)]
+    refused = ConnectionRefusedError("[Errno 111] Connection refused")
+    with mock.patch.object(client, "register_schema", side_effect=refused):
+        for _ in range(3):
+            with pytest.raises(NotYet):
+                traffic.make(10)
+    incompatible = SchemaRegistryError(409, 409, "incompatible with an earlier schema")
+    with mock.patch.object(client, "register_schema", side_effect=incompatible):
+        with pytest.raises(SchemaRegistryError):
+            traffic.make(10)
+    made += [traffic.make(seq) for seq in range(10, 20)]
+    again = [replay.make(seq) for seq in range(20)]
+    assert [m.sent.kind for m in made] == [m.sent.kind for m in again]
+    assert [m.value for m in made] == [m.value for m in again]
+    assert made[10].sent.kind in (AVRO_VERSIONS[2], *(k for k, _ in HOSTILE_AVRO))
+
+
+#: The result schema the worker derives from the Avro topic's mapping.
+AVRO_RESULT = json.dumps(
+    {
+        "type": "record",
+        "name": "PaymentScore",
+        "namespace": "soak",
+        "fields": [
+            {"name": "id", "type": ["null", "string"], "default": None},
+            {"name": "amount", "type": ["null", "double"], "default": None},
+            {"name": "probs", "type": {"type": "array", "items": "float"}},
+            {"name": "label", "type": ["null", "string"], "default": None},
+        ],
+    }
+)
+
+
+def _avro_result(
+    client: SchemaRegistryClient,
+    made: Produced,
+    body: dict[str, Any],
+    headers: list[tuple[str, bytes]] | None = None,
+) -> ConsumerRecord[bytes, bytes]:
+    """The result record a worker should write for ``made``, framed by the registry's id."""
+    write = AvroSerializer(client, AVRO_RESULT, conf={"subject.name.strategy.type": "TOPIC"})
+    value = write(body, SerializationContext("out", MessageField.VALUE)) or b""
+    if headers is None:
+        headers = [
+            ("content-type", b"application/avro"),
+            ("x-request-id", made.sent.rid.encode()),
+            ("x-source-topic", AVRO_TOPIC.encode()),
+        ]
+    return ConsumerRecord(AVRO_TOPIC, 0, 3, 0, 0, None, value, None, 0, len(value), headers)
+
+
+def test_a_right_avro_result_passes_and_each_wrong_part_is_named() -> None:
+    """An Avro result read back through the registry: right, or its wrong header, frame,
+    copied field or label named; its probabilities left to the reference."""
+    client = _registry()
+    traffic = AvroTraffic(11, 5, client, AVRO_TOPIC, 10**9, librdkafka=True)
+    made = next(m for m in (traffic.make(seq) for seq in range(50)) if m.sent.kind == "avro-v1")
+    body = _body(made)
+    deserializer = AvroDeserializer(client)
+
+    def read(value: bytes) -> Any:
+        return deserializer(value, SerializationContext("out", MessageField.VALUE))
+
+    results: list[AvroResult] = []
+    assert check_avro(made.sent, _avro_result(client, made, body), results) is None
+    deferred: list[MlpCheck] = []
+    assert check_avro_results(results, read, deferred) == []
+    assert [c.rid for c in deferred] == [made.sent.rid]
+    assert check_mlp(deferred) == [f"{made.sent.rid} (mlp): PROBS differ from the reference"]
+
+    wrong_parts = (({**body, "label": "class-x"}, "label"), ({**body, "amount": 1.5}, "amount"))
+    for wrong, named in wrong_parts:
+        results = []
+        assert check_avro(made.sent, _avro_result(client, made, wrong), results) is None
+        assert named in " ".join(check_avro_results(results, read, []))
+    as_json = [("content-type", b"application/json"), ("x-request-id", made.sent.rid.encode())]
+    wrong_type = check_avro(made.sent, _avro_result(client, made, body, as_json), [])
+    assert "content-type b'application/json'" in (wrong_type or "")
+    unframed = dataclasses.replace(_avro_result(client, made, body), value=orjson.dumps(body))
+    assert "Confluent wire format" in (check_avro(made.sent, unframed, []) or "")
+    unknown = AvroResult(made.sent, b"\x00\x00\x0f\x42\x40" + orjson.dumps(body))
+    assert "does not decode" in " ".join(check_avro_results([unknown], read, []))

@@ -92,6 +92,7 @@ class Chaos:
         for triton in self.stack.tritons:
             parts.append(triton.death_report() or f"triton {triton.grpc_address}: up or stopped")
         parts.append(f"broker nodes running: {self.stack.kafka.running_nodes()}")
+        parts.append(f"registry running: {self.stack.registry.running()}")
         return "\n".join(parts)
 
     def _partition_state(self) -> str:
@@ -173,11 +174,13 @@ class Chaos:
             await self.servers.bounce_tritons(victim, kill=True, down_s=fault.down_s)
         else:
             # The others make progress impossible for a while: the broker or every Triton
-            # down, or a model away (its records hold their offsets: no partition can
-            # commit past them).
+            # down, a model away, or the registry (their records hold their offsets: no
+            # partition can commit past them).
             self.excuse()
             if kind == "broker_restart":
                 await self.servers.restart_broker(fault.down_s)
+            elif kind == "registry_restart":
+                await self.servers.restart_registry(fault.down_s)
             elif kind == "model_reload":
                 await self.servers.reload_model(fault.model, fault.down_s)
             else:

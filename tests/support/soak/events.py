@@ -172,10 +172,12 @@ def check_event(
         if envelope != want:
             return f"envelope {envelope}, want {want}"
         body = body.get("data")
-    return _check_fields(sent, body, deferred)
+    return check_fields(sent, body, deferred)
 
 
-def _check_fields(sent: Sent, body: Any, deferred: list[MlpCheck]) -> str | None:
+def check_fields(sent: Sent, body: Any, deferred: list[MlpCheck]) -> str | None:
+    """Why a result event's fields are wrong (the id and amount copied, the label the argmax
+    of the probabilities), or None; the probabilities are compared with the reference later."""
     if not isinstance(body, dict) or set(body) != {"id", "amount", "probs", "label"}:
         return f"result fields {body}"
     if {k: body[k] for k in ("id", "amount")} != sent.fields:

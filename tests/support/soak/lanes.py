@@ -2,8 +2,8 @@
 
 Every record goes in the ledger as it is produced, and every delivery report after:
 the oracle judges only what the broker acknowledged. The input partitions of the soak's
-topics (the requests' and the mapped events') are numbered from 0 (``Inputs``): a record's
-source is its input's number and its offset.
+topics (the requests', the mapped events' and the Avro events') are numbered from 0
+(``Inputs``): a record's source is its input's number and its offset.
 """
 
 from __future__ import annotations
@@ -14,15 +14,17 @@ import functools
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import confluent_kafka
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
 from aiokafka.structs import TopicPartition
+from confluent_kafka.schema_registry import SchemaRegistryClient
 
+from tests.support.soak.avro import AvroTraffic
 from tests.support.soak.events import EventTraffic
-from tests.support.soak.traffic import PRODUCER_MAX_BYTES, Sent, Traffic
+from tests.support.soak.traffic import PRODUCER_MAX_BYTES, NotYet, Sent, Traffic
 
 
 @dataclass(frozen=True)
@@ -100,11 +102,26 @@ class LaneSpec:
     rate_per_s: float
     tag: str  # the run, in sequence keys
     number: int  # the input's number (Inputs)
-    events: bool = False  # the mapped topic's events, not inference requests
+    #: Inference requests, the mapped topic's JSON events, or the Avro topic's events.
+    input: Literal["requests", "events", "avro"] = "requests"
+    #: The Avro topic's: the registry its producer writes its schemas to, and the record
+    #: from which on it writes the schema's second version.
+    registry: SchemaRegistryClient | None = None
+    evolve_at: int = 0
 
-    def traffic(self, *, librdkafka: bool) -> Traffic | EventTraffic:
-        if self.events:
+    def traffic(self, *, librdkafka: bool) -> Traffic | EventTraffic | AvroTraffic:
+        if self.input == "events":
             return EventTraffic(self.seed, self.number, librdkafka=librdkafka)
+        if self.input == "avro":
+            assert self.registry is not None, "an Avro lane writes through a registry"
+            return AvroTraffic(
+                self.seed,
+                self.number,
+                self.registry,
+                self.topic,
+                self.evolve_at,
+                librdkafka=librdkafka,
+            )
         compressed = self.compression != "none"
         return Traffic(
             self.seed, self.number, librdkafka=librdkafka, tag=self.tag, compressed=compressed
@@ -144,7 +161,10 @@ class ConfluentLane:
         pending = None
         while not stop.is_set():
             for _ in range(pace.due(self.produced)):
-                record = pending or self._traffic.make(self.produced)
+                try:
+                    record = pending or self._traffic.make(self.produced)
+                except NotYet:
+                    break  # the registry is out as the producer moves to a new schema
                 headers: list[tuple[str, str | bytes | None]] = list(record.headers)
                 try:
                     self._producer.produce(
@@ -196,7 +216,10 @@ class AiokafkaLane:
             pace = Pace(spec.rate_per_s)
             while not stop.is_set():
                 for _ in range(pace.due(self.produced)):
-                    record = self._traffic.make(self.produced)
+                    try:
+                        record = self._traffic.make(self.produced)
+                    except NotYet:
+                        break  # the registry is out as the producer moves to a new schema
                     rid = record.sent.rid
                     self._ledger.sent[rid] = record.sent
                     self.produced += 1

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import bisect
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
+from tests.support.soak.avro import AVRO_ENCODING, AVRO_VERSIONS, check_avro_results
 from tests.support.soak.chaos import Applied, Chaos
 from tests.support.soak.checks import check_mlp
 from tests.support.soak.events import EVENT_ENCODINGS
@@ -24,6 +26,7 @@ _FAULT_NAMES = {
     "endpoint_kill": "endpoint kills",
     "model_reload": "model reloads",
     "broker_restart": "broker restarts",
+    "registry_restart": "registry restarts",
 }
 
 
@@ -170,6 +173,8 @@ class Run:
     chaos: Chaos
     committed: Mapping[int, int]  # input partition → committed offset after the final stop
     input_ends: Mapping[int, int]
+    #: An Avro result's value decoded through the registry (confluent-kafka's deserializer).
+    read_avro: Callable[[bytes], Any]
 
 
 @dataclass(frozen=True)
@@ -238,7 +243,9 @@ def _check_answers(run: Run) -> None:
         (s, o.rid) for s, found in by_source.items() for o in found if o.rid != accepted[s]
     ]
     assert not mismatched, f"seed {seed}: outcomes naming another request: {mismatched[:10]}"
-    problems = collector.problems + check_mlp(collector.mlp_checks)
+    problems = list(collector.problems)
+    problems += check_avro_results(collector.avro_results, run.read_avro, collector.mlp_checks)
+    problems += check_mlp(collector.mlp_checks)
     # A Triton that died by itself lost its sequences from the moment it died (noticed
     # within the supervisor's half-second poll) until the worker has it back in rotation
     # (within its half-second probe, with room for a loaded machine).
@@ -247,12 +254,18 @@ def _check_answers(run: Run) -> None:
         ledger, accepted, by_source, [*run.chaos.windows, *deaths]
     )
     print(f"SOAK seed {seed}: sequences untouched by faults {untouched}, touched {touched}")
-    print(f"SOAK seed {seed}: mapped events {_mapped_events(ledger, accepted, by_source)}")
+    mapped = _answered_kinds(ledger, accepted, by_source, EVENT_ENCODINGS)
+    avro = _answered_kinds(ledger, accepted, by_source, (AVRO_ENCODING,))
+    print(f"SOAK seed {seed}: mapped events {_listed(mapped, lump_dead=True)}")
+    print(f"SOAK seed {seed}: Avro events {_listed(avro, lump_dead=False)}")
     problems += wrong_sequences
     problems += _cut_short_problems(run)
     assert not problems, f"seed {seed}: {len(problems)} wrong outcomes, e.g.\n" + "\n".join(
         problems[:15]
     )
+    # Both versions of the Avro events' schema answered: the producer moved on partway.
+    versions = set(AVRO_VERSIONS.values())
+    assert versions <= {kind for kind, _ in avro}, f"seed {seed}: Avro events {dict(avro)}"
     dead = {s for s, found in by_source.items() if any(o.code for o in found)}
     dead_plain = {
         s
@@ -267,16 +280,31 @@ def _check_answers(run: Run) -> None:
     )
 
 
-def _mapped_events(
-    ledger: Ledger, accepted: Mapping[Source, str], by_source: Mapping[Source, list[Outcome]]
-) -> str:
-    """How many mapped events of each kind were answered (the oracle checked each answer)."""
-    kinds: Counter[str] = Counter()
+def _answered_kinds(
+    ledger: Ledger,
+    accepted: Mapping[Source, str],
+    by_source: Mapping[Source, list[Outcome]],
+    encodings: Sequence[str],
+) -> Counter[tuple[str, str | None]]:
+    """How many events of ``encodings`` of each (kind, expected code) were answered (the
+    oracle checked each answer)."""
+    kinds: Counter[tuple[str, str | None]] = Counter()
     for source, rid in accepted.items():
         sent = ledger.sent[rid]
-        if sent.encoding in EVENT_ENCODINGS and source in by_source:
-            kinds["dead letters" if sent.expected_code else sent.kind] += 1
-    return ", ".join(f"{kinds[k]} {k}" for k in sorted(kinds)) or "none"
+        if sent.encoding in encodings and source in by_source:
+            kinds[(sent.kind, sent.expected_code)] += 1
+    return kinds
+
+
+def _listed(kinds: Counter[tuple[str, str | None]], *, lump_dead: bool) -> str:
+    """The counts, the dead letters as one (``lump_dead``) or each kind with its code."""
+    shown: Counter[str] = Counter()
+    for (kind, code), count in kinds.items():
+        if code is None:
+            shown[kind] += count
+        else:
+            shown["dead letters" if lump_dead else f"{kind} ({code})"] += count
+    return ", ".join(f"{shown[k]} {k}" for k in sorted(shown)) or "none"
 
 
 def _cut_short_problems(run: Run) -> list[str]:

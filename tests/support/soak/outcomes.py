@@ -12,6 +12,7 @@ from aiokafka import AIOKafkaConsumer
 from aiokafka.structs import ConsumerRecord, TopicPartition
 
 from tests.support import Topics
+from tests.support.soak.avro import AVRO_ENCODING, AvroResult, check_avro
 from tests.support.soak.checks import (
     MlpCheck,
     check_result,
@@ -85,6 +86,8 @@ class Collector:
         #: (request id, appended ms) of token streams answered with only their first tokens.
         self.cut_short: list[tuple[str, int]] = []
         self.mlp_checks: list[MlpCheck] = []
+        #: The Avro topic's results, decoded once the run is over (``check_avro_results``).
+        self.avro_results: list[AvroResult] = []
         self._seen: set[tuple[str, int, int]] = set()
         self._changed = asyncio.Event()
         self._positions: dict[TopicPartition, int] = {}
@@ -157,8 +160,11 @@ class Collector:
             self.cut_short.append((rid, record.timestamp))
             return None, None
         if code is None:
-            check = check_event if sent.encoding in EVENT_ENCODINGS else check_result
-            wrong = check(sent, record, self.mlp_checks)
+            if sent.encoding == AVRO_ENCODING:
+                wrong = check_avro(sent, record, self.avro_results)
+            else:
+                check = check_event if sent.encoding in EVENT_ENCODINGS else check_result
+                wrong = check(sent, record, self.mlp_checks)
             if wrong:
                 return f"{rid} ({sent.kind}, {sent.encoding}): {wrong}", None
             return None, running_sum_of(record) if sent.sequence else None

@@ -16,6 +16,7 @@ FAULT_KINDS = (
     "endpoint_kill",  # SIGKILL one of the two Triton endpoints, start it again
     "model_reload",  # unload one model on both endpoints, load it again
     "broker_restart",  # stop the only broker, start it again
+    "registry_restart",  # stop the Schema Registry, start it again
 )
 #: The kinds each delivery mode applies first, so that even a short run (CI's) has them:
 #: what a SIGKILL redoes is the mode's own promise; exactly_once must also redo the
@@ -37,6 +38,7 @@ TYPICAL_S = {
     "endpoint_kill": 8.0,
     "model_reload": 4.0,
     "broker_restart": 10.0,
+    "registry_restart": 7.0,
 }
 
 

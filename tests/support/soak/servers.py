@@ -1,11 +1,11 @@
-"""The soak's servers: one broker and two Triton endpoints, the faults applied to them, and a
-supervisor that restarts a Triton that died by itself.
+"""The soak's servers: one broker, two Triton endpoints and a Schema Registry, the faults
+applied to them, and a supervisor that restarts a Triton that died by itself.
 
 Triton 2.51 can crash (SIGSEGV in ``TRITONBACKEND_ResponseSend``) while serving decoupled
 and ordinary requests under load (README, "Decoupled models"), and needs a supervisor
 that restarts it, as a deployment has. The soak is that supervisor: such a death is
 noted, the server started again on its ports, and the worker must take it as it takes a
-killed endpoint. A broker that dies by itself fails the soak.
+killed endpoint. A broker or a registry that dies by itself fails the soak.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from devtools.devstack.kafka import KafkaCluster
 from devtools.devstack.process import tail
+from devtools.devstack.registry import SchemaRegistry
 from devtools.devstack.triton import TritonServer
 from tests.support.soak.outcomes import Tripwire
 from tests.support.soak.processes import triton_model_call, triton_model_ready
@@ -25,10 +26,11 @@ from tests.support.soak.processes import triton_model_call, triton_model_ready
 
 @dataclass(frozen=True)
 class Stack:
-    """The servers the soak owns: one broker, two Triton endpoints."""
+    """The servers the soak owns: one broker, two Triton endpoints, a Schema Registry."""
 
     kafka: KafkaCluster
     tritons: tuple[TritonServer, ...]
+    registry: SchemaRegistry
 
 
 @dataclass(frozen=True)
@@ -72,6 +74,15 @@ class Servers:
             await asyncio.to_thread(kafka.stop_node, 1)
             await asyncio.sleep(down_s)  # the outage itself
             await self.tripwire.guard(asyncio.to_thread(kafka.start_node, 1), 120, "broker start")
+
+    async def restart_registry(self, down_s: float) -> None:
+        """Stop the Schema Registry (SIGTERM), then start it again with its schemas."""
+        registry = self.stack.registry
+        async with self.lock:
+            await asyncio.to_thread(registry.stop)
+            await asyncio.sleep(down_s)  # the outage itself
+            starting = asyncio.to_thread(registry.start)
+            await self.tripwire.guard(starting, 120, "registry start")
 
     async def bounce_tritons(
         self, victims: tuple[TritonServer, ...], kill: bool, down_s: float
@@ -121,7 +132,8 @@ class Servers:
 
     async def supervise(self, stop: asyncio.Event, all_down: Callable[[bool], None]) -> None:
         """Restart a Triton that died by itself (``all_down(True)`` while none serves,
-        ``all_down(False)`` once one does again); trip the soak if the broker dies."""
+        ``all_down(False)`` once one does again); trip the soak if the broker or the
+        registry dies."""
         while not stop.is_set():
             self._note_deaths()
             if not self.lock.locked():
@@ -132,6 +144,10 @@ class Servers:
                     if not self.stack.kafka.running_nodes():
                         log = self.stack.kafka.node(1).log_path
                         self.tripwire.trip(f"the broker died by itself:\n{tail(log, 40)}")
+                    registry = self.stack.registry
+                    if not registry.running():
+                        log = registry.log_path
+                        self.tripwire.trip(f"the registry died by itself:\n{tail(log, 40)}")
             with contextlib.suppress(TimeoutError):
                 # Polling other processes' liveness: there is no event to await.
                 await asyncio.wait_for(stop.wait(), 0.5)

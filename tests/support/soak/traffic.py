@@ -69,6 +69,11 @@ ODD_HEADERS: list[tuple[str, bytes | None]] = [
 ]
 
 
+class NotYet(Exception):
+    """A record cannot be made now (its producer's registry is out as it first writes a
+    schema version): the same record is made again at the next try."""
+
+
 @dataclass(slots=True)
 class Sent:
     """One produced record and what must become of it."""
