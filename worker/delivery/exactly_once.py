@@ -493,9 +493,14 @@ class ExactlyOnce(TrackingDelivery):
             return await self._started(producer, [(tp, part)], lambda: True)
 
     async def _restart(self, producer: TransactionalProducer, batch: list[_Ready]) -> bool:
-        """A fresh producer for a batch, started only while every partition of it is owned
-        and no rebalance is under way (a rebalance is deciding: the revocation cleans up)."""
+        """A fresh producer for a batch. Where its start fences whoever held its id before
+        (the partition's new owner), only while every partition of the batch is owned and
+        no rebalance is under way (a rebalance is deciding: the revocation cleans up);
+        else at once (a revocation's own commit too: its records are not left waiting for
+        the revocation, which waits for them)."""
         held = [(r.tp, r.part) for r in batch]
+        if not self._transactions.start_fences:
+            return await self._started(producer, held, lambda: True)
         return await self._started(
             producer, held, lambda: all(self._edge.owns(tp) for tp, _ in held)
         )

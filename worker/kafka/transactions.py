@@ -136,6 +136,13 @@ class Transactions(Protocol):
         False when each partition has its own (stopped when the partition goes)."""
         ...
 
+    @property
+    def start_fences(self) -> bool:
+        """True when starting a producer fences whoever held its transactional id before
+        (aiokafka's ids name a partition: its new owner's); False when each worker's id is
+        its own (librdkafka: the group fences)."""
+        ...
+
     def producer_for(self, tp: TopicPartition) -> TransactionalProducer:
         """The producer that carries ``tp``'s outcomes (made, not started)."""
         ...

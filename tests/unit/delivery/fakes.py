@@ -170,6 +170,7 @@ class Shared:
 
     seeks_committed = False
     shared = True
+    start_fences = False
 
     def __init__(self, producer: Transactional | None = None) -> None:
         self.producer = producer or Transactional()

@@ -532,3 +532,29 @@ async def test_a_window_half_full_of_staged_outcomes_commits_before_the_interval
     with contextlib.suppress(asyncio.CancelledError):
         await loop
     await delivery.close()
+
+
+class _Rebalancing(Edge):
+    """A consumer inside a rebalance callback: it owns nothing new, its partitions still
+    assigned."""
+
+    def owns(self, tp: TopicPartition) -> bool:
+        return False
+
+
+async def test_a_revocation_restarts_a_shared_producer_whose_start_fences_no_one() -> None:
+    """librdkafka: a failed transaction closed the producer; the revocation's own commit
+    (inside the rebalance callback, nothing owned) starts a fresh one and commits, since
+    its id is the worker's own (before, it waited for the rebalance, which waited for the
+    records: they stalled for the revocation's whole bound)."""
+    edge = _Rebalancing({TP0, TP1}, transactions_only=True, fetches=False)
+    delivery, transactions = await _shared(edge)
+    producer = transactions.producer
+    producer.endings = ["failed"]
+    task = await _complete(delivery, 0, TP0)
+    await delivery.commit()  # fails: the producer is closed
+    assert not producer.running
+    await delivery.revoked({TP0})
+    await task
+    assert producer.starts == 2 and [offsets for _, offsets, _ in producer.sent][-1] == {TP0: 1}
+    await delivery.close()

@@ -227,6 +227,7 @@ class PerPartitionTransactions:
 
     seeks_committed = True
     shared = False
+    start_fences = True
 
     def __init__(self, group_id: str, prefix: str, new_producer: ProducerFactory) -> None:
         """``new_producer``: makes a producer (not started) for a transactional id."""

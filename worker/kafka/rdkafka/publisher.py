@@ -47,11 +47,14 @@ class _Group:
     ``on_delivery`` of each), which counts them; its future is set once the last came.
     Called on librdkafka's poll thread: it only queues the report for the event loop."""
 
-    __slots__ = ("_reports", "errors", "future", "left")
+    __slots__ = ("_reports", "errors", "future", "left", "sealed")
 
     def __init__(self, future: asyncio.Future[None], reports: deque[_Report]) -> None:
         self.future = future
         self.left = 0
+        #: Every record of the group is queued: the last report ends it. (Reports of the
+        #: first records may come while the rest still wait for room in librdkafka's queue.)
+        self.sealed = False
         #: (error, message) of each record refused.
         self.errors: list[tuple[Any, Any]] = []
         self._reports = reports
@@ -64,7 +67,15 @@ class _Group:
         self.left -= 1
         if error is not None:
             self.errors.append((error, message))
-        if self.left <= 0 and not self.future.done():
+        self._end_if_done()
+
+    def seal(self) -> None:
+        """Every record is queued (or refused before it was)."""
+        self.sealed = True
+        self._end_if_done()
+
+    def _end_if_done(self) -> None:
+        if self.sealed and self.left <= 0 and not self.future.done():
             self.future.set_result(None)
 
 
@@ -202,12 +213,19 @@ class RdProducer:
                 except confluent_kafka.KafkaException as exc:
                     outcomes[i] = from_rd_error(exc)  # refused before it was queued
                     break
-        if group.left:
-            await group.future
+        group.seal()
+        await group.future
         for error, message in group.errors:
             index = _index_of(message, records, outcomes)
             if index is not None:
                 outcomes[index] = from_rd_error(error)
+                continue
+            # Never taken for delivered: every record not known to be refused is written
+            # again alone (at least once: one delivered may appear twice).
+            for i, outcome in enumerate(outcomes):
+                if outcome is None:
+                    outcomes[i] = from_rd_error(error)
+            break
         return outcomes
 
     async def stop(self) -> None:
@@ -234,20 +252,24 @@ def _index_of(
     records: Sequence[tuple[bytes | None, bytes, Headers]],
     outcomes: Sequence[BaseException | None],
 ) -> int | None:
-    """Which of the group's records a refused message is (its key, value and headers: a
-    result names its source record in them), the first not known refused yet."""
+    """Which of the group's records a refused message is, the first not known refused yet:
+    by its key and value, and, among records of the same key and value, by its headers (a
+    result names its source record in them) where the report still carries them
+    (librdkafka's reports of refused messages may not)."""
     key, value = message.key(), message.value()
+    alike = [
+        i for i, (k, v, _) in enumerate(records) if outcomes[i] is None and k == key and v == value
+    ]
+    if len(alike) <= 1:
+        return alike[0] if alike else None
     try:
-        wanted: list[Any] | None = [
-            (name, None if v is None else bytes(v)) for name, v in message.headers() or []
-        ]
-    except Exception:  # a header the binding cannot read: key and value alone tell
-        wanted = None
-    for i, (k, v, h) in enumerate(records):
-        if outcomes[i] is None and k == key and v == value:
-            if wanted is None or [(n, None if x is None else bytes(x)) for n, x in h] == wanted:
-                return i
-    return None
+        wanted = [(n, None if x is None else bytes(x)) for n, x in message.headers() or []]
+    except Exception:  # a header the binding cannot read
+        return alike[0]
+    for i in alike:
+        if [(n, None if x is None else bytes(x)) for n, x in records[i][2]] == wanted:
+            return i
+    return alike[0]
 
 
 async def _destroy(producer: confluent_kafka.Producer) -> None:

@@ -118,6 +118,7 @@ class GroupFencedTransactions:
 
     seeks_committed = False
     shared = True
+    start_fences = False
 
     def __init__(self, config: Mapping[str, Any], group_metadata: GroupMetadata) -> None:
         """``config``: a complete transactional configuration (``transactional_config``)."""
