@@ -273,19 +273,26 @@ class Worker:
 
     # -- rebalances ---------------------------------------------------------------
 
-    async def on_revoked(self, partitions: set[TopicPartition]) -> None:
-        """Wait (bounded) for the revoked partitions' in-flight records, then hand them over."""
+    async def on_revoked(self, partitions: set[TopicPartition], *, lost: bool = False) -> None:
+        """Wait (bounded) for the revoked partitions' in-flight records, then hand them over;
+        lost ones (the group has moved on) at once: nothing of them can be committed."""
         if partitions:  # the first join reports an empty revocation (aiokafka)
             in_flight = sum(self.window.in_flight_for(tp) for tp in partitions)
             log.info(
-                "partitions_revoked", partitions=sorted(map(str, partitions)), in_flight=in_flight
+                "partitions_revoked",
+                partitions=sorted(map(str, partitions)),
+                in_flight=in_flight,
+                lost=lost,
             )
-        waits = [self.window.wait_empty(tp) for tp in partitions]
-        try:
-            await asyncio.wait_for(asyncio.gather(*waits), self.settings.kafka.revoke_timeout_s)
-        except TimeoutError:
-            log.warning("revoke_drain_timeout", partitions=sorted(map(str, partitions)))
-        await self.delivery.revoked(partitions)
+        if not lost:
+            waits = [self.window.wait_empty(tp) for tp in partitions]
+            try:
+                await asyncio.wait_for(
+                    asyncio.gather(*waits), self.settings.kafka.revoke_timeout_s
+                )
+            except TimeoutError:
+                log.warning("revoke_drain_timeout", partitions=sorted(map(str, partitions)))
+        await self.delivery.revoked(partitions, lost=lost)
 
     async def on_assigned(self, partitions: set[TopicPartition]) -> None:
         """Prepare what the delivery mode needs before the partitions' records are done."""

@@ -186,10 +186,10 @@ async def test_window_full_past_max_poll_interval_keeps_membership(
     revocations: list[set[TopicPartition]] = []
     real_revoked = worker.on_revoked
 
-    async def spy_revoked(partitions: set[TopicPartition]) -> None:
+    async def spy_revoked(partitions: set[TopicPartition], *, lost: bool = False) -> None:
         if partitions:  # the first join reports an empty revocation
             revocations.append(set(partitions))
-        await real_revoked(partitions)
+        await real_revoked(partitions, lost=lost)
 
     worker.on_revoked = spy_revoked  # type: ignore[method-assign]
     async with running_worker(settings, worker):

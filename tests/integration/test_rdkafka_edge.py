@@ -53,7 +53,7 @@ class _NoListener:
     async def on_assigned(self, partitions: set[TopicPartition]) -> None:
         return None
 
-    async def on_revoked(self, partitions: set[TopicPartition]) -> None:
+    async def on_revoked(self, partitions: set[TopicPartition], *, lost: bool = False) -> None:
         return None
 
 

@@ -200,8 +200,9 @@ class AtLeastOnce(TrackingDelivery):
                 self._skips[tp] = runs
                 log.info("done_beyond_commit", partition=str(tp), records=runs.records)
 
-    async def revoked(self, partitions: set[TopicPartition]) -> None:
-        await self.commit(only=partitions)
+    async def revoked(self, partitions: set[TopicPartition], *, lost: bool = False) -> None:
+        if not lost:
+            await self.commit(only=partitions)
         for tp in partitions:
             self._committed.pop(tp, None)
             self._skips.pop(tp, None)

@@ -146,9 +146,10 @@ class Delivery(Protocol):
         """Partitions were assigned: prepare whatever their outcomes need."""
         ...
 
-    async def revoked(self, partitions: set[TopicPartition]) -> None:
+    async def revoked(self, partitions: set[TopicPartition], *, lost: bool = False) -> None:
         """Partitions were revoked (their in-flight records drained or abandoned): commit
-        what is done and forget them; late completions are dropped."""
+        what is done (unless ``lost``: the group has moved on and refuses the commit) and
+        forget them; late completions are dropped."""
         ...
 
     def not_ready(self) -> list[str]:

@@ -546,10 +546,12 @@ class ExactlyOnce(TrackingDelivery):
                 self._notify()
             self._edge.seek(tp, meta.offset)
 
-    async def revoked(self, partitions: set[TopicPartition]) -> None:
-        """Commit what is done of them (the member still owns them), then forget them; a
-        partition's own producer is stopped, a shared one stays for the others."""
-        await self.commit(only=partitions)
+    async def revoked(self, partitions: set[TopicPartition], *, lost: bool = False) -> None:
+        """Commit what is done of them (the member still owns them; not when ``lost``: a
+        transaction would be refused, after a wait, for the generation gone), then forget
+        them; a partition's own producer is stopped, a shared one stays for the others."""
+        if not lost:
+            await self.commit(only=partitions)
         for tp in sorted(partitions):
             part = self._partitions.get(tp)
             if part is None:
@@ -558,7 +560,7 @@ class ExactlyOnce(TrackingDelivery):
                 async with part.producer.lock:
                     await part.producer.stop()
                 self._producers.pop(id(part.producer), None)
-            self._drop(tp, part, "revoked")
+            self._drop(tp, part, "lost" if lost else "revoked")
         self.forget(partitions)
         self._notify()
 

@@ -50,7 +50,9 @@ def refused(code: int, group_id: str, topics: Sequence[str], reason: str) -> Can
 class Rebalance(Protocol):
     """Told of assignment changes; the intake has already stopped dispatching revoked ones."""
 
-    async def on_revoked(self, partitions: set[TopicPartition]) -> None: ...
+    async def on_revoked(self, partitions: set[TopicPartition], *, lost: bool = False) -> None:
+        """``lost``: the session expired and the group has moved on; nothing of them can be
+        committed any more."""
 
     async def on_assigned(self, partitions: set[TopicPartition]) -> None: ...
 

@@ -121,6 +121,16 @@ async def test_revocation_commits_what_is_done_and_drops_late_completions() -> N
     assert d.offsets.commit_point(TP) == 1
 
 
+async def test_a_lost_partition_is_forgotten_without_a_commit() -> None:
+    """Lost (the group moved on): no commit is tried; the next assignment starts afresh."""
+    d, edge, _ = delivery()
+    first = d.track(record(0))
+    await d.complete(record(0), first, delivered, nothing)
+    await d.revoked({TP}, lost=True)
+    assert edge.commits == []
+    assert d.offsets.commit_point(TP) is None
+
+
 async def test_lag_is_the_distance_from_the_commit_point_to_the_end() -> None:
     """The lag gauge of a partition is its end offset minus its commit point."""
     d, _, metrics = delivery()

@@ -486,6 +486,21 @@ async def test_a_revocation_commits_what_is_done_and_keeps_the_producer() -> Non
     assert not producer.running
 
 
+async def test_a_lost_partition_is_let_go_without_a_transaction() -> None:
+    """Partition 1 lost (the session expired, the group moved on): no transaction for it
+    (the broker would refuse its offsets after a wait of seconds, inside the callback);
+    its staged record ends as revoked and its next owner redoes it."""
+    delivery, transactions = await _shared()
+    producer = transactions.producer
+    task = await _complete(delivery, 3, TP1)
+    await delivery.revoked({TP1}, lost=True)
+    with pytest.raises(errors.PartitionRevoked, match="lost"):
+        await task
+    assert producer.sent == []
+    assert producer.running and set(delivery._partitions) == {TP0}
+    await delivery.close()
+
+
 async def test_the_shared_producer_stops_at_close_with_no_partition_left() -> None:
     """Every partition revoked, then the worker closes: the producer kept for the next
     assignment is stopped all the same."""

@@ -366,13 +366,15 @@ class RdIntake(Feed):
             if assigned:
                 log.info("partitions_assigned", partitions=sorted(map(str, assigned)))
 
-    async def _on_revoke(self, consumer: AIOConsumer, partitions: list[Any]) -> None:
+    async def _on_revoke(
+        self, consumer: AIOConsumer, partitions: list[Any], *, lost: bool = False
+    ) -> None:
         """Stop dispatching them, let the listener drain and commit them, then let them go."""
         async with self._callback(consumer):
             revoked = {tp_of(p) for p in partitions}
             for tp in revoked:
                 self._backlog.pop(tp, None)
-            await self._rebalance.on_revoked(revoked)
+            await self._rebalance.on_revoked(revoked, lost=lost)
             self._assigned -= revoked
             self._paused -= revoked
             self._highwater = {tp: o for tp, o in self._highwater.items() if tp not in revoked}
@@ -383,9 +385,10 @@ class RdIntake(Feed):
                 await consumer.unassign()
 
     async def _on_lost(self, consumer: AIOConsumer, partitions: list[Any]) -> None:
-        """Partitions lost (the session expired): handled as revoked; their commits fail."""
+        """Partitions lost (the session expired): revoked without a commit (the group
+        refuses it: a transaction's offsets only after a wait of seconds)."""
         log.warning("partitions_lost", partitions=sorted(str(tp_of(p)) for p in partitions))
-        await self._on_revoke(consumer, partitions)
+        await self._on_revoke(consumer, partitions, lost=True)
 
     async def stop(self) -> None:
         """Leave the group and close the consumer. Idempotent."""
