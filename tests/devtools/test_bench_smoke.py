@@ -13,7 +13,7 @@ from devtools.bench.command import SMOKE_KEYS, TUNED_SETTINGS
 from devtools.devstack.paths import PROJECT_ROOT
 from tests.support import KafkaUnderTest, TritonUnderTest
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = pytest.mark.timeout(540)
 
 
 def test_smoke_run_reports_every_variant(
@@ -38,7 +38,7 @@ def test_smoke_run_reports_every_variant(
         capture_output=True,
         text=True,
         cwd=PROJECT_ROOT,
-        timeout=240,
+        timeout=480,
         check=False,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -92,7 +92,7 @@ def test_smoke_run_of_the_tuned_worker_in_each_mode(
         capture_output=True,
         text=True,
         cwd=PROJECT_ROOT,
-        timeout=240,
+        timeout=480,
         check=False,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -135,7 +135,7 @@ def test_decoupled_variant_reports_responses_and_first_response_times(
         capture_output=True,
         text=True,
         cwd=PROJECT_ROOT,
-        timeout=240,
+        timeout=480,
         check=False,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

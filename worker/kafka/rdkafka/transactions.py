@@ -79,9 +79,11 @@ _COMMIT_RETRY_BACKOFF = Backoff(first_s=0.1, max_s=2.0)
 #: Timeout of send_offsets_to_transaction (a few round trips when the coordinators
 #: answer), and how much longer it may run before the transaction is given up: librdkafka
 #: does not always honour that timeout (its issue 5456: while the group coordinator is out
-#: of reach, after a broker restart, the call was seen blocking for more than 40 s).
-_OFFSETS_TIMEOUT_S = 5.0
-_OFFSETS_GRACE_S = 1.0
+#: of reach, after a broker restart, the call was seen blocking for more than 40 s; it
+#: waits for a change of broker state that may never come, so only a fresh producer gets
+#: out, and the sooner the better: every partition waits meanwhile).
+_OFFSETS_TIMEOUT_S = 2.5
+_OFFSETS_GRACE_S = 0.5
 
 #: The group coordinator refused the offsets: this member no longer owns the partitions.
 #: (A rebalance in progress or a stale member epoch is not: the transaction is aborted
