@@ -287,9 +287,7 @@ class Worker:
         if not lost:
             waits = [self.window.wait_empty(tp) for tp in partitions]
             try:
-                await asyncio.wait_for(
-                    asyncio.gather(*waits), self.settings.kafka.revoke_timeout_s
-                )
+                await asyncio.wait_for(asyncio.gather(*waits), self.settings.kafka.revoke_timeout_s)
             except TimeoutError:
                 log.warning("revoke_drain_timeout", partitions=sorted(map(str, partitions)))
         await self.delivery.revoked(partitions, lost=lost)
