@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+from pathlib import Path
 from typing import Any
 from unittest import mock
 
@@ -38,7 +39,7 @@ from tests.support.soak.events import (
     check_event,
 )
 from tests.support.soak.lanes import Ledger
-from tests.support.soak.oracle import sequence_problems
+from tests.support.soak.oracle import held_windows, sequence_problems
 from tests.support.soak.outcomes import Outcome
 from tests.support.soak.progress import Progress
 from tests.support.soak.schedule import FAULT_KINDS, FIRST_KINDS, schedule
@@ -123,6 +124,21 @@ def test_only_sequences_no_fault_touched_must_be_exact() -> None:
     by_source[lost[0]] = [Outcome(lost[0], lost[1], "INFERENCE_ERROR", 1_100)]
     problems, _, _ = sequence_problems(ledger, accepted, by_source, [(5_150, 6_000)])
     assert "sequence calm step 0 (calm-0): dead letter INFERENCE_ERROR" in problems[0]
+
+
+def test_a_hold_for_a_retired_version_is_read_from_the_workers_logs(tmp_path: Path) -> None:
+    """The window of each hold a worker logged: from its start (its end less the time held)
+    to a second after its end; other lines and a worker without a log are passed over."""
+    log = tmp_path / "w0.log"
+    lines = [
+        {"event": "worker_started", "timestamp": "2026-12-07T00:26:16.417279Z"},
+        {"model": "double", "version": "1", "held_s": 5.04, "event": "model_version_retired",
+         "timestamp": "2026-12-07T00:26:21.580000Z"},
+    ]  # fmt: skip
+    log.write_text("\n".join(json.dumps(line) for line in lines) + "\nnot JSON\n")
+    workers = [mock.Mock(log_path=log), mock.Mock(log_path=tmp_path / "w1.log")]
+    ended_ms = 1_796_603_181_580  # 2026-12-07T00:26:21.580Z
+    assert held_windows(mock.Mock(workers=workers)) == [(ended_ms - 5_040, ended_ms + 1_000)]
 
 
 @pytest.mark.parametrize("delivery", sorted(FIRST_KINDS))
