@@ -262,16 +262,17 @@ class AvroPayments:
         output_topic: str,
         sent: int,
     ) -> bool:
-        """The first Avro result as AvroDeserializer reads it; True when every payment
+        """The first payment's result as AvroDeserializer reads it; True when every payment
         was answered with a result."""
         from confluent_kafka.schema_registry.avro import AvroDeserializer
         from confluent_kafka.serialization import MessageField, SerializationContext
 
         read = AvroDeserializer(self._client)
         context = SerializationContext(output_topic, MessageField.VALUE)
-        results = [a for a in answers.values() if a[1] is None]
+        results = sorted((rid, a) for rid, a in answers.items() if a[1] is None)
         if results:
-            value = results[0][2][1]
+            # The first payment's, whichever partition answered first.
+            value = results[0][1][2][1]
             schema_id = int.from_bytes(value[1:5], "big")
             line = (
                 f"[bold]{AVRO_TOPIC}[/bold] Avro event scored, read back by AvroDeserializer "
