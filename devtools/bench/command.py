@@ -364,6 +364,10 @@ async def _common_rate(
     return report.at_common_rate(rate, how, points)
 
 
+#: Deaths of the local Triton a measurement is made again after.
+TRITON_DEATHS_TOLERATED = 3
+
+
 async def again_if_triton_died(
     label: str,
     measure: Callable[[], Awaitable[_T]],
@@ -372,19 +376,21 @@ async def again_if_triton_died(
     console: Console,
 ) -> _T:
     """``measure()``; when it failed because the local Triton died under it, Triton is
-    restarted and the measurement made once more (Triton 2.51 has crashed mid-run here,
-    in ``TRITONSERVER_InferenceRequestDelete``, while a worker stopped or started)."""
-    try:
-        return await measure()
-    except Exception:
-        if stack is None or stack.triton.running():
-            raise
-    console.print(
-        f"[yellow]{label}: Triton died during the measurement (its log: "
-        f"{stack.triton.log_path}); restarted, measuring again[/yellow]"
-    )
-    await asyncio.to_thread(stack.triton.restart)
-    servers.triton_pid = stack.triton.pid
+    restarted and the measurement made again, up to ``TRITON_DEATHS_TOLERATED`` times
+    (Triton 2.51 has crashed mid-run here, in ``TRITONSERVER_InferenceRequestDelete``,
+    while a worker stopped or started, and twice in a row in one run of 2026-12-07)."""
+    for _ in range(TRITON_DEATHS_TOLERATED):
+        try:
+            return await measure()
+        except Exception:
+            if stack is None or stack.triton.running():
+                raise
+        console.print(
+            f"[yellow]{label}: Triton died during the measurement (its log: "
+            f"{stack.triton.log_path}); restarted, measuring again[/yellow]"
+        )
+        await asyncio.to_thread(stack.triton.restart)
+        servers.triton_pid = stack.triton.pid
     return await measure()
 
 

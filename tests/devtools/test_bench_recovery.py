@@ -1,4 +1,5 @@
-"""The benchmark measures again once when the local Triton died under a measurement."""
+"""The benchmark measures again when the local Triton died under a measurement, a bounded
+number of times."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import Any
 import pytest
 from rich.console import Console
 
-from devtools.bench.command import again_if_triton_died
+from devtools.bench.command import TRITON_DEATHS_TOLERATED, again_if_triton_died
 from devtools.bench.runner import Servers
 
 
@@ -62,3 +63,32 @@ def test_a_failure_with_triton_up_or_a_second_failure_is_raised() -> None:
             again_if_triton_died("x", measure, servers, _Stack(alive=False), Console(quiet=True))  # type: ignore[arg-type]
         )
     assert len(calls) == 2
+
+
+def _killing_triton(stack: _Stack, deaths: int) -> tuple[list[int], Any]:
+    calls: list[int] = []
+
+    async def measure() -> str:
+        calls.append(1)
+        if len(calls) <= deaths:
+            stack.triton.alive = False
+            raise RuntimeError("no new result for 60 s")
+        return "measured"
+
+    return calls, measure
+
+
+@pytest.mark.parametrize("deaths", [TRITON_DEATHS_TOLERATED, TRITON_DEATHS_TOLERATED + 1])
+def test_triton_dying_under_each_try_is_measured_again_up_to_the_bound(deaths: int) -> None:
+    servers, stack = Servers("k:9092", "t:8001"), _Stack(alive=True)
+    calls, measure = _killing_triton(stack, deaths)
+    run = again_if_triton_died("x", measure, servers, stack, Console(quiet=True))  # type: ignore[arg-type]
+    if deaths > TRITON_DEATHS_TOLERATED:
+        with pytest.raises(RuntimeError):
+            asyncio.run(run)
+    else:
+        assert asyncio.run(run) == "measured"
+    assert (len(calls), stack.triton.restarts) == (
+        min(deaths, TRITON_DEATHS_TOLERATED) + 1,
+        min(deaths, TRITON_DEATHS_TOLERATED),
+    )
