@@ -96,6 +96,12 @@ class InferenceError(WorkerError):
     code = "INFERENCE_ERROR"
 
 
+class SequenceGone(InferenceError):
+    """A step of a sequence whose state Triton no longer holds (never started, dropped
+    when idle, or lost in a restart). The record's own failure, not the model's: it never
+    counts toward the model's failure-rate breaker, and is never held by it."""
+
+
 class RetriesExhausted(WorkerError):
     """A retryable failure persisted until the record's retry budget was spent."""
 

@@ -117,3 +117,34 @@ async def test_keyless_and_unstarted_sequences_are_dead_lettered_not_retried(
     assert headers["x-error-code"] == b"INFERENCE_ERROR"
     assert headers["x-attempts"] == b"1"
     assert b"must specify the START flag" in headers["x-error-message"]
+
+
+async def test_steps_of_lost_sequences_never_trip_the_models_breaker(
+    kafka: KafkaUnderTest, triton: TritonUnderTest, unique: str
+) -> None:
+    """After a restart of Triton every live sequence's next step fails, as one never
+    started: each is its own dead letter, however many, and the model's failure-rate
+    breaker (which trips on more than half of 20 failing) stays closed, so a sequence
+    started after them is answered and no step is held for good."""
+    topics = Topics.fresh(unique)
+    await create(kafka, topics)
+    lost = [running_sum_request(f"lost-{i}", 1) for i in range(30)]
+    good = running_sum_request("good", 7, start=True, end=True)
+    settings = settings_for(kafka, triton, topics, sequence_from_key="true")
+    async with running_worker(settings):
+        await send(
+            kafka.bootstrap_servers,
+            topics.input,
+            [*lost, good],
+            keys=[*(f"lost-{i}".encode() for i in range(30)), b"good"],
+        )
+        got = await collect_streams(
+            kafka.bootstrap_servers, topics, [*(f"lost-{i}" for i in range(30)), "good"]
+        )
+
+    assert _sum(got.results["good"][0]) == 7
+    for i in range(30):
+        (dead,) = got.dead_letters[f"lost-{i}"]
+        headers = headers_dict(dead.headers)
+        assert headers["x-error-code"] == b"INFERENCE_ERROR"
+        assert b"must specify the START flag" in headers["x-error-message"]

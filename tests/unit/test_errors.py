@@ -81,6 +81,13 @@ def test_retries_exhausted_names_the_last_error() -> None:
     )
 
 
+#: Triton's text for a step of a sequence it does not hold.
+SEQUENCE_GONE = (
+    "inference request for sequence 7 to model 'running_sum' must specify the START flag "
+    "on the first request of the sequence"
+)
+
+
 @pytest.mark.parametrize(
     ("code", "message", "expected"),
     [
@@ -131,6 +138,11 @@ def test_retries_exhausted_names_the_last_error() -> None:
         (grpc.StatusCode.PERMISSION_DENIED, "denied", errors.Forbidden),
         (grpc.StatusCode.UNAUTHENTICATED, "no token", errors.Forbidden),
         (grpc.StatusCode.INTERNAL, "model raised", errors.InferenceError),
+        (
+            grpc.StatusCode.INVALID_ARGUMENT,
+            SEQUENCE_GONE,
+            errors.SequenceGone,
+        ),
         (grpc.StatusCode.UNIMPLEMENTED, "unsupported", errors.InferenceError),
     ],
 )
@@ -182,6 +194,10 @@ def test_from_grpc(
             errors.InferenceError,
         ),
         ("something nobody has seen before", errors.InferenceError),
+        (
+            SEQUENCE_GONE,
+            errors.SequenceGone,
+        ),
     ],
 )
 def test_from_stream_error(text: str, expected: type[errors.WorkerError]) -> None:

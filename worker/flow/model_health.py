@@ -21,7 +21,8 @@ Only probes close the breaker: a success of a record sent before the breaker
 opened says nothing of the requests that fail. Closing forgets the outcomes
 (they belong to the bad release), so the model must show ``min_samples`` new
 outcomes before it can trip again. Outcomes other than success or
-``INFERENCE_ERROR`` (a timeout, an invalid request) are not counted.
+``INFERENCE_ERROR`` (a timeout, an invalid request) are not counted, nor a step of a
+sequence whose state Triton lost (``SequenceGone``: dead-lettered, never held).
 """
 
 from __future__ import annotations
@@ -156,13 +157,17 @@ class ModelHealth:
     def failed(self, model: _Model, error: errors.WorkerError, probe: bool) -> bool:
         """One inference of the model failed with ``error``; True when the record is held.
 
-        Only INFERENCE_ERROR counts. Held: the breaker was open already (or the record
-        is the probe); not held: the model is healthy, or this failure trips the
-        breaker (it is part of the sample). Either way a probe has ended.
+        Only INFERENCE_ERROR counts, and not a step of a sequence Triton no longer holds
+        (its state was lost, most often in a restart of Triton, after which every live
+        sequence's next step fails: that says nothing of the release, and holding such a
+        step would hold its partition for good, since no probe of it can succeed).
+        Held: the breaker was open already (or the record is the probe); not held: the
+        model is healthy, or this failure trips the breaker (it is part of the sample).
+        Either way a probe has ended.
         """
         if probe:
             self._probe_ended(model)
-        if not isinstance(error, errors.InferenceError):
+        if not isinstance(error, errors.InferenceError) or isinstance(error, errors.SequenceGone):
             return False
         if model in self._open:
             return True

@@ -18,6 +18,7 @@ from worker.errors import (
     ModelNotFound,
     ModelNotReady,
     OutputTooLarge,
+    SequenceGone,
     TooLarge,
     TritonOverloaded,
     TritonTimeout,
@@ -79,7 +80,9 @@ def from_stream_error(message: str) -> WorkerError:
     """Map the `error_message` of a ModelStreamInferResponse to a WorkerError."""
     text = message.lower()
     detail = f"Triton: {message}"
-    if _contains(text, _MODEL_RAISED_TEXTS + _SEQUENCE_GONE_TEXTS):
+    if _contains(text, _SEQUENCE_GONE_TEXTS):
+        return SequenceGone(detail)
+    if _contains(text, _MODEL_RAISED_TEXTS):
         return InferenceError(detail)
     if _contains(text, _OVERLOADED_TEXTS):
         return TritonOverloaded(detail)
@@ -110,7 +113,7 @@ def from_grpc(status_code: grpc.StatusCode | None, message: str) -> WorkerError:
     if status_code is None:
         return TritonUnavailable(detail)
     if _contains(text, _SEQUENCE_GONE_TEXTS):
-        return InferenceError(detail)
+        return SequenceGone(detail)
     if status_code == grpc.StatusCode.UNAVAILABLE:
         # Triton uses UNAVAILABLE for full queues, queue timeouts and models
         # not ready as well as for a server that cannot be reached.

@@ -284,3 +284,17 @@ def test_succeeded_many_counts_as_that_many_successes_in_the_window() -> None:
     assert not gate.is_open(*M) and changes == []
     assert fail(gate, 1) == [False]  # 11 of 20: trips
     assert gate.is_open(*M)
+
+
+def test_steps_of_sequences_triton_lost_never_trip_nor_are_held() -> None:
+    """After a restart of Triton every live sequence's next step fails (its state is gone):
+    those failures say nothing of the release, and a held one could never succeed as a
+    probe, so they are dead-lettered whether the breaker is closed or open."""
+    gate, changes = health()
+    gone = errors.SequenceGone("Triton: must specify the START flag on the first request")
+    assert [gate.failed(M, gone, probe=False) for _ in range(50)] == [False] * 50
+    assert changes == []
+    fail(gate, 10)  # a bad release trips it
+    assert changes == [("m", True)]
+    assert gate.failed(M, gone, probe=False) is False
+    assert gate.failed(M, BAD, probe=False) is True
