@@ -329,6 +329,8 @@ class ExactlyOnce(TrackingDelivery):
             if ended is not None:
                 return
             for ready in batch:
+                if self._dropped(ready):
+                    continue  # lost while the commit was under way: _drop settled them
                 self._staged_count -= len(ready.offsets)
                 for offset in ready.offsets:
                     staged = ready.part.staged.pop(offset)
@@ -373,6 +375,11 @@ class ExactlyOnce(TrackingDelivery):
             refused = await producer.send(messages, one_by_one=key in self._suspects)
             if refused:
                 await producer.abandon(f"refused for size: {len(refused)} record(s)")
+                if any(self._dropped(ready) for ready in batch):
+                    # Lost meanwhile (dropped with no lock waited for): the refusal's
+                    # indexes no longer match what is staged; the next transaction of
+                    # what is left finds the refused record again.
+                    return _Ended.LOST
                 return self._refused(producer, batch, refused)
             self._check_ours(batch)  # after the acknowledgements' wait
             await producer.send_offsets({r.tp: r.point for r in batch})
@@ -392,11 +399,15 @@ class ExactlyOnce(TrackingDelivery):
         self._suspects.discard(key)
         return None
 
+    def _dropped(self, ready: _Ready) -> bool:
+        """The partition was dropped here (lost, revoked, fenced) since ``ready`` was made."""
+        return self._partitions.get(ready.tp) is not ready.part
+
     def _check_ours(self, batch: list[_Ready]) -> None:
         """_Lost when a partition was dropped here or left the consumer's assignment."""
         assigned = self._edge.assignment()
         for ready in batch:
-            if self._partitions.get(ready.tp) is not ready.part or ready.tp not in assigned:
+            if self._dropped(ready) or ready.tp not in assigned:
                 raise _Lost(str(ready.tp))
 
     def _refused(

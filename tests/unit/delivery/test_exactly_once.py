@@ -20,7 +20,7 @@ import pytest
 from aiokafka.errors import KafkaConnectionError, RebalanceInProgressError
 from aiokafka.structs import OffsetAndMetadata, TopicPartition
 
-from tests.unit.delivery.fakes import TP, Edge, Shared, completing, record
+from tests.unit.delivery.fakes import TP, Edge, Shared, Transactional, completing, record
 from tests.unit.kafka.aiokafka.fakes import Factory, FakeProducer
 from worker import errors
 from worker.delivery import ExactlyOnce
@@ -71,7 +71,13 @@ async def _started(factory: Factory, edge: Edge | None = None) -> ExactlyOnce:
 
 
 async def _shared(edge: Edge | None = None) -> tuple[ExactlyOnce, Shared]:
-    transactions = Shared()
+    return await _shared_with(None, edge)
+
+
+async def _shared_with(
+    producer: Transactional | None, edge: Edge | None = None
+) -> tuple[ExactlyOnce, Shared]:
+    transactions = Shared(producer)
     delivery = ExactlyOnce(
         SETTINGS,
         OffsetTracker(),
@@ -498,6 +504,56 @@ async def test_a_lost_partition_is_let_go_without_a_transaction() -> None:
         await task
     assert producer.sent == []
     assert producer.running and set(delivery._partitions) == {TP0}
+    await delivery.close()
+
+
+class _LosingMidway(Transactional):
+    """A shared producer during whose send (``at="send"``, refusing the first record for
+    size) or commit (``at="commit"``) the member loses partition 1."""
+
+    def __init__(self, at: str) -> None:
+        super().__init__()
+        self.at = at
+        self.delivery: ExactlyOnce | None = None
+
+    async def _lose(self) -> None:
+        assert self.delivery is not None
+        await self.delivery.revoked({TP1}, lost=True)
+
+    async def send(self, messages: Any, *, one_by_one: bool) -> tuple[int, ...]:
+        await super().send(messages, one_by_one=one_by_one)
+        if self.at == "send":
+            await self._lose()
+            return (0,)
+        return ()
+
+    async def commit(self) -> None:
+        if self.at == "commit":
+            await self._lose()
+        await super().commit()
+
+
+@pytest.mark.parametrize("at", ["send", "commit"])
+async def test_a_partition_lost_amid_its_transaction_is_let_go_and_the_worker_goes_on(
+    at: str,
+) -> None:
+    """Partition 1 is lost while its transaction is under way (its staged outcomes
+    dropped at once, no lock waited for): a refusal for size names nothing of it any more,
+    and a commit that went through settles nothing of it twice; its record ends as
+    revoked, the commit loop goes on, and partition 0 commits as before."""
+    producer = _LosingMidway(at)
+    delivery, _ = await _shared_with(producer)
+    producer.delivery = delivery
+    lost = await _complete(delivery, 5, TP1)
+    await delivery.commit()
+    with pytest.raises(errors.PartitionRevoked, match="lost"):
+        await lost
+    assert set(delivery._partitions) == {TP0}
+    producer.at = ""
+    kept = await _complete(delivery, 3, TP0)
+    await delivery.commit()
+    await kept
+    assert producer.sent[-1][1] == {TP0: 4}
     await delivery.close()
 
 
