@@ -9,6 +9,7 @@ reached Triton first, in order, under the same correlation id.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -32,6 +33,25 @@ pytestmark = pytest.mark.timeout(120)
 
 def _sum(record: Any) -> int:
     return int(result_outputs(record)["SUM"].reshape(-1)[0])
+
+
+async def _answered(
+    kafka: KafkaUnderTest,
+    triton: TritonUnderTest,
+    unique: str,
+    requests: Sequence[SampleRequest],
+    keys: Sequence[bytes | None],
+) -> Any:
+    """The requests, keyed as given, through a worker taking sequence ids from keys;
+    every one's result or dead letter."""
+    topics = Topics.fresh(unique)
+    await create(kafka, topics)
+    settings = settings_for(kafka, triton, topics, sequence_from_key="true")
+    async with running_worker(settings):
+        await send(kafka.bootstrap_servers, topics.input, requests, keys=keys)
+        return await collect_streams(
+            kafka.bootstrap_servers, topics, [request.request_id for request in requests]
+        )
 
 
 async def test_sums_are_right_per_key_with_many_keys_in_flight(
@@ -91,23 +111,13 @@ async def test_keyless_and_unstarted_sequences_are_dead_lettered_not_retried(
     kafka: KafkaUnderTest, triton: TritonUnderTest, unique: str
 ) -> None:
     """No key: INVALID_REQUEST saying why; a key Triton has no sequence for: INFERENCE_ERROR."""
-    topics = Topics.fresh(unique)
-    await create(kafka, topics)
     keyless = running_sum_request("keyless", 5, start=True)
     # Triton answers a sequence it dropped (idle timeout, restart) as one never started.
     unstarted = running_sum_request("unstarted", 5)
     good = running_sum_request("good", 7, start=True, end=True)
-    settings = settings_for(kafka, triton, topics, sequence_from_key="true")
-    async with running_worker(settings):
-        await send(
-            kafka.bootstrap_servers,
-            topics.input,
-            [keyless, unstarted, good],
-            keys=[None, b"never-started", b"fine"],
-        )
-        got = await collect_streams(
-            kafka.bootstrap_servers, topics, ["keyless", "unstarted", "good"]
-        )
+    got = await _answered(
+        kafka, triton, unique, [keyless, unstarted, good], [None, b"never-started", b"fine"]
+    )
 
     assert _sum(got.results["good"][0]) == 7
     headers = headers_dict(got.dead_letters["keyless"][0].headers)
@@ -126,21 +136,10 @@ async def test_steps_of_lost_sequences_never_trip_the_models_breaker(
     started: each is its own dead letter, however many, and the model's failure-rate
     breaker (which trips on more than half of 20 failing) stays closed, so a sequence
     started after them is answered and no step is held for good."""
-    topics = Topics.fresh(unique)
-    await create(kafka, topics)
     lost = [running_sum_request(f"lost-{i}", 1) for i in range(30)]
     good = running_sum_request("good", 7, start=True, end=True)
-    settings = settings_for(kafka, triton, topics, sequence_from_key="true")
-    async with running_worker(settings):
-        await send(
-            kafka.bootstrap_servers,
-            topics.input,
-            [*lost, good],
-            keys=[*(f"lost-{i}".encode() for i in range(30)), b"good"],
-        )
-        got = await collect_streams(
-            kafka.bootstrap_servers, topics, [*(f"lost-{i}" for i in range(30)), "good"]
-        )
+    keys = [*(f"lost-{i}".encode() for i in range(30)), b"good"]
+    got = await _answered(kafka, triton, unique, [*lost, good], keys)
 
     assert _sum(got.results["good"][0]) == 7
     for i in range(30):
