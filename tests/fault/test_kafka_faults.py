@@ -20,10 +20,10 @@ from tests.support import (
     Topics,
     TritonUnderTest,
     collect,
+    collect_streams,
     create,
     local_kafka,
     report,
-    results_published,
     running_worker,
     send,
     settings_for,
@@ -67,21 +67,26 @@ async def test_single_broker_restart_mid_stream(
     topics = Topics.fresh(unique)
     await create(own_kafka, topics, partitions=2)
     requests = samples.good_requests(1500, seed=61, models=("double",))
-    # Throttled (a small window, no batching): at the defaults the worker can answer all
-    # 1,500 before the broker stops, and then nothing is mid-stream.
+    before, after = requests[:1000], requests[1000:]
+    bootstrap = own_kafka.bootstrap_servers
+    # The last third is written only once the broker is back, so the restart is mid-stream
+    # however fast the worker answers. Throttled (a small window, no batching) so that it is
+    # still answering the first two thirds as the broker stops.
     settings = settings_for(own_kafka, triton, topics, max_in_flight="4", batch_max_size="1")
     async with running_worker(settings) as worker:
-        await send(own_kafka.bootstrap_servers, topics.input, requests)
-        got = await collect(own_kafka.bootstrap_servers, topics, 300)
+        await send(bootstrap, topics.input, before)
+        await collect(bootstrap, topics, 300)
         await asyncio.to_thread(own_kafka.stop_node, 1)
-        assert results_published(worker) < len(requests), "all answered before the broker stopped"
         await asyncio.to_thread(own_kafka.start_node, 1)
         back = time.monotonic()
-        answered = len(got)
+        await send(bootstrap, topics.input, after)
+        later = {r.request_id for r in after}
         with _where_it_stands(worker):
-            got = await collect(own_kafka.bootstrap_servers, topics, answered + 1, 120, into=got)
+            await collect_streams(
+                bootstrap, topics, later, 120, until=lambda s: not later.isdisjoint(s.results)
+            )
             recovery_s = time.monotonic() - back
-            got = await collect(own_kafka.bootstrap_servers, topics, len(requests), 120, into=got)
+            got = await collect(bootstrap, topics, len(requests), 120)
     report("single broker restarted mid-stream", len(requests), got, recovery_s)
     assert got.dead_letters == {}
     assert set(got.results) == {r.request_id for r in requests}
@@ -96,20 +101,28 @@ async def test_partition_leader_failover(
         [topics.input, topics.output, topics.dlq], partitions=1, replication=3
     )
     requests = samples.good_requests(3000, seed=62, models=("double",))
+    before, during, after = requests[:1000], requests[1000:2000], requests[2000:]
     leader = await cluster3.leader(topics.input, 0)
-    # Throttled (a small window, no batching) so that the stream outlasts the first 300
-    # results and the leader's stop (a controlled shutdown): the failover is mid-stream.
+    bootstrap = cluster3.bootstrap_servers
+    # The stream goes on while the leader stops (a controlled shutdown) and after it: the
+    # last third is written only once it has stopped, so the failover is mid-stream however
+    # fast the worker answers. Throttled (a small window, no batching) so that it is still
+    # answering the first two thirds as the leader stops.
     settings = settings_for(cluster3, triton, topics, max_in_flight="4", batch_max_size="1")
-    async with running_worker(settings) as worker:
-        await send(cluster3.bootstrap_servers, topics.input, requests)
-        got = await collect(cluster3.bootstrap_servers, topics, 300)
-        await asyncio.to_thread(cluster3.stop_node, leader)
+    async with running_worker(settings):
+        await send(bootstrap, topics.input, before)
+        await collect(bootstrap, topics, 300)
+        await asyncio.gather(
+            asyncio.to_thread(cluster3.stop_node, leader), send(bootstrap, topics.input, during)
+        )
         stopped = time.monotonic()
-        assert results_published(worker) < len(requests), "all answered before the leader stopped"
-        answered = len(got)
-        got = await collect(cluster3.bootstrap_servers, topics, answered + 1, 120, into=got)
+        await send(bootstrap, topics.input, after)
+        later = {r.request_id for r in after}
+        await collect_streams(
+            bootstrap, topics, later, 120, until=lambda s: not later.isdisjoint(s.results)
+        )
         recovery_s = time.monotonic() - stopped
-        got = await collect(cluster3.bootstrap_servers, topics, len(requests), 120, into=got)
+        got = await collect(bootstrap, topics, len(requests), 120)
     report("partition leader failover (3 nodes)", len(requests), got, recovery_s)
     assert await cluster3.leader(topics.input, 0) not in {leader, -1}
     assert got.dead_letters == {}
