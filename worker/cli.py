@@ -59,10 +59,12 @@ def run_worker(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return ExitCode.CONFIG
 
+    from worker.allocator import pin_mmap_threshold
     from worker.observability import configure_logging
     from worker.shutdown import end_process
 
     configure_logging(settings.ops.log_format, settings.ops.log_level)
+    pin_mmap_threshold()  # before any client allocates: large buffers freed stay freed
     # Every way out ends the same: the worker has closed its clients (librdkafka's threads
     # joined), then the process ends without the interpreter's teardown (see end_process).
     end_process(_serve(settings))
