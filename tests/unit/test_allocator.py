@@ -44,7 +44,6 @@ def _second_buffer(mode: str, env: dict[str, str] | None = None) -> str:
     return done.stdout.strip()
 
 
-
 def test_without_the_pin_the_second_large_buffer_comes_from_the_heap() -> None:
     assert _second_buffer("plain") == "False 0"
 

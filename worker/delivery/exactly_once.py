@@ -304,15 +304,25 @@ class ExactlyOnce(TrackingDelivery):
 
     async def commit(self, only: Iterable[TopicPartition] | None = None) -> None:
         """Commit the staged done prefix of each partition (of ``only``) with its offset,
-        one transaction per producer."""
+        one transaction per producer, the producers' transactions side by side (one round
+        trip of the slowest, not the sum of them: the records hold their window slots until
+        it ends). Every transaction runs to its end before the first failure is raised."""
         wanted = set(only) if only is not None else None
         producers = {
             id(part.producer): part.producer
             for tp, part in self._partitions.items()
             if wanted is None or tp in wanted
         }
-        for producer in producers.values():
-            await self._flush(producer, wanted)
+        if len(producers) == 1:
+            await self._flush(next(iter(producers.values())), wanted)
+            return
+        ended = await asyncio.gather(
+            *(self._flush(producer, wanted) for producer in producers.values()),
+            return_exceptions=True,
+        )
+        for outcome in ended:
+            if isinstance(outcome, BaseException):
+                raise outcome
 
     async def _flush(
         self, producer: TransactionalProducer, wanted: set[TopicPartition] | None

@@ -196,6 +196,45 @@ async def test_no_partition_commits_before_the_offsets_of_every_assigned_one_are
     await delivery.close()
 
 
+async def test_the_partitions_transactions_run_side_by_side() -> None:
+    """A producer per partition: both transactions are under way before either commits
+    (one round trip of the slowest per commit, not the sum), and each commits its own."""
+    gate, both = asyncio.Event(), asyncio.Event()
+    producers: dict[str, FakeProducer] = {}
+    committing_now = 0
+
+    class Gated(FakeProducer):
+        async def commit_transaction(self) -> None:
+            nonlocal committing_now
+            committing_now += 1
+            if committing_now == 2:
+                both.set()
+            await gate.wait()
+            await super().commit_transaction()
+
+    def factory(transactional_id: str) -> Any:
+        producers[transactional_id] = producer = Gated()
+        return producer
+
+    delivery = ExactlyOnce(
+        SETTINGS,
+        OffsetTracker(),
+        _TwoPartitions(producers),
+        Metrics(version="test"),
+        transactions=per_partition(factory),
+    )
+    await delivery.assigned({TP0, TP1})
+    tasks = [await _complete(delivery, 0, TP0), await _complete(delivery, 0, TP1)]
+    committing = asyncio.create_task(delivery.commit())
+    await asyncio.wait_for(both.wait(), 5)  # one after the other, the second never begins
+    gate.set()
+    await committing
+    await asyncio.gather(*tasks)
+    assert [_values(p.committed) for p in producers.values()] == [[b"in-0"], [b"in-0"]]
+    assert delivery.offsets.commit_point(TP0) == delivery.offsets.commit_point(TP1) == 1
+    await delivery.close()
+
+
 async def test_a_group_of_results_is_staged_at_once_and_returns_once_committed() -> None:
     """complete_many: three results staged together (on_safe once they are), one
     transaction carries them and the next offset; each result's outcome is None, and
