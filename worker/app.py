@@ -73,7 +73,9 @@ class Worker:
             settings, self.publisher, self.intake, metrics, transactions=transactions
         )
         self.models, self.model_health = build_model_holds(settings, self.pool, metrics)
-        self.audit = Audit(settings, self.publisher.send_audit)
+        self.audit = Audit(
+            settings, self.publisher.send_audit, send_many=self.publisher.send_audit_many
+        )
         self.steps = Steps(
             RecordRules.from_settings(settings),
             metrics=metrics,

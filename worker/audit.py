@@ -16,14 +16,23 @@ from typing import Any, NamedTuple
 
 import orjson
 import structlog
+from aiokafka.errors import KafkaError
 
 from worker.errors import WriteFailed
 from worker.kafka.publisher import write_with_retries
 from worker.kafka.types import ConsumerRecord
 from worker.settings import Settings
+from worker.wire import Headers
 
 #: Sends (topic, value, key) and waits for the broker's ack.
 Send = Callable[[str, bytes, bytes | None], Awaitable[object]]
+#: Sends every (key, value, headers) to a topic together, then awaits the acks: per record
+#: None once acknowledged, else the error that kept it out (``Producer.send_together``).
+SendMany = Callable[
+    [str, Sequence[tuple[bytes | None, bytes, Headers]]], Awaitable[list[BaseException | None]]
+]
+
+log = structlog.get_logger(__name__)
 
 #: Name of the dedicated logger, so a log pipeline can route audit lines apart.
 AUDIT_LOGGER = "worker.audit"
@@ -91,9 +100,17 @@ class AuditEntry(NamedTuple):
 class Audit:
     """Writes audit records to a log stream and/or an audit topic, per ``WORKER_AUDIT``."""
 
-    def __init__(self, settings: Settings, send: Send, *, topic_attempts: int = 5) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        send: Send,
+        *,
+        send_many: SendMany | None = None,
+        topic_attempts: int = 5,
+    ) -> None:
         self._settings = settings
         self._send = send
+        self._send_many = send_many
         self._to_log = settings.ops.audit in ("log", "both")
         self._to_topic = settings.ops.audit in ("topic", "both")
         self._topic = settings.ops.audit_topic
@@ -141,9 +158,9 @@ class Audit:
             await self._write(entry)
 
     async def record_many(self, entries: Sequence[AuditEntry]) -> None:
-        """Audit several finished requests at once: their log lines, then every topic
-        write sent before the acknowledgements are awaited (AuditWriteFailed if one never
-        comes)."""
+        """Audit several finished requests at once: their log lines, then their topic
+        records sent together (one hand-over to the producer, acknowledgements per batch),
+        those refused tried again one by one (AuditWriteFailed if one never lands)."""
         if not (self._to_log or self._to_topic):
             return
         worker_id, now = self._settings.kafka.client_id, datetime.now(UTC)
@@ -166,19 +183,47 @@ class Audit:
             for entry in records:
                 logger.info(AUDIT_EVENT, **entry)
         if self._to_topic:
-            await asyncio.gather(*(self._write(entry) for entry in records))
+            await self._write_many(records)
+
+    async def _write_many(self, entries: list[dict[str, Any]]) -> None:
+        topic = self._topic
+        assert topic is not None
+        if self._send_many is None or len(entries) == 1:
+            await asyncio.gather(*(self._write(entry) for entry in entries))
+            return
+        sent: list[tuple[bytes | None, bytes, Headers]] = [
+            (_key(entry), orjson.dumps(entry), []) for entry in entries
+        ]
+        try:
+            outcomes: list[BaseException | None] = await self._send_many(topic, sent)
+        except KafkaError as exc:  # the producer's state: each is tried again alone
+            outcomes = [exc] * len(sent)
+        failed = [(e, error) for e, error in zip(entries, outcomes, strict=True) if error]
+        if failed:
+            first = failed[0][1]
+            log.warning(
+                "audit_records_written_again",
+                records=len(failed),
+                error=f"{type(first).__name__}: {first}",
+            )
+            await asyncio.gather(*(self._write(entry) for entry, _ in failed))
 
     async def _write(self, entry: dict[str, Any]) -> None:
         topic = self._topic
         assert topic is not None
-        value = orjson.dumps(entry)
-        key = entry["request_id"].encode() if entry["request_id"] else None
+        value, key = orjson.dumps(entry), _key(entry)
         await write_with_retries(
             lambda: self._send(topic, value, key),
             what=f"audit record to {topic!r}",
             attempts=self._topic_attempts,
             failure=AuditWriteFailed,
         )
+
+
+def _key(entry: dict[str, Any]) -> bytes | None:
+    """An audit record's key: its request id."""
+    request_id = entry["request_id"]
+    return request_id.encode() if request_id else None
 
 
 def _audit_logger() -> Any:

@@ -6,6 +6,7 @@ import hashlib
 import io
 import json
 import logging
+from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any
 
@@ -14,7 +15,7 @@ import structlog
 from aiokafka.errors import KafkaTimeoutError
 from aiokafka.structs import ConsumerRecord
 
-from worker.audit import AUDIT_LOGGER, Audit, AuditWriteFailed, audit_record
+from worker.audit import AUDIT_LOGGER, Audit, AuditEntry, AuditWriteFailed, audit_record
 from worker.observability import configure_logging, reset_logging
 from worker.settings import Settings, load_settings
 
@@ -205,3 +206,63 @@ async def test_audit_lines_reach_the_configured_log_even_at_level_error() -> Non
         reset_logging()
     [line] = [json.loads(text) for text in stream.getvalue().splitlines()]
     assert (line["event"], line["logger"], line["request_id"]) == ("audit", AUDIT_LOGGER, "req-1")
+
+
+class _SendsTogether:
+    """Collects what the audit hands over together; refuses the records at ``refused``."""
+
+    def __init__(self, refused: Sequence[int] = ()) -> None:
+        self.calls: list[tuple[str, list[tuple[bytes | None, bytes, Any]]]] = []
+        self.refused = set(refused)
+
+    async def __call__(
+        self, topic: str, records: Sequence[tuple[bytes | None, bytes, Any]]
+    ) -> list[BaseException | None]:
+        self.calls.append((topic, list(records)))
+        return [KafkaTimeoutError() if i in self.refused else None for i in range(len(records))]
+
+
+def _entries(n: int) -> list[AuditEntry]:
+    return [
+        AuditEntry(_record(), f"req-{i}", "double", "1", "result", None, 0.01) for i in range(n)
+    ]
+
+
+async def test_a_groups_audit_records_are_handed_over_together() -> None:
+    """record_many with an audit topic: one hand-over of every record (keyed by request
+    id, the same JSON as one by one), no write of its own per record."""
+    one_by_one, together = _Sends(), _SendsTogether()
+    audit = Audit(_settings(audit="topic", audit_topic="audit"), one_by_one, send_many=together)
+    await audit.record_many(_entries(3))
+    [(topic, records)] = together.calls
+    assert topic == "audit" and one_by_one.sent == []
+    assert [key for key, _, _ in records] == [b"req-0", b"req-1", b"req-2"]
+    assert [json.loads(value)["request_id"] for _, value, _ in records] == [
+        "req-0",
+        "req-1",
+        "req-2",
+    ]
+
+
+async def test_audit_records_refused_in_a_group_are_written_again_alone() -> None:
+    """The records the hand-over did not land are written one by one, with retries; the
+    others are not written twice."""
+    one_by_one, together = _Sends(failures=1), _SendsTogether(refused=[1])
+    audit = Audit(
+        _settings(audit="topic", audit_topic="audit"),
+        one_by_one,
+        send_many=together,
+        topic_attempts=2,
+    )
+    with structlog.testing.capture_logs() as logs:
+        await audit.record_many(_entries(3))
+    assert [key for _, _, key in one_by_one.sent] == [b"req-1"]
+    assert "audit_records_written_again" in [e["event"] for e in logs]
+    broken = Audit(
+        _settings(audit="topic", audit_topic="audit"),
+        _Sends(failures=5),
+        send_many=_SendsTogether(refused=[0]),
+        topic_attempts=2,
+    )
+    with pytest.raises(AuditWriteFailed, match="failed 2 times"):
+        await broken.record_many(_entries(2))

@@ -230,6 +230,13 @@ class Publisher:
         """Write an audit record and wait for the broker's ack."""
         return await self.producer.send_audit(topic, value, key)
 
+    async def send_audit_many(
+        self, topic: str, records: Sequence[tuple[bytes | None, bytes, Headers]]
+    ) -> list[BaseException | None]:
+        """Write audit records together (one try each): per record None once acknowledged,
+        else the error that kept it out."""
+        return await self.producer.send_together(topic, records)
+
     async def write_dead_letter(
         self, value: bytes | None, key: bytes | None, headers: Headers
     ) -> Any:
