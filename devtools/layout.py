@@ -39,7 +39,7 @@ FLOW = (
     ("commands", "the commands beside run that reach Kafka: produce, topics, tail"),
 )
 #: Top-level modules of worker/, around the packages.
-TOP_LEVEL = ("app", "errors", "audit", "cli", "shutdown")
+TOP_LEVEL = ("app", "errors", "audit", "cli", "shutdown", "allocator")
 
 #: Package dependencies known to run the wrong way, each with why and what removes it. The
 #: package-cycle check leaves them out; a contract test fails once one is gone, so that the

@@ -16,11 +16,10 @@ from typing import Any, NamedTuple
 
 import orjson
 import structlog
-from aiokafka.errors import KafkaError
 
 from worker.errors import WriteFailed
 from worker.kafka.publisher import write_with_retries
-from worker.kafka.types import ConsumerRecord
+from worker.kafka.types import ConsumerRecord, KafkaError
 from worker.settings import Settings
 from worker.wire import Headers
 
