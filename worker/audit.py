@@ -197,7 +197,9 @@ class Audit:
             outcomes: list[BaseException | None] = await self._send_many(topic, sent)
         except KafkaError as exc:  # the producer's state: each is tried again alone
             outcomes = [exc] * len(sent)
-        failed = [(e, error) for e, error in zip(entries, outcomes, strict=True) if error]
+        failed = [
+            (e, error) for e, error in zip(entries, outcomes, strict=True) if error is not None
+        ]
         if failed:
             first = failed[0][1]
             log.warning(

@@ -313,9 +313,6 @@ class ExactlyOnce(TrackingDelivery):
             for tp, part in self._partitions.items()
             if wanted is None or tp in wanted
         }
-        if len(producers) == 1:
-            await self._flush(next(iter(producers.values())), wanted)
-            return
         ended = await asyncio.gather(
             *(self._flush(producer, wanted) for producer in producers.values()),
             return_exceptions=True,

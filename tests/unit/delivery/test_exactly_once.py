@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import pytest
@@ -155,23 +155,15 @@ class _TwoPartitions(Edge):
         return {tp: meta for offsets in sent for tp, meta in offsets.items() if tp in partitions}
 
 
-async def test_no_partition_commits_before_the_offsets_of_every_assigned_one_are_read() -> None:
-    """Two partitions, the second's producer slow to start: the first stays not ready until
-    the offsets are read, then its record is committed once and nothing is sought (before,
-    it committed meanwhile, the read took that for a previous owner's commit and sought
-    back to it: its staged records came again, "staged twice")."""
-    reached, gate = asyncio.Event(), asyncio.Event()
+def _on_two_partitions(
+    make: Callable[[str], FakeProducer],
+) -> tuple[ExactlyOnce, dict[str, FakeProducer]]:
+    """exactly_once over partitions 0 and 1 (not assigned yet), a producer per partition
+    made by ``make`` from its transactional id; the producers by id, as they are made."""
     producers: dict[str, FakeProducer] = {}
 
-    class Slow(FakeProducer):
-        async def start(self) -> None:
-            reached.set()
-            await gate.wait()
-            await super().start()
-
     def factory(transactional_id: str) -> Any:
-        producer = Slow() if transactional_id.endswith("-1") else FakeProducer()
-        producers[transactional_id] = producer
+        producers[transactional_id] = producer = make(transactional_id)
         return producer
 
     delivery = ExactlyOnce(
@@ -180,6 +172,25 @@ async def test_no_partition_commits_before_the_offsets_of_every_assigned_one_are
         _TwoPartitions(producers),
         Metrics(version="test"),
         transactions=per_partition(factory),
+    )
+    return delivery, producers
+
+
+async def test_no_partition_commits_before_the_offsets_of_every_assigned_one_are_read() -> None:
+    """Two partitions, the second's producer slow to start: the first stays not ready until
+    the offsets are read, then its record is committed once and nothing is sought (before,
+    it committed meanwhile, the read took that for a previous owner's commit and sought
+    back to it: its staged records came again, "staged twice")."""
+    reached, gate = asyncio.Event(), asyncio.Event()
+
+    class Slow(FakeProducer):
+        async def start(self) -> None:
+            reached.set()
+            await gate.wait()
+            await super().start()
+
+    delivery, producers = _on_two_partitions(
+        lambda transactional_id: Slow() if transactional_id.endswith("-1") else FakeProducer()
     )
     assigning = asyncio.create_task(delivery.assigned({TP0, TP1}))
     await reached.wait()  # partition 0's producer has started; partition 1's has not
@@ -200,7 +211,6 @@ async def test_the_partitions_transactions_run_side_by_side() -> None:
     """A producer per partition: both transactions are under way before either commits
     (one round trip of the slowest per commit, not the sum), and each commits its own."""
     gate, both = asyncio.Event(), asyncio.Event()
-    producers: dict[str, FakeProducer] = {}
     committing_now = 0
 
     class Gated(FakeProducer):
@@ -212,17 +222,7 @@ async def test_the_partitions_transactions_run_side_by_side() -> None:
             await gate.wait()
             await super().commit_transaction()
 
-    def factory(transactional_id: str) -> Any:
-        producers[transactional_id] = producer = Gated()
-        return producer
-
-    delivery = ExactlyOnce(
-        SETTINGS,
-        OffsetTracker(),
-        _TwoPartitions(producers),
-        Metrics(version="test"),
-        transactions=per_partition(factory),
-    )
+    delivery, producers = _on_two_partitions(lambda _id: Gated())
     await delivery.assigned({TP0, TP1})
     tasks = [await _complete(delivery, 0, TP0), await _complete(delivery, 0, TP1)]
     committing = asyncio.create_task(delivery.commit())
