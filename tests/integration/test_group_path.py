@@ -12,10 +12,12 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 
+import numpy as np
 import pytest
 from aiokafka import AIOKafkaConsumer
 from aiokafka.structs import ConsumerRecord, TopicPartition
 
+from devtools import samples
 from devtools.samples import good_requests
 from tests.support import (
     KafkaUnderTest,
@@ -121,3 +123,46 @@ async def test_every_mode_answers_batchable_records_on_the_group_path(
     if audit:
         audited = await _read(kafka.bootstrap_servers, audit_topic, RECORDS + 1)
         assert {a.key.decode() for a in audited if a.key} == set(got.results)
+
+
+async def test_key_ordering_a_keys_records_after_a_failed_one_follow_it(
+    kafka: KafkaUnderTest, triton: TritonUnderTest, unique: str
+) -> None:
+    """ordering=key, 60 mlp requests of 3 keys in one fetch, every tenth with an id too long
+    for its result (OUTPUT_TOO_LARGE): those go to the per-record path, the later records
+    of their key in the group follow them there (fallback reason ``order``), each key's
+    results still in offset order; every other key's records stay on the group path."""
+    topics = Topics.fresh(unique)
+    await create(kafka, topics, partitions=1)
+    rng = np.random.default_rng(23)
+
+    def request(i: int) -> samples.SampleRequest:
+        rid = f"long-{i}-" + "x" * 2000 if i % 10 == 3 else f"key-{i}"
+        value, headers = samples.encode_request("mlp", samples.mlp_inputs(rng), "json", rid)
+        # The id in a header too: a dead letter keeps its request's headers (and its key is
+        # shared here).
+        headers = [*headers, ("x-request-id", rid.encode())]
+        return samples.SampleRequest(value, headers, "mlp", "json", rid)
+
+    requests = [request(i) for i in range(60)]
+    keys = [KEYS[i % 3] for i in range(60)]
+    settings = settings_for(kafka, triton, topics, ordering="key", max_output_bytes="1500")
+    async with running_worker(settings) as worker:
+        await send(
+            kafka.bootstrap_servers, topics.input, good_requests(1, seed=24, models=("mlp",))
+        )
+        await collect(kafka.bootstrap_servers, topics, 1, timeout_s=60)
+        await send(kafka.bootstrap_servers, topics.input, requests, keys=keys)
+        got = await collect(kafka.bootstrap_servers, topics, 61, timeout_s=60)
+    long = {r.request_id for r in requests if r.request_id.startswith("long-")}
+    assert set(got.dead_letters) == long and got.duplicates == 0
+    codes = {headers_dict(d.headers)["x-error-code"] for d in got.dead_letters.values()}
+    assert codes == {b"OUTPUT_TOO_LARGE"}
+    assert set(got.results) >= {r.request_id for r in requests} - long
+    assert _sample(worker, "worker_fast_path_fallbacks_total", reason="order") >= 1
+    assert _sample(worker, "worker_fast_path_records_total") >= 30
+    by_key: dict[object, list[int]] = defaultdict(list)
+    for result in await _read(kafka.bootstrap_servers, topics.output, 61 - len(long)):
+        by_key[result.key].append(int(headers_dict(result.headers)["x-source-offset"]))
+    for offsets in by_key.values():
+        assert offsets == sorted(offsets), by_key

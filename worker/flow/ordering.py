@@ -32,8 +32,9 @@ class Ticket:
 
     async def wait(self) -> None:
         """Return when every earlier ticket of the same key is done."""
-        if self._previous is not None:
-            await asyncio.shield(self._previous)
+        previous = self._previous
+        if previous is not None and not previous.done():
+            await asyncio.shield(previous)
 
     def done(self) -> None:
         """Hand the turn to the next ticket. Idempotent; call it even on failure.

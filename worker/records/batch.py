@@ -3,9 +3,9 @@
 A record qualifies when nothing asks for the per-record path (see ``select``): it
 decodes and validates, its model's spec is cached, the request may share a
 Triton request with others, the model is neither held (reloading) nor failing
-(its failure-rate breaker), and no unary trace call is asked for. The dispatcher
-builds this path only when the delivery mode takes batches, ordering is
-``unordered``, audit is off and no spans are asked for (see ``worker.records.dispatch``).
+(its failure-rate breaker), and no unary trace call is asked for. It is the path of
+every delivery mode and ordering, with audit and spans on or off; only
+``WORKER_FAST_PATH=false`` turns it off.
 
 The qualifying records of one dispatch pass are grouped by batch key into micro-batches
 of at most min(WORKER_BATCH_MAX_SIZE, the model's max_batch_size) rows; each is merged
@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -70,8 +71,9 @@ class Candidate:
     entry: InFlight
     started: float
     settled: bool = False  # done, or handed to the per-record path
-    #: Its place among its key's records (ordering ``key``): held until its outcome is safe.
-    key_turn: Ticket | None = None
+    #: Its ordering unit (its partition, or its partition and key; see ``dispatch._Groups``):
+    #: its group publishes the unit's records in offset order, once the unit's turn comes.
+    unit: Hashable | None = None
     #: When (``time.monotonic()``) its micro-batch was sent, and answered (for its spans).
     sent: float = 0.0
     answered: float = 0.0
@@ -83,13 +85,12 @@ class Candidate:
 
 @dataclass(slots=True)
 class Group:
-    """Candidates answered together, in dispatch order (see ``dispatch._Groups``): at most
-    one per ordering key, each with its key's turn; with ``partition`` ordering one turn
-    per partition, taken when its first record joined (its records publish together, in
-    offset order, once the turn comes)."""
+    """Candidates answered together, in dispatch order (see ``dispatch._Groups``), with one
+    turn per ordering unit, taken when the unit's first record joined: the unit's records
+    publish together, in offset order, once the turn comes."""
 
     candidates: list[Candidate] = field(default_factory=list)
-    partition_turns: dict[TopicPartition, Ticket] = field(default_factory=dict)
+    turns: dict[Hashable, Ticket] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -195,7 +196,7 @@ class BatchPath:
         """Answer the group; what fails goes to the per-record path by ``hand_over``.
         Never raises for a record's sake; a forced stop (cancelled) leaves the records
         not done. Every turn the group holds is given back, or handed on."""
-        candidates, passed = group.candidates, set[TopicPartition]()
+        candidates, passed = group.candidates, set[Hashable]()
         try:
             await self._run(group, hand_over, passed)
         except errors.Fatal:
@@ -208,30 +209,27 @@ class BatchPath:
             self._hand_over(group, failed, hand_over, passed)
             self._steps.internal_failure(exc)
         finally:
-            for candidate in candidates:
-                if candidate.key_turn is not None and not candidate.settled:
-                    candidate.key_turn.done()
-            for tp, turn in group.partition_turns.items():
-                if tp not in passed:
+            for unit, turn in group.turns.items():
+                if unit not in passed:
                     turn.done()
             self._release([c for c in candidates if not c.settled])
 
-    async def _run(self, group: Group, hand_over: HandOver, passed: set[TopicPartition]) -> None:
+    async def _run(self, group: Group, hand_over: HandOver, passed: set[Hashable]) -> None:
         ready, failed = await self._answers(group.candidates)
-        for candidate in group.candidates:
-            if candidate.key_turn is not None:
-                # Ordering ``key``: the key's earlier records are published first (the
-                # models of the group path keep no state: inference may run ahead).
-                await candidate.key_turn.wait()
-        cut: set[TopicPartition] = set()
-        if group.partition_turns:
-            ready, failed = _cut_at_failures(group, ready, failed)
-            cut = {f.candidate.tp for f in failed}
-            for turn in group.partition_turns.values():
-                await turn.wait()  # the partitions' earlier records are published first
-        else:
-            self._hand_over(group, failed, hand_over, passed)
-            failed = []
+        # A unit's records after its first failed one cannot be published before it: they
+        # join it on the per-record path. Those of no unit go at once.
+        ready, failed = _cut_at_failures(ready, failed)
+        self._hand_over(group, [f for f in failed if f.candidate.unit is None], hand_over, passed)
+        failed = [f for f in failed if f.candidate.unit is not None]
+        cut = {f.candidate.unit for f in failed}
+        if group.turns:
+            # Micro-batches are made per model and input signature: a unit's results are
+            # put back in offset order, the order they are published in.
+            ready.sort(key=_offset)
+        for turn in group.turns.values():
+            # The units' earlier records are published first (the models of the group path
+            # keep no state: inference may run ahead).
+            await turn.wait()
         if ready:
             await self._complete(group, ready, cut, hand_over, passed)
         self._hand_over(group, failed, hand_over, passed)
@@ -268,19 +266,18 @@ class BatchPath:
         self,
         group: Group,
         ready: list[_Ready],
-        cut: set[TopicPartition],
+        cut: set[Hashable],
         hand_over: HandOver,
-        passed: set[TopicPartition],
+        passed: set[Hashable],
     ) -> None:
         """Publish the results through the delivery mode; count those done."""
 
         def safe() -> None:
-            # Each key's and partition's next records may go: the results are safe
-            # (acknowledged, or staged in order); a partition with records handed over
-            # (``cut``) keeps its turn until they are.
-            _pass_key_turns(ready)
-            for tp, turn in group.partition_turns.items():
-                if tp not in cut:
+            # Each unit's next records may go: the results are safe (acknowledged, or
+            # staged in order); a unit with records handed over (``cut``) keeps its turn
+            # until they are.
+            for unit, turn in group.turns.items():
+                if unit not in cut:
                     turn.done()
 
         def refused(index: int, error: BaseException) -> None:
@@ -431,43 +428,41 @@ class BatchPath:
         group: Group,
         failed: list[_Failed],
         hand_over: HandOver,
-        passed: set[TopicPartition],
+        passed: set[Hashable],
         *,
         turns: bool = True,
     ) -> None:
-        """Give the records (their slots, entries and key turns: their age goes on) to the
-        per-record path. With ``partition`` ordering (and ``turns``) each partition's records
-        go in offset order, each after the one before it, and the group's turn of the
-        partition is given back once the last of them is safe. A result the broker refused
-        goes without a partition turn: its group's turn was given back when it was sent."""
-        chains: dict[TopicPartition, Turns] = {}
+        """Give the records (their slots and entries: their age goes on) to the per-record
+        path. With ``turns``, each unit's records go in offset order, each after the one
+        before it, and the group's turn of the unit is given back once the last of them is
+        safe. A result the broker refused goes without a turn: its group's turn was given
+        back when it was sent."""
+        chains: dict[Hashable, Turns] = {}
         for item in failed:
             candidate = item.candidate
             candidate.settled = True
             if item.outcome is None:
                 candidate.entry.state = "decoding"  # it starts over
             publish_turn = None
-            tp = candidate.tp
-            turn = group.partition_turns.get(tp) if turns else None
-            if turn is not None:
-                chain = chains.get(tp)
+            unit = candidate.unit
+            if turns and unit is not None and unit in group.turns:
+                chain = chains.get(unit)
                 if chain is None:
-                    chain = chains[tp] = Turns()
-                publish_turn = chain.ticket(tp)
+                    chain = chains[unit] = Turns()
+                publish_turn = chain.ticket(unit)
             hand_over(
                 Handed(
                     candidate.record,
                     candidate.generation,
                     item.outcome,
                     candidate.entry,
-                    candidate.key_turn,
                     publish_turn,
                 )
             )
             self._fallbacks[item.reason].inc()
-        for tp, chain in chains.items():
-            passed.add(tp)
-            chain.ticket(tp).then(group.partition_turns[tp].done)
+        for unit, chain in chains.items():
+            passed.add(unit)
+            chain.ticket(unit).then(group.turns[unit].done)
 
     def _release(self, candidates: list[Candidate]) -> None:
         """Give back the slots and entries of records done here (or abandoned)."""
@@ -500,28 +495,27 @@ def _group_key(request: wire.DecodedRequest) -> tuple[object, ...]:
     return ("pending", request.model_name, request.model_version, inputs, request.output_names)
 
 
-def _pass_key_turns(ready: list[_Ready]) -> None:
-    """The results are safe (acknowledged, or staged): each key's next record may go."""
-    for item in ready:
-        if item.candidate.key_turn is not None:
-            item.candidate.key_turn.done()
+def _offset(item: _Ready) -> int:
+    offset: int = item.candidate.record.offset
+    return offset
 
 
 def _cut_at_failures(
-    group: Group, ready: list[_Ready], failed: list[_Failed]
+    ready: list[_Ready], failed: list[_Failed]
 ) -> tuple[list[_Ready], list[_Failed]]:
-    """``partition`` ordering: a partition's records after its first failed one cannot be
-    published before it; they join it on the per-record path, in offset order."""
-    first_failed: dict[TopicPartition, int] = {}
+    """A unit's records after its first failed one, taken from ``ready`` into ``failed``
+    (to be handed over after it, in offset order)."""
+    first_failed: dict[Hashable, int] = {}
     for gone in failed:
-        tp, offset = gone.candidate.tp, gone.candidate.record.offset
-        first_failed[tp] = min(first_failed.get(tp, offset), offset)
+        unit, offset = gone.candidate.unit, gone.candidate.record.offset
+        if unit is not None:
+            first_failed[unit] = min(first_failed.get(unit, offset), offset)
     if not first_failed:
         return ready, failed
     kept: list[_Ready] = []
     for item in ready:
         candidate = item.candidate
-        cut = first_failed.get(candidate.tp)
+        cut = first_failed.get(candidate.unit)
         if cut is not None and candidate.record.offset > cut:
             failed.append(_Failed(candidate, "order", item.outcome()))
         else:

@@ -17,7 +17,7 @@ each going the per-record way for it.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Coroutine, Sequence
+from collections.abc import Coroutine, Hashable, Sequence
 from typing import Any
 
 from worker.delivery.base import Delivery
@@ -155,7 +155,7 @@ class Dispatcher:
             self._single.run(
                 handed.record,
                 handed.generation,
-                handed.key_turn,
+                None,
                 handed.publish_turn,
                 handed.outcome,
                 handed.entry,
@@ -228,38 +228,38 @@ class _Groups:
     """The groups of one dispatch pass, made in offset order with their ordering turns
     (taken here, synchronously, so in offset order).
 
-    ``unordered``: one group. ``key``: waves, the n-th record of each key of the pass in
-    the n-th group (a group holds one record per key, and publishes once its keys' turns
-    come).
-    ``partition``: one group until a record of one of its partitions goes the per-record
-    way; the partition's later candidates then go in a group after it (each group holds
-    one turn per partition).
+    A candidate's ordering unit is its partition (``partition``), its partition and key
+    (``key``, a record with a key), or none. A group holds one turn per unit, taken when
+    the unit's first record joins it; its records of a unit publish together, in offset
+    order, once that turn comes. ``unordered`` (or no unit at all): one group. A record
+    going the per-record way whose unit the last group holds cuts it: the unit's later
+    candidates go in a group after it.
     """
 
     def __init__(self, ordering: Ordering, turns: Turns) -> None:
         self._ordering = ordering
         self._turns = turns
         self.made: list[Group] = [Group()]
-        self._seen: dict[tuple[TopicPartition, bytes], int] = {}
+
+    def _unit(self, record: ConsumerRecord[bytes, bytes], tp: TopicPartition) -> Hashable | None:
+        unit: Hashable | None = None
+        if self._ordering == "partition":
+            unit = tp
+        elif self._ordering == "key" and record.key is not None:
+            unit = (tp, record.key)
+        return unit
 
     def add(self, candidate: Candidate) -> None:
-        record, tp = candidate.record, candidate.tp
-        if self._ordering == "key" and record.key is not None:
-            key = (tp, record.key)
-            wave = self._seen.get(key, 0)
-            self._seen[key] = wave + 1
-            while len(self.made) <= wave:
-                self.made.append(Group())
-            candidate.key_turn = self._turns.ticket(key)
-            self.made[wave].candidates.append(candidate)
-            return
-        group = self.made[-1] if self._ordering == "partition" else self.made[0]
-        if self._ordering == "partition" and tp not in group.partition_turns:
-            group.partition_turns[tp] = self._turns.ticket(tp)
+        group = self.made[-1]
+        unit = self._unit(candidate.record, candidate.tp)
+        if unit is not None:
+            candidate.unit = unit
+            if unit not in group.turns:
+                group.turns[unit] = self._turns.ticket(unit)
         group.candidates.append(candidate)
 
     def passing(self, record: ConsumerRecord[bytes, bytes]) -> None:
         """A record of the pass goes the per-record way (its turn taken after this)."""
-        tp = TopicPartition(record.topic, record.partition)
-        if self._ordering == "partition" and tp in self.made[-1].partition_turns:
+        unit = self._unit(record, TopicPartition(record.topic, record.partition))
+        if unit is not None and unit in self.made[-1].turns:
             self.made.append(Group())

@@ -38,14 +38,14 @@ class Outcome:
 
 class Handed(NamedTuple):
     """A record the group path hands to the per-record path, with its slot, its in-flight
-    entry and its ordering turns (released by the per-record path once it is safe)."""
+    entry and its place among its key's or partition's records (``publish_turn``, given
+    back by the per-record path once it is safe)."""
 
     record: ConsumerRecord[bytes, bytes]
     generation: int
     #: Its encoded outcome when only its publishing is left to do; None: from the start.
     outcome: Outcome | None
     entry: InFlight
-    key_turn: Ticket | None = None
     publish_turn: Ticket | None = None
 
 

@@ -10,6 +10,7 @@ steps, the breakers and the metrics are the real ones.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -347,8 +348,10 @@ async def test_partition_order_hands_over_the_rest_of_the_partition_in_turn() ->
     turns = Turns()
     group = Group(
         [*h.take([record(i, request_id="x" * 2000 if i == 1 else "r") for i in range(3)])],
-        partition_turns={TP: turns.ticket(TP)},
+        turns={TP: turns.ticket(TP)},
     )
+    for candidate in group.candidates:
+        candidate.unit = TP
     next_group = turns.ticket(TP)
     await h.fast.run(group, h.hand_over)
     assert h.sink.calls == [[0]]
@@ -369,25 +372,79 @@ async def test_partition_order_hands_over_the_rest_of_the_partition_in_turn() ->
     assert h.sample("worker_fast_path_fallbacks_total", reason="order") == 1
 
 
+def keyed(candidates: list[Candidate], keys: Sequence[bytes], turns: Turns) -> Group:
+    """ordering=key as dispatch makes it: each candidate's unit (its partition and key), and
+    a group holding one turn per key (taken in offset order)."""
+    group = Group(candidates)
+    for candidate, key in zip(candidates, keys, strict=True):
+        candidate.record = dataclasses.replace(candidate.record, key=key)
+        candidate.unit = (TP, key)
+        if candidate.unit not in group.turns:
+            group.turns[candidate.unit] = turns.ticket(candidate.unit)
+    return group
+
+
 async def test_key_turns_are_waited_for_before_publishing_and_passed_once_safe() -> None:
-    """ordering=key: a group's record is inferred at once, published only after its key's
-    earlier record, and its turn goes to the key's next record once its result is
-    acknowledged."""
+    """ordering=key: a group holds one turn per key; its records are inferred at once,
+    published only after their key's earlier records, and the key's turn goes to its next
+    record once the group's results are acknowledged."""
     h = Harness()
     turns = Turns()
     earlier = turns.ticket((TP, b"k"))
-    [candidate] = h.take([record(0)])
-    candidate.key_turn = turns.ticket((TP, b"k"))
+    group = keyed(h.take([record(i) for i in range(3)]), [b"k"] * 3, turns)
     later = turns.ticket((TP, b"k"))
-    running = asyncio.create_task(h.fast.run(Group([candidate]), h.hand_over))
+    running = asyncio.create_task(h.fast.run(group, h.hand_over))
     for _ in range(5):  # the group runs until it blocks on its key's turn (no I/O here)
         await asyncio.sleep(0)
-    assert h.pool.rows_sent == [1]  # inferred already
+    assert h.pool.rows_sent == [3]  # inferred already, the key's three records in one batch
     assert h.sink.calls == []  # its key's earlier record is not published yet
     earlier.done()
     await running
-    assert h.pool.rows_sent == [1] and h.sink.calls == [[0]]
+    assert h.sink.calls == [[0, 1, 2]] and h.fallbacks == []
     await asyncio.wait_for(later.wait(), 1)
+
+
+async def test_a_keys_records_after_its_failed_one_follow_it_the_other_keys_go_on() -> None:
+    """ordering=key, keys a, a, b, a in one group; record 0 (key a) does not encode: 1 and 3
+    cannot be published before it and follow it on the per-record path, each after the one
+    before; key b's record is published with the group and its turn passed at once; key a's
+    turn comes back only after the last of its handed records."""
+    h = Harness(max_output_bytes=1000)
+    turns = Turns()
+    candidates = h.take([record(i, request_id="x" * 2000 if i == 0 else "r") for i in range(4)])
+    group = keyed(candidates, [b"a", b"a", b"b", b"a"], turns)
+    next_a, next_b = turns.ticket((TP, b"a")), turns.ticket((TP, b"b"))
+    await h.fast.run(group, h.hand_over)
+    assert h.sink.calls == [[2]]
+    assert [(f.record.offset, f.outcome is not None) for f in h.handed] == [
+        (0, False),
+        (1, True),
+        (3, True),
+    ]
+    assert h.sample("worker_fast_path_fallbacks_total", reason="order") == 2
+    await asyncio.wait_for(next_b.wait(), 1)  # key b's next record may go
+    a_waits = asyncio.create_task(next_a.wait())
+    for handed in h.handed:
+        assert handed.publish_turn is not None
+        await asyncio.wait_for(handed.publish_turn.wait(), 1)
+        await asyncio.sleep(0)
+        assert not a_waits.done()  # key a's next record waits for every handed one
+        handed.publish_turn.done()
+    await asyncio.wait_for(a_waits, 1)
+
+
+async def test_an_ordered_units_results_are_published_in_offset_order() -> None:
+    """ordering=partition, JSON and binary requests alternating in one partition: two
+    micro-batches (one per encoding), one hand-over in offset order (the micro-batches'
+    order would put 0, 2, 4 before 1, 3)."""
+    h = Harness()
+    encodings: list[Encoding] = ["json", "binary", "json", "binary", "json"]
+    candidates = h.take([record(i, encoding=e) for i, e in enumerate(encodings)])
+    for candidate in candidates:
+        candidate.unit = TP
+    await h.fast.run(Group(candidates, turns={TP: Turns().ticket(TP)}), h.hand_over)
+    assert sorted(h.pool.rows_sent) == [2, 3]
+    assert h.sink.calls == [[0, 1, 2, 3, 4]]
 
 
 async def test_a_refused_send_goes_to_the_per_record_delivery_with_its_result() -> None:

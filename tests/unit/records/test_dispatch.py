@@ -9,7 +9,7 @@ delivery mode is the fake of ``fakes`` over a real offset tracker, the window re
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +23,6 @@ from tests.unit.records.test_batch import Harness
 from tests.unit.records.test_batch import record as batch_record
 from worker import errors
 from worker.delivery import build_delivery
-from worker.flow.ordering import Ticket
 from worker.flow.window import Window
 from worker.kafka.aiokafka.transactions import PerPartitionTransactions
 from worker.kafka.types import TopicPartition
@@ -77,7 +76,7 @@ class FakeCandidate:
     """What the dispatcher reads and writes of a candidate."""
 
     record: ConsumerRecord[bytes, bytes]
-    key_turn: Ticket | None = None
+    unit: Hashable | None = None
 
     @property
     def tp(self) -> TopicPartition:
@@ -86,14 +85,14 @@ class FakeCandidate:
 
 class FakeBatch:
     """The group path: takes the records whose offset is in ``takes``; records each group
-    (its offsets, and whether each has a key turn), and gives its turns back as it runs."""
+    (its offsets, and the ordering units it holds a turn of), and gives its turns back as
+    it runs."""
 
     def __init__(self, takes: set[int]) -> None:
         self.takes = takes
         self.open = True
         self.groups: list[list[int]] = []
-        self.turns: list[list[bool]] = []
-        self.partition_turns: list[int] = []
+        self.units: list[list[Any]] = []
         self.order: list[int] = []  # offsets, as the groups' turns come
 
     def select(self, record: ConsumerRecord[bytes, bytes], generation: int) -> Any:
@@ -102,16 +101,13 @@ class FakeBatch:
     async def run(self, group: Group, hand_over: Any) -> None:
         candidates: Sequence[Any] = group.candidates
         self.groups.append([c.record.offset for c in candidates])
-        self.turns.append([c.key_turn is not None for c in candidates])
-        self.partition_turns.append(len(group.partition_turns))
-        turns = [*(c.key_turn for c in candidates), *group.partition_turns.values()]
-        for turn in turns:
-            if turn is not None:
-                await turn.wait()
+        self.units.append(list(group.turns))
+        assert all(c.unit in group.turns for c in candidates if c.unit is not None)
+        for turn in group.turns.values():
+            await turn.wait()
         self.order += [c.record.offset for c in candidates]
-        for turn in turns:
-            if turn is not None:
-                turn.done()
+        for turn in group.turns.values():
+            turn.done()
 
 
 class SkippingDelivery(AckedDelivery):
@@ -233,20 +229,30 @@ def test_dispatching_before_the_worker_runs_is_a_bug() -> None:
         d.dispatch_many(records(0))
 
 
-async def test_ordering_key_makes_waves_one_record_per_key_each_with_its_turn() -> None:
-    """Keys a, a, b, a, a, a (offset 4 per-record): the first record of each key in the
-    first group, the second in the next, and so on; each candidate holds its key's turn,
-    taken in offset order, so key a's records are answered in offset order, the
-    per-record one among them."""
+async def test_ordering_key_makes_one_group_with_a_turn_per_key() -> None:
+    """Keys a, a, b, a, a, a (offset 4 per-record): 0-3 in one group holding one turn of
+    key a and one of key b; 4 takes key a's next turn on its own, so 5 goes in a group
+    after it. Key a's records are answered in offset order, the per-record one among them."""
     batch = FakeBatch(takes={0, 1, 2, 3, 5})
     d, single, window = dispatcher(settings(ordering="key"), batch=batch)
     keyed = [good_record(o, k) for o, k in enumerate([b"a", b"a", b"b", b"a", b"a", b"a"])]
     acquired(window, 6)
     async with asyncio.TaskGroup() as group:
         d.run(group)(keyed)
-    assert batch.groups == [[0, 2], [1], [3], [5]]
-    assert batch.turns == [[True, True], [True], [True], [True]]
+    assert batch.groups == [[0, 1, 2, 3], [5]]
+    assert batch.units == [[(TP, b"a"), (TP, b"b")], [(TP, b"a")]]
     assert [run[:3] for run in single.runs] == [(4, True, False)]
+    assert batch.order == [0, 1, 2, 3, 5] and single.order == [4]
+
+
+async def test_ordering_key_leaves_records_without_a_key_unordered() -> None:
+    """A record without a key has no unit: it joins the group and holds no turn."""
+    batch = FakeBatch(takes={0, 1})
+    d, _, window = dispatcher(settings(ordering="key"), batch=batch)
+    acquired(window, 2)
+    async with asyncio.TaskGroup() as group:
+        d.run(group)([good_record(0, None), good_record(1, b"a")])
+    assert batch.groups == [[0, 1]] and batch.units == [[(TP, b"a")]]
 
 
 async def test_ordering_partition_cuts_the_group_where_a_record_goes_alone() -> None:
@@ -258,7 +264,7 @@ async def test_ordering_partition_cuts_the_group_where_a_record_goes_alone() -> 
     async with asyncio.TaskGroup() as group:
         d.run(group)(records(0, 1, 2, 3))
     assert batch.groups == [[0], [2, 3]]
-    assert batch.partition_turns == [1, 1]
+    assert batch.units == [[TP], [TP]]
     assert single.runs == [(1, False, True, False)]
 
 
