@@ -154,8 +154,13 @@ async def test_results_of_many_records_are_sent_together_and_a_refused_one_is_re
     records = [ConsumerRecord("in", 0, i, 0, 0, b"k", b"", None, 1, 0, []) for i in range(10)]
     await publisher.start()
     try:
-        first = await publisher.publish_many([(r, f"a-{r.offset}".encode(), []) for r in records])
+        calls: list[int] = []
+        first = await publisher.publish_many(
+            [(r, f"a-{r.offset}".encode(), []) for r in records],
+            enqueued=lambda: calls.append(len(calls)),
+        )
         assert first == [None] * 10
+        assert calls == [0]  # told once, when all ten were enqueued
         values = [f"b-{r.offset}".encode() if r.offset != 4 else TOO_BIG for r in records]
         # Headers as results carry them (librdkafka's report of a refused record may not).
         second = await publisher.publish_many(

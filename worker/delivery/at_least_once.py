@@ -108,8 +108,20 @@ class AtLeastOnce(TrackingDelivery):
         on_refused: Refused = lambda _i, _e: None,
         then: Then | None = None,
     ) -> None:
-        acks = await self._sink.publish_many(results)
-        on_safe()
+        # The results are safe for ordering once enqueued: the idempotent producer writes
+        # each partition's records in the order they were enqueued, so a key's or
+        # partition's next records may be enqueued behind them without waiting for the
+        # acks. (A result refused goes again alone, after them, as it would once acked.)
+        passed = False
+
+        def enqueued() -> None:
+            nonlocal passed
+            if not passed:
+                passed = True
+                on_safe()
+
+        acks = await self._sink.publish_many(results, enqueued=enqueued)
+        enqueued()  # when the producer could not enqueue them at all
         acked = []
         for i, ack in enumerate(acks):
             if ack is None:

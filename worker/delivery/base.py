@@ -65,10 +65,13 @@ class BatchSink(Protocol):
     """Results of several records at once, straight to the broker."""
 
     async def publish_many(
-        self, results: Sequence[tuple[ConsumerRecord[bytes, bytes], bytes, Headers]]
+        self,
+        results: Sequence[tuple[ConsumerRecord[bytes, bytes], bytes, Headers]],
+        *,
+        enqueued: Callable[[], None] | None = None,
     ) -> list[BaseException | None]:
-        """Every send enqueued, then every ack awaited; per result None once acknowledged,
-        else the error that kept it out (not retried)."""
+        """Every send enqueued (then ``enqueued()`` is called), then every ack awaited; per
+        result None once acknowledged, else the error that kept it out (not retried)."""
         ...
 
 

@@ -111,9 +111,13 @@ class Producer(Protocol):
         ...
 
     async def send_together(
-        self, topic: str, records: Sequence[tuple[bytes | None, bytes, Headers]]
+        self,
+        topic: str,
+        records: Sequence[tuple[bytes | None, bytes, Headers]],
+        enqueued: Callable[[], None] | None = None,
     ) -> list[BaseException | None]:
-        """Every (key, value, headers) sent, then every ack awaited: per record None once
+        """Every (key, value, headers) sent (then ``enqueued()`` is called, unless the
+        producer could not take them), then every ack awaited: per record None once
         acknowledged, else the error that kept it out (not retried)."""
         ...
 
@@ -212,14 +216,18 @@ class Publisher:
             await self.write_result(value, record.key, headers)
 
     async def publish_many(
-        self, results: Sequence[tuple[ConsumerRecord[bytes, bytes], bytes, Headers]]
+        self,
+        results: Sequence[tuple[ConsumerRecord[bytes, bytes], bytes, Headers]],
+        *,
+        enqueued: Callable[[], None] | None = None,
     ) -> list[BaseException | None]:
         """Results of several records, handed to the producer together: every send
-        enqueued, then every ack awaited. Per result: None once acknowledged, else the
-        error that kept it out (not retried here: the caller writes it again with
-        ``publish_result``, alone, with its retries and size handling)."""
+        enqueued (then ``enqueued()`` is called), then every ack awaited. Per result: None
+        once acknowledged, else the error that kept it out (not retried here: the caller
+        writes it again with ``publish_result``, alone, with its retries and size
+        handling)."""
         records = [(record.key, value, headers) for record, value, headers in results]
-        return await self.producer.send_together(self.output_topic, records)
+        return await self.producer.send_together(self.output_topic, records, enqueued)
 
     async def publish_dead_letter(
         self, record: ConsumerRecord[bytes, bytes], headers: Headers

@@ -105,8 +105,8 @@ METRICS_SPEC: tuple[MetricSpec, ...] = (
     MetricSpec("fast_path_fallbacks_total", "worker_fast_path_fallbacks_total", "counter",
                ("reason",), "Fast-path records handed to the per-record path: reason "
                "inference (their micro-batch failed), encode, publish (their send failed), "
-               "order (after such a record of their partition, WORKER_ORDERING=partition) or "
-               "internal."),
+               "order (after such a record of their key or partition, WORKER_ORDERING=key or "
+               "partition) or internal."),
     MetricSpec("internal_errors_total", "worker_internal_errors_total", "counter",
                (), "Records that met a bug in the worker (dead-lettered INTERNAL_ERROR)."),
     MetricSpec("dead_letter_values_omitted_total", "worker_dead_letter_values_omitted_total",

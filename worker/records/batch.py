@@ -273,8 +273,9 @@ class BatchPath:
         """Publish the results through the delivery mode; count those done."""
 
         def safe() -> None:
-            # Each unit's next records may go: the results are safe (acknowledged, or
-            # staged in order); a unit with records handed over (``cut``) keeps its turn
+            # Each unit's next records may go: the results are safe (enqueued on the
+            # idempotent producer, which writes them in that order, or staged in order in
+            # the transaction); a unit with records handed over (``cut``) keeps its turn
             # until they are.
             for unit, turn in group.turns.items():
                 if unit not in cut:

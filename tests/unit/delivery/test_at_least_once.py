@@ -6,6 +6,7 @@ test can make a commit fail on demand, which a real broker will not do when aske
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,12 +26,22 @@ pytestmark = pytest.mark.timeout(10)
 class Publisher:
     """publish_many of the publisher: records each call; the offsets in ``refuse`` fail."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, enqueues: bool = True) -> None:
         self.calls: list[list[int]] = []
         self.refuse: set[int] = set()
+        self.enqueues = enqueues  # False: the producer could not take them at all
+        self.acks = asyncio.Event()  # the broker's acks, held until set
+        self.acks.set()
+        self.enqueued = asyncio.Event()
 
-    async def publish_many(self, results: Sequence[tuple[Any, bytes, Any]]) -> list[Any]:
+    async def publish_many(
+        self, results: Sequence[tuple[Any, bytes, Any]], *, enqueued: Any = None
+    ) -> list[Any]:
         self.calls.append([r.offset for r, _, _ in results])
+        if self.enqueues and enqueued is not None:
+            enqueued()
+        self.enqueued.set()
+        await self.acks.wait()
         return [
             MessageSizeTooLargeError() if r.offset in self.refuse else None for r, _, _ in results
         ]
@@ -237,6 +248,33 @@ async def test_results_of_several_records_go_together_and_the_acked_are_done() -
     assert d.offsets.done_beyond_commit(TP) == [12, 13]
     await d.commit()
     assert edge.commits == [{TP: 11}]
+
+
+@pytest.mark.parametrize("enqueues", [True, False], ids=["enqueued", "not-enqueued"])
+async def test_the_turns_pass_once_the_results_are_enqueued_not_acked(enqueues: bool) -> None:
+    """complete_many's on_safe (a key's or partition's next records may go) is called once,
+    as soon as the producer has every result enqueued (it writes them in that order), with
+    the acks still outstanding and nothing done yet; when the producer could not take them
+    at all, once, after."""
+    publisher = Publisher(enqueues=enqueues)
+    publisher.acks.clear()
+    d, _, _ = delivery(sink=publisher)
+    records = [record(o) for o in range(3)]
+    tickets = [d.track(r) for r in records]
+    safe: list[int | None] = []
+    completing = asyncio.create_task(
+        d.complete_many(
+            [(r, b"v", []) for r in records],
+            tickets,
+            on_safe=lambda: safe.append(d.offsets.commit_point(TP)),
+        )
+    )
+    await publisher.enqueued.wait()
+    assert safe == ([0] if enqueues else [])  # acks outstanding, nothing done
+    publisher.acks.set()
+    await completing
+    assert safe == [0]
+    assert d.offsets.commit_point(TP) == 3
 
 
 async def test_results_of_an_assignment_gone_are_not_marked_done() -> None:

@@ -125,9 +125,13 @@ class FakeSink:
         self.release.set()
         self.fail: set[int] = set()
 
-    async def publish_many(self, results: Sequence[tuple[Any, bytes, Any]]) -> list[Any]:
+    async def publish_many(
+        self, results: Sequence[tuple[Any, bytes, Any]], *, enqueued: Any = None
+    ) -> list[Any]:
         self.calls.append([r.offset for r, _, _ in results])
         self.values.update({r.offset: v for r, v, _ in results})
+        if enqueued is not None:
+            enqueued()
         self.called.set()
         await self.release.wait()
         return [

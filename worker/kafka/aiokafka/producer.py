@@ -143,7 +143,10 @@ class AioProducer:
         return next((i for i, ack in enumerate(acks) if isinstance(ack, BaseException)), len(sent))
 
     async def send_together(
-        self, topic: str, records: Sequence[tuple[bytes | None, bytes, Headers]]
+        self,
+        topic: str,
+        records: Sequence[tuple[bytes | None, bytes, Headers]],
+        enqueued: Callable[[], None] | None = None,
     ) -> list[BaseException | None]:
         """The records appended to batches of their partitions (the default partitioner's,
         as ``send`` chooses), each batch handed over whole: one acknowledgement per batch,
@@ -174,6 +177,8 @@ class AioProducer:
             open_batches[partition] = (batch, indexes)
         for partition, (batch, indexes) in open_batches.items():
             sent.append((indexes, await self._send_batch(batch, topic, partition)))
+        if enqueued is not None:
+            enqueued()
         settled = await settle_acks([future for _, future in sent])
         refused = None
         for (indexes, _), outcome in zip(sent, settled, strict=True):

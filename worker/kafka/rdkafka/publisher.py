@@ -18,7 +18,7 @@ import contextlib
 import functools
 import threading
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import confluent_kafka
@@ -188,10 +188,14 @@ class RdProducer:
                 raise from_rd_error(exc) from None
 
     async def send_group(
-        self, topic: str, records: Sequence[tuple[bytes | None, bytes, Headers]]
+        self,
+        topic: str,
+        records: Sequence[tuple[bytes | None, bytes, Headers]],
+        enqueued: Callable[[], None] | None = None,
     ) -> list[BaseException | None]:
-        """Queue every record, with one delivery callback for them all, and wait for every
-        report: per record, None once delivered, else its error (aiokafka's classes)."""
+        """Queue every record, with one delivery callback for them all (then call
+        ``enqueued()``), and wait for every report: per record, None once delivered, else
+        its error (aiokafka's classes)."""
         producer = self.handle
         group = _Group(asyncio.get_running_loop().create_future(), self._reports)
         outcomes: list[BaseException | None] = [None] * len(records)
@@ -214,6 +218,8 @@ class RdProducer:
                     outcomes[i] = from_rd_error(exc)  # refused before it was queued
                     break
         group.seal()
+        if enqueued is not None:
+            enqueued()
         await group.future
         for error, message in group.errors:
             index = _index_of(message, records, outcomes)
@@ -332,9 +338,12 @@ class RdProducers:
         return next((i for i, ack in enumerate(acks) if isinstance(ack, BaseException)), len(sent))
 
     async def send_together(
-        self, topic: str, records: Sequence[tuple[bytes | None, bytes, Headers]]
+        self,
+        topic: str,
+        records: Sequence[tuple[bytes | None, bytes, Headers]],
+        enqueued: Callable[[], None] | None = None,
     ) -> list[BaseException | None]:
-        return await self._rd.send_group(topic, records)
+        return await self._rd.send_group(topic, records, enqueued)
 
     async def send_audit(self, topic: str, value: bytes, key: bytes | None) -> Any:
         return await (await self._rd.send(topic, value, key, None))
