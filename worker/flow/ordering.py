@@ -10,7 +10,7 @@ waits for the previous ticket of the same key before its turn.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterable
 
 
 class Ticket:
@@ -84,3 +84,16 @@ class Turns:
 
     def __len__(self) -> int:
         return len(self._tails)
+
+
+async def wait_all(tickets: Iterable[Ticket]) -> None:
+    """Return when every earlier ticket of each of ``tickets``' keys is done: a group's
+    turns waited for together (one wait for those not come yet, none when all have)."""
+    pending = {
+        previous
+        for ticket in tickets
+        if (previous := ticket._previous) is not None and not previous.done()
+    }
+    if pending:
+        # Cancelled, the wait leaves the earlier tickets' futures alone (as shield does).
+        await asyncio.wait(pending)

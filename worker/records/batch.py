@@ -38,7 +38,7 @@ import structlog
 
 from worker import errors, wire
 from worker.delivery.base import Delivery, Then
-from worker.flow.ordering import Ticket, Turns
+from worker.flow.ordering import Ticket, Turns, wait_all
 from worker.flow.window import Window
 from worker.kafka.types import ConsumerRecord, TopicPartition
 from worker.observability import InFlight, InFlightRegistry
@@ -226,10 +226,9 @@ class BatchPath:
             # Micro-batches are made per model and input signature: a unit's results are
             # put back in offset order, the order they are published in.
             ready.sort(key=_offset)
-        for turn in group.turns.values():
-            # The units' earlier records are published first (the models of the group path
-            # keep no state: inference may run ahead).
-            await turn.wait()
+        # The units' earlier records are published first (the models of the group path keep
+        # no state: inference may run ahead).
+        await wait_all(group.turns.values())
         if ready:
             await self._complete(group, ready, cut, hand_over, passed)
         self._hand_over(group, failed, hand_over, passed)

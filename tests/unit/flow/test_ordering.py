@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from worker.flow.ordering import Turns
+from worker.flow.ordering import Turns, wait_all
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -70,3 +70,27 @@ async def test_a_ticket_given_up_unwaited_still_holds_the_next_back() -> None:
     await asyncio.wait_for(waiting, 1)
     c.done()
     assert len(turns) == 0
+
+
+async def test_a_groups_turns_are_waited_for_together_and_a_cancelled_wait_holds_nothing() -> None:
+    """wait_all: returns at once when every key's turn has come, else once the last earlier
+    ticket is done; cancelled, it leaves the earlier tickets as they were."""
+    turns = Turns()
+    earlier_a, earlier_b = turns.ticket("a"), turns.ticket("b")
+    group = [turns.ticket("a"), turns.ticket("b"), turns.ticket("c")]
+    waiting = asyncio.create_task(wait_all(group))
+    await asyncio.sleep(0)
+    earlier_a.done()
+    await asyncio.sleep(0)
+    assert not waiting.done()  # key b's earlier ticket is still held
+    earlier_b.done()
+    await asyncio.wait_for(waiting, 1)
+    await asyncio.wait_for(wait_all(group), 1)  # all come: at once
+    later = turns.ticket("a")
+    cancelled = asyncio.create_task(wait_all([later]))
+    await asyncio.sleep(0)
+    cancelled.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await cancelled
+    group[0].done()  # the cancelled wait left key a's chain intact
+    await asyncio.wait_for(later.wait(), 1)
