@@ -32,9 +32,14 @@ class Ticket:
 
     async def wait(self) -> None:
         """Return when every earlier ticket of the same key is done."""
-        previous = self._previous
-        if previous is not None and not previous.done():
+        previous = self._pending()
+        if previous is not None:
             await asyncio.shield(previous)
+
+    def _pending(self) -> asyncio.Future[None] | None:
+        """The previous ticket's future while it is not done; None once it is (or none)."""
+        previous = self._previous
+        return previous if previous is not None and not previous.done() else None
 
     def done(self) -> None:
         """Hand the turn to the next ticket. Idempotent; call it even on failure.
@@ -89,11 +94,7 @@ class Turns:
 async def wait_all(tickets: Iterable[Ticket]) -> None:
     """Return when every earlier ticket of each of ``tickets``' keys is done: a group's
     turns waited for together (one wait for those not come yet, none when all have)."""
-    pending = {
-        previous
-        for ticket in tickets
-        if (previous := ticket._previous) is not None and not previous.done()
-    }
+    pending = {previous for ticket in tickets if (previous := ticket._pending()) is not None}
     if pending:
         # Cancelled, the wait leaves the earlier tickets' futures alone (as shield does).
         await asyncio.wait(pending)
