@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import structlog
@@ -38,6 +40,54 @@ _T = TypeVar("_T")
 _PARTITIONER = DefaultPartitioner()
 
 
+@dataclass(slots=True, eq=False)
+class _Batch:
+    """Records of one partition in one batch of the producer's (a ``BatchBuilder``)."""
+
+    builder: Any
+    #: Once handed over: the batch's acknowledgement, or why it could not be handed over.
+    ack: asyncio.Future[Any] | BaseException | None = None
+    #: The producer's generation that took it.
+    generation: int = 0
+
+
+@dataclass(slots=True, eq=False)
+class _Outbox:
+    """One partition's records not yet handed to the producer, in batches, oldest first.
+
+    aiokafka takes one batch per partition into each produce request, and ``send_batch``
+    waits until the partition's pending batch has gone out: results written group by
+    group in batches of their own went one small batch per partition per request, and
+    each group waited for the request before. Records appended while a batch waits go out
+    together in the next one.
+    """
+
+    topic: str
+    partition: int
+    batches: deque[_Batch] = field(default_factory=deque)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    def append(
+        self, producer: AIOKafkaProducer, key: bytes | None, value: bytes, headers: Headers
+    ) -> _Batch | None:
+        """The batch the record went to (a new one when the newest is full or handed
+        over), or None when it is over the producer's limit alone."""
+        newest = self.batches[-1] if self.batches else None
+        if newest is not None and (
+            newest.builder.append(key=key, value=value, timestamp=None, headers=list(headers))
+            is not None
+        ):
+            return newest
+        batch = _Batch(producer.create_batch())
+        if (
+            batch.builder.append(key=key, value=value, timestamp=None, headers=list(headers))
+            is None
+        ):
+            return None
+        self.batches.append(batch)
+        return batch
+
+
 class AioProducer:
     """An idempotent aiokafka producer, renewed after a size refusal (``Producer``)."""
 
@@ -55,6 +105,8 @@ class AioProducer:
         self._renewing = asyncio.Lock()
         # Which producers were stopped: their sends still pending are never acknowledged.
         self._retired = Retirements()
+        # Per partition written by ``send_together``: bounded by the topics' partitions.
+        self._outboxes: dict[tuple[str, int], _Outbox] = {}
 
     async def start(self) -> None:
         await self._producer.start()
@@ -148,61 +200,67 @@ class AioProducer:
         records: Sequence[tuple[bytes | None, bytes, Headers]],
         enqueued: Callable[[], None] | None = None,
     ) -> list[BaseException | None]:
-        """The records appended to batches of their partitions (the default partitioner's,
-        as ``send`` chooses), each batch handed over whole: one acknowledgement per batch,
-        none per record. A batch refused takes its records' refusal with it (each is then
-        written alone); one record over the producer's own limit is refused alone."""
-        generation, producer = self._generation, self._producer
-        outcomes: list[BaseException | None] = [None] * len(records)
+        """The records appended to their partitions' outboxes (the default partitioner's
+        partition, as ``send`` chooses), then handed over with whatever other writers
+        appended meanwhile: one acknowledgement per batch, none per record. A batch refused
+        takes its records' refusal with it (each is then written alone); one record over
+        the producer's own limit is refused alone."""
         try:
-            partitions = sorted(await producer.partitions_for(topic))
+            partitions = sorted(await self._producer.partitions_for(topic))
         except Exception as exc:  # the producer's state: every record tries again alone
             return [exc] * len(records)
-        sent: list[tuple[list[int], asyncio.Future[Any] | BaseException]] = []
-        open_batches: dict[int, tuple[Any, list[int]]] = {}
+        outcomes: list[BaseException | None] = [None] * len(records)
+        landed: list[_Batch | None] = [None] * len(records)
+        last: dict[int, _Batch] = {}  # per partition, the last batch a record went to
+        outboxes = self._outboxes
         for i, (key, value, headers) in enumerate(records):
             partition = _PARTITIONER(key, partitions, partitions)
-            batch, indexes = open_batches.get(partition) or (producer.create_batch(), [])
-            if batch.append(key=key, value=value, timestamp=None, headers=list(headers)) is None:
-                if indexes:  # full: it goes, and the record starts the next one
-                    sent.append((indexes, await self._send_batch(batch, topic, partition)))
-                batch, indexes = producer.create_batch(), []
-                if (
-                    batch.append(key=key, value=value, timestamp=None, headers=list(headers))
-                    is None
-                ):
-                    outcomes[i] = MessageSizeTooLargeError("larger than the producer's limit")
-                    continue
-            indexes.append(i)
-            open_batches[partition] = (batch, indexes)
-        for partition, (batch, indexes) in open_batches.items():
-            sent.append((indexes, await self._send_batch(batch, topic, partition)))
+            box = outboxes.get((topic, partition))
+            if box is None:
+                box = outboxes[(topic, partition)] = _Outbox(topic, partition)
+            batch = box.append(self._producer, key, value, headers)
+            if batch is None:
+                outcomes[i] = MessageSizeTooLargeError("larger than the producer's limit")
+                continue
+            landed[i] = last[partition] = batch
+        for partition, batch in last.items():
+            await self._hand_over(outboxes[(topic, partition)], batch)
         if enqueued is not None:
             enqueued()
-        settled = await settle_acks([future for _, future in sent])
-        refused = None
-        for (indexes, _), outcome in zip(sent, settled, strict=True):
-            for i in indexes:
-                outcomes[i] = outcome
-            if isinstance(outcome, MessageSizeTooLargeError | OutOfOrderSequenceNumber):
-                refused = outcome
+        batches = list(dict.fromkeys(b for b in landed if b is not None))
+        settled = await settle_acks([b.ack or ProducerClosed() for b in batches])
+        outcome_of = dict(zip(batches, settled, strict=True))
+        refused: tuple[int, BaseException] | None = None
+        for i, landed_in in enumerate(landed):
+            if landed_in is not None:
+                outcomes[i] = outcome = outcome_of[landed_in]
+                if isinstance(outcome, MessageSizeTooLargeError | OutOfOrderSequenceNumber):
+                    refused = (landed_in.generation, outcome)
         if refused is not None:
             # As in _acked: this producer cannot write to that partition again.
-            await self._renew_producer(generation, refused)
+            await self._renew_producer(*refused)
         return outcomes
 
-    async def _send_batch(
-        self, batch: Any, topic: str, partition: int
-    ) -> asyncio.Future[Any] | BaseException:
-        """A closed batch handed to the producer: its acknowledgement, or why it was not."""
-        batch.close()
-        try:
-            future: asyncio.Future[Any] = await self._producer.send_batch(
-                batch, topic, partition=partition
-            )
-        except Exception as exc:
-            return exc
-        return future
+    async def _hand_over(self, box: _Outbox, until: _Batch) -> None:
+        """Hand ``box``'s batches to the producer, oldest first, until ``until`` has been
+        (by this writer or another). One writer at a time per partition: while it waits
+        for the partition's pending batch to go out, the others append to the next one."""
+        async with box.lock:
+            while until.ack is None and box.batches:
+                batch = box.batches.popleft()
+                batch.builder.close()
+                batch.generation = self._generation
+                try:
+                    batch.ack = await self._producer.send_batch(
+                        batch.builder, box.topic, partition=box.partition
+                    )
+                except Exception as exc:
+                    batch.ack = exc
+                except BaseException:
+                    # Cancelled (a forced stop): the records are not written; their writers
+                    # are stopped too, or try again.
+                    batch.ack = ProducerClosed()
+                    raise
 
     async def send_audit(self, topic: str, value: bytes, key: bytes | None) -> Any:
         sent = await self._producer.send(topic, value=value, key=key)
