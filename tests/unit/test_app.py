@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -17,6 +19,7 @@ import structlog
 from aiokafka.structs import ConsumerRecord
 
 from tests.unit.conftest import MakeWorker
+from worker import app
 from worker.app import GC_YOUNG_THRESHOLD, Worker, run_async
 from worker.flow import bounded
 from worker.flow.bounded import FORCED_CLOSE_TIMEOUT_S
@@ -222,3 +225,62 @@ def test_run_async_returns_the_exit_code_and_collects_the_young_generation_often
         assert gc.get_threshold() == (500, 10, 10)  # already more often: left alone
     finally:
         gc.set_threshold(*saved)
+
+
+async def test_a_worker_serving_its_process_freezes_the_heap_once_started(
+    make_worker: MakeWorker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``freeze_heap=True`` (the process's worker, as ``serve`` builds it): the heap is
+    frozen once, after start-up and before the intake fetches; a worker built without it
+    (tests, embedders) leaves the collector alone."""
+    events: list[str] = []
+
+    def frozen() -> int:
+        events.append("frozen")
+        return 1
+
+    monkeypatch.setattr(app, "freeze_heap", frozen)
+
+    async def started() -> None:
+        events.append("started")
+
+    for freeze in (True, False):
+        events.clear()
+        worker = make_worker()
+        worker._freeze_heap = freeze
+        real, intake = worker.intake, _Intake()
+        worker.intake = intake  # type: ignore[assignment]
+        worker.start = started  # type: ignore[method-assign]
+        task = asyncio.create_task(worker.run())
+        await intake.fetching.wait()
+        events.append("fetching")
+        worker.request_stop()
+        await asyncio.wait_for(task, 5)
+        await real.stop()
+        expected = ["started", "frozen", "fetching"] if freeze else ["started", "fetching"]
+        assert events == expected
+
+
+#: In a fresh interpreter: a reference cycle dropped, another kept, then the heap frozen.
+_FREEZE_PROBE = """
+import gc, weakref
+from worker.app import freeze_heap
+class Node:
+    pass
+dropped = Node(); dropped.me = dropped; dropped_ref = weakref.ref(dropped); del dropped
+kept = Node(); kept.me = kept; kept_ref = weakref.ref(kept)
+frozen = freeze_heap()
+print(dropped_ref() is None, frozen > 1000, frozen == gc.get_freeze_count())
+del kept
+gc.collect()
+print(kept_ref() is not None)
+"""
+
+
+def test_freezing_the_heap_collects_its_garbage_first_then_leaves_the_rest_out() -> None:
+    """A cycle already garbage is collected, not frozen; every object alive is frozen (one
+    dropped in a cycle afterwards stays: start-up objects live as long as the process)."""
+    done = subprocess.run(
+        [sys.executable, "-c", _FREEZE_PROBE], capture_output=True, text=True, check=True
+    )
+    assert done.stdout.split() == ["True", "True", "True", "True"]
