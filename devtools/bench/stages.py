@@ -2,10 +2,14 @@
 
 ``profile``: one tuned worker drains a backlog twice, with the per-record path
 (``WORKER_FAST_PATH=false``) and with the fast path; once a tenth of the backlog
-is answered, ``py-spy record --format raw`` samples it for a few seconds. Each
-sample's stack is put in the stage of its innermost recognised frame
+is answered, ``py-spy record --native --format raw`` samples it for a few seconds.
+Each sample's stack is put in the stage of its innermost recognised frame
 (``classify``), and a stage's CPU per 1,000 records is its share of the samples
-times the worker's own CPU per 1,000 records over the drain.
+times the worker's own CPU per 1,000 records over the drain. The native frames say
+two things the Python ones cannot: a thread waiting in ``epoll_wait`` (gRPC's
+completion-queue poller, mostly) is idle, not running, and is left out; and the
+cyclic garbage collector's passes are a stage of their own, not a part of whichever
+frame allocated when one ran.
 """
 
 from __future__ import annotations
@@ -30,13 +34,19 @@ STAGES = (
     "Kafka out",
     "Kafka connection I/O",
     "bookkeeping (window, offsets, dispatch, metrics, logs)",
+    "garbage collection",
     "event loop",
     "other",
 )
+#: Samples of a thread waiting, not running: left out of every share.
+IDLE = "idle"
+#: Innermost native frames of a thread waiting for I/O or a timer.
+_WAITING = ("epoll_wait ", "epoll_pwait ", "epoll_pwait2 ", "poll ", "ppoll ", "select ")
 
 #: (substring of a frame, stage), tried in order on each frame from the innermost out.
 _RULES: tuple[tuple[str, str], ...] = (
     ("worker/wire/results", "result encoding"),
+    ("worker/wire/batch_results", "result encoding"),
     ("encode_result", "result encoding"),
     ("worker/wire/", "decode and validate"),
     ("msgspec", "decode and validate"),
@@ -69,7 +79,12 @@ _RULES: tuple[tuple[str, str], ...] = (
 
 
 def classify(frames: Sequence[str]) -> str:
-    """The stage of one stack (outermost frame first): its innermost recognised frame's."""
+    """The stage of one stack (outermost frame first): its innermost recognised frame's;
+    ``IDLE`` for a thread waiting, garbage collection for a collector's pass."""
+    if frames and frames[-1].startswith(_WAITING):
+        return IDLE
+    if any(frame.startswith(("gc_collect", "_PyGC_Collect")) for frame in frames):
+        return "garbage collection"
     for frame in reversed(frames):
         for needle, stage in _RULES:
             if needle in frame:
@@ -98,9 +113,15 @@ class Profile:
     cpu_s_per_1k: float
     samples: dict[str, int] = field(default_factory=dict)
 
+    @property
+    def running(self) -> int:
+        """Samples of threads running (idle ones left out)."""
+        return sum(n for stage, n in self.samples.items() if stage != IDLE)
+
     def ms_per_1k(self, stage: str) -> float:
-        """CPU ms per 1,000 records in ``stage``: its share of the samples times the CPU."""
-        total = sum(self.samples.values())
+        """CPU ms per 1,000 records in ``stage``: its share of the running samples times
+        the CPU."""
+        total = self.running
         return self.samples.get(stage, 0) / total * self.cpu_s_per_1k * 1000 if total else 0.0
 
 
@@ -161,7 +182,7 @@ async def _profiled_drain(
         if not spies and done >= records // 10:
             spies.append(
                 await asyncio.create_subprocess_exec(
-                    _py_spy(), "record", "--format", "raw", "-r", "100",
+                    _py_spy(), "record", "--native", "--format", "raw", "-r", "100",
                     "-d", str(seconds), "-o", str(raw), "--pid", str(pid),
                     stdout=log, stderr=asyncio.subprocess.STDOUT,
                 )
@@ -198,8 +219,9 @@ def markdown(profiles: Sequence[Profile] | None) -> str:
     head = " | ".join(p.label for p in profiles)
     lines = [
         "",
-        "Where the CPU per record goes (py-spy, samples by innermost recognised frame), "
-        "CPU ms per 1,000 records (share of samples):",
+        "Where the CPU per record goes (py-spy --native, samples by innermost recognised "
+        "frame; threads waiting in epoll_wait left out), CPU ms per 1,000 records (share of "
+        "the running samples):",
         "",
         f"| stage | {head} |",
         "| --- |" + " ---: |" * len(profiles),
@@ -207,7 +229,7 @@ def markdown(profiles: Sequence[Profile] | None) -> str:
     for stage in STAGES:
         cells = []
         for p in profiles:
-            total = sum(p.samples.values()) or 1
+            total = p.running or 1
             cells.append(f"{p.ms_per_1k(stage):.1f} ({p.samples.get(stage, 0) / total:.0%})")
         lines.append(f"| {stage} | " + " | ".join(cells) + " |")
     lines.append(
