@@ -51,21 +51,16 @@ _RECANCEL_S = 0.5
 class Worker:
     """The inference worker: Kafka in, Triton streams, Kafka out."""
 
+    #: ``freeze_heap()`` once started: for a process that runs this worker alone (``serve``).
+    freezes_heap = False
+
     def __init__(
-        self,
-        settings: Settings,
-        metrics: Metrics | None = None,
-        tracing: Tracing | None = None,
-        *,
-        freeze_heap: bool = False,
+        self, settings: Settings, metrics: Metrics | None = None, tracing: Tracing | None = None
     ) -> None:
         """Built in order: the Kafka edge, the delivery mode, the steps, the dispatcher;
         ``start`` and ``_serve`` connect them at run time. ``tracing``: spans of the
-        records; by default as the OTEL_* variables say. ``freeze_heap``: once started,
-        the process's objects are left out of the cyclic collector's passes (see
-        ``freeze_heap``); for a process that runs this worker alone."""
+        records; by default as the OTEL_* variables say."""
         self.settings = settings
-        self._freeze_heap = freeze_heap
         self.metrics = metrics = metrics or Metrics()
         self.tracing = tracing or build_tracing(os.environ, settings)
         self.window = Window(settings.flow.max_in_flight, settings.flow.max_in_flight_per_partition)
@@ -155,7 +150,7 @@ class Worker:
         """
         try:
             if await self._start_unless_stopped():
-                if self._freeze_heap:
+                if self.freezes_heap:
                     log.debug("heap_frozen", objects=freeze_heap())
                 await self._serve()
         finally:
@@ -450,7 +445,9 @@ async def serve(settings: Settings, worker: Worker | None = None) -> int:
     signal the process ends within ``FORCED_EXIT_S`` (``worker.shutdown``), even from
     outside the event loop: call it only as the process's last act.
     """
-    worker = worker or Worker(settings, freeze_heap=True)
+    if worker is None:
+        worker = Worker(settings)
+        worker.freezes_heap = True
     signals = TwoStageSignals(worker)
     signals.install()
     try:

@@ -230,7 +230,7 @@ def test_run_async_returns_the_exit_code_and_collects_the_young_generation_often
 async def test_a_worker_serving_its_process_freezes_the_heap_once_started(
     make_worker: MakeWorker, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """``freeze_heap=True`` (the process's worker, as ``serve`` builds it): the heap is
+    """``freezes_heap`` (the process's worker, as ``serve`` builds it): the heap is
     frozen once, after start-up and before the intake fetches; a worker built without it
     (tests, embedders) leaves the collector alone."""
     events: list[str] = []
@@ -247,7 +247,7 @@ async def test_a_worker_serving_its_process_freezes_the_heap_once_started(
     for freeze in (True, False):
         events.clear()
         worker = make_worker()
-        worker._freeze_heap = freeze
+        worker.freezes_heap = freeze
         real, intake = worker.intake, _Intake()
         worker.intake = intake  # type: ignore[assignment]
         worker.start = started  # type: ignore[method-assign]
