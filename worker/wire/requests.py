@@ -15,7 +15,7 @@ handles a single form:
 from __future__ import annotations
 
 import codecs
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from math import prod
 from typing import Any, Final, Literal
 
@@ -76,6 +76,12 @@ class DecodeLimits:
     max_request_bytes: int
     max_tensor_elements: int | None = None
     max_tensor_bytes: int | None = None
+    #: The two tensor bounds as ``tensors`` checks them (made once, not per record).
+    tensor: tensors.TensorLimits = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        limits = tensors.TensorLimits(self.max_tensor_elements, self.max_tensor_bytes)
+        object.__setattr__(self, "tensor", limits)
 
 
 @dataclass(frozen=True, slots=True)
@@ -371,8 +377,7 @@ def decode_request(
     ``defer``: a plain JSON request (numeric inputs with their data, no parameters) keeps
     its tensors pending, for its group to build them together.
     """
-    max_request_bytes = limits.max_request_bytes
-    tensor_limits = tensors.TensorLimits(limits.max_tensor_elements, limits.max_tensor_bytes)
+    max_request_bytes, tensor_limits = limits.max_request_bytes, limits.tensor
     if value is None:
         raise DecodeError("record value is null (a tombstone); expected an inference request")
     value = bytes(value)
@@ -397,8 +402,11 @@ def decode_request(
     model_name, model_version = _choose_model(headers, body_name, body_version, default_model)
     if request is not None:
         request.model_name, request.model_version, request.id = model_name, model_version, ""
-    fallback_id = f"{source.topic}-{source.partition}-{source.offset}"
-    request_id = body_id or header_text(headers, X_REQUEST_ID) or fallback_id
+    request_id = (
+        body_id
+        or header_text(headers, X_REQUEST_ID)
+        or f"{source.topic}-{source.partition}-{source.offset}"
+    )
     return DecodedRequest(
         request_id=request_id,
         model_name=model_name,
@@ -459,8 +467,12 @@ def _deferred(
     """A plain request's inputs, pending (checked against their shapes and the limits, their
     elements not converted), and their tensors' bytes; None for any other request, and for
     one these checks refuse (it is decoded whole, which says why)."""
-    if body.parameters or any(o.parameters for o in body.outputs or ()):
+    if body.parameters:
         return None
+    if body.outputs:
+        for output in body.outputs:
+            if output.parameters:
+                return None
     pending: list[PendingInput] = []
     names: set[str] = set()
     total_bytes = 0
