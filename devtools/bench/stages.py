@@ -6,8 +6,9 @@ is answered, ``py-spy record --native --format raw`` samples it for a few second
 Each sample's stack is put in the stage of its innermost recognised frame
 (``classify``), and a stage's CPU per 1,000 records is its share of the samples
 times the worker's own CPU per 1,000 records over the drain. The native frames say
-two things the Python ones cannot: a thread waiting in ``epoll_wait`` (gRPC's
-completion-queue poller, mostly) is idle, not running, and is left out; and the
+two things the Python ones cannot: a thread waiting (gRPC's completion-queue poller in
+``epoll_wait``, librdkafka's calling threads on their queue, a thread waiting for the
+GIL) is idle, not running, and is left out; and the
 cyclic garbage collector's passes are a stage of their own, not a part of whichever
 frame allocated when one ran.
 """
@@ -40,8 +41,12 @@ STAGES = (
 )
 #: Samples of a thread waiting, not running: left out of every share.
 IDLE = "idle"
-#: Innermost native frames of a thread waiting for I/O or a timer.
-_WAITING = ("epoll_wait ", "epoll_pwait ", "epoll_pwait2 ", "poll ", "ppoll ", "select ")
+#: Native frames of a thread waiting (for I/O, a timer, a queue, a lock or the GIL).
+_WAITING = (
+    "epoll_wait ", "epoll_pwait ", "epoll_pwait2 ", "poll ", "ppoll ", "select ",
+    "pthread_cond_wait ", "pthread_cond_timedwait ", "pthread_cond_clockwait ",
+    "sem_wait ", "sem_timedwait ", "sem_clockwait ", "take_gil ", "PyThread_acquire_lock_timed ",
+)  # fmt: skip
 
 #: (substring of a frame, stage), tried in order on each frame from the innermost out.
 _RULES: tuple[tuple[str, str], ...] = (
@@ -81,7 +86,8 @@ _RULES: tuple[tuple[str, str], ...] = (
 def classify(frames: Sequence[str]) -> str:
     """The stage of one stack (outermost frame first): its innermost recognised frame's;
     ``IDLE`` for a thread waiting, garbage collection for a collector's pass."""
-    if frames and frames[-1].startswith(_WAITING):
+    python = max((i for i, frame in enumerate(frames) if ".py:" in frame), default=-1)
+    if any(frame.startswith(_WAITING) for frame in frames[python + 1 :]):
         return IDLE
     if any(frame.startswith(("gc_collect", "_PyGC_Collect")) for frame in frames):
         return "garbage collection"
@@ -220,8 +226,8 @@ def markdown(profiles: Sequence[Profile] | None) -> str:
     lines = [
         "",
         "Where the CPU per record goes (py-spy --native, samples by innermost recognised "
-        "frame; threads waiting in epoll_wait left out), CPU ms per 1,000 records (share of "
-        "the running samples):",
+        "frame; threads waiting left out), CPU ms per 1,000 records (share of the running "
+        "samples):",
         "",
         f"| stage | {head} |",
         "| --- |" + " ---: |" * len(profiles),

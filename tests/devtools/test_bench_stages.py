@@ -19,7 +19,9 @@ RAW = "\n".join(
         "python;_run (asyncio/events.py:80);done_many (worker/flow/window.py:33) 8",
         "python;run_forever (asyncio/base_events.py:600) 2",
         # Native frames: a thread waiting is idle; a collector's pass is its own stage.
-        "python;Thread.run (threading.py:982);epoll_wait (libc.so.6) 25",
+        "python;Thread.run (threading.py:982);epoll_wait (libc.so.6) 20",
+        "python;_work (worker/kafka/rdkafka/threads.py:49);PyThread_acquire_lock_timed (q.c:1);"
+        "pthread_cond_timedwait (libc.so.6);0x7ff1 (libc.so.6) 5",
         "python;_run (asyncio/events.py:80);decode (worker/wire/requests.py:12);"
         "gc_collect_main (libpython3.11.so.1.0) 4",
         "python;_run (asyncio/events.py:80);encode (worker/wire/batch_results.py:9) 1",
