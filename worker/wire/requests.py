@@ -86,13 +86,14 @@ class DecodeLimits:
 
 @dataclass(frozen=True, slots=True)
 class PendingInput:
-    """An input of a JSON request whose tensor is not built yet: its elements as parsed, one
-    flat row-major list (checked against its shape, not converted)."""
+    """An input of a request whose tensor is not built yet: its elements as parsed, one flat
+    row-major list (checked against its shape, not converted); or, from the binary
+    extension, its bytes (checked against its shape), a view of the record's value."""
 
     name: str
     datatype: str
     shape: tuple[int, ...]
-    flat: list[Any]
+    flat: list[Any] | memoryview
 
 
 @dataclass(slots=True)
@@ -126,8 +127,11 @@ class DecodedRequest:
             assert self.pending is not None
             request = _new_request(self.model_name, self.model_version, self.output_names)
             for i, tensor in enumerate(self.pending):
-                raw = tensors.json_to_raw(
-                    tensor.datatype, tensor.shape, tensor.flat, f"inputs[{i}]"
+                flat = tensor.flat
+                raw = (
+                    flat.tobytes()
+                    if isinstance(flat, memoryview)
+                    else tensors.json_to_raw(tensor.datatype, tensor.shape, flat, f"inputs[{i}]")
                 )
                 request.inputs.add(name=tensor.name, datatype=tensor.datatype, shape=tensor.shape)
                 request.raw_input_contents.append(raw)
@@ -155,19 +159,31 @@ def pack_group(requests: list[DecodedRequest]) -> tuple[Any, list[int]]:
         total_rows += request.pending[0].shape[0]
     for i, tensor in enumerate(first.pending):
         flats = [request.pending[i].flat for request in requests]  # type: ignore[index]
-        raw = tensors.json_to_raw_many(tensor.datatype, flats)
+        raw = _joined(tensor.datatype, flats)
         if raw is None:
-            bad = [
-                j
-                for j, flat in enumerate(flats)
-                if tensors.json_to_raw_many(tensor.datatype, [flat]) is None
-            ]
+            bad = [j for j, flat in enumerate(flats) if _joined(tensor.datatype, [flat]) is None]
             return None, bad
         merged.inputs.add(
             name=tensor.name, datatype=tensor.datatype, shape=[total_rows, *tensor.shape[1:]]
         )
         merged.raw_input_contents.append(raw)
     return merged, []
+
+
+def _joined(datatype: str, flats: list[list[Any] | memoryview]) -> bytes | None:
+    """The raw bytes of several pending tensors of one input, joined in order; None when a
+    JSON element does not convert. Binary tensors are copied in as they are."""
+    if all(isinstance(flat, memoryview) for flat in flats):
+        return b"".join(flats)  # type: ignore[arg-type]
+    if not any(isinstance(flat, memoryview) for flat in flats):
+        return tensors.json_to_raw_many(datatype, flats)  # type: ignore[arg-type]
+    parts = []  # JSON and binary requests in one micro-batch: each converted alone
+    for flat in flats:
+        raw = flat if isinstance(flat, memoryview) else tensors.json_to_raw_many(datatype, [flat])
+        if raw is None:
+            return None
+        parts.append(raw)
+    return b"".join(parts)
 
 
 def _encoding_of(headers: Headers) -> Encoding:
@@ -437,7 +453,7 @@ def _from_json_value(
     the body's request id, model name and model version ("" when not given)."""
     body, header_end = _json_body(value, headers, encoding)
     names = (body.id or "", body.model_name or "", body.model_version or "")
-    deferred = _deferred(body, tensor_limits) if defer and header_end is None else None
+    deferred = _deferred(body, tensor_limits, value, header_end) if defer else None
     if deferred is not None:
         pending, tensor_bytes = deferred
         return (None, tensor_bytes, pending, tuple(o.name for o in body.outputs or ())), names
@@ -462,47 +478,86 @@ def _json_body(
 
 
 def _deferred(
-    body: InferRequestJSON, limits: tensors.TensorLimits
+    body: InferRequestJSON, limits: tensors.TensorLimits, value: bytes, binary_start: int | None
 ) -> tuple[tuple[PendingInput, ...], int] | None:
     """A plain request's inputs, pending (checked against their shapes and the limits, their
     elements not converted), and their tensors' bytes; None for any other request, and for
-    one these checks refuse (it is decoded whole, which says why)."""
-    if body.parameters:
+    one these checks refuse (it is decoded whole, which says why).
+
+    Plain: no parameters but the binary extension's framing ones (never sent to Triton);
+    with the binary extension (``binary_start``: where its tensors start in ``value``),
+    each input's ``binary_data_size`` is the whole of its tensor's bytes, every byte after
+    the JSON header taken; numeric datatypes only.
+    """
+    if not _framing_only(body.parameters):
         return None
-    if body.outputs:
-        for output in body.outputs:
-            if output.parameters:
-                return None
+    for output in body.outputs or ():
+        if not _framing_only(output.parameters):
+            return None
     pending: list[PendingInput] = []
     names: set[str] = set()
     total_bytes = 0
-    max_elements, max_bytes = limits.max_elements, limits.max_bytes
+    position = binary_start
     for spec in body.inputs:
-        dt = tensors.DATATYPES.get(spec.datatype)
-        shape, data = spec.shape, spec.data
-        if spec.parameters or data is None or dt is None or dt.dtype is None:
-            return None
-        if spec.name in names or not shape or min(shape) < 0:
+        if spec.name in names:
             return None
         names.add(spec.name)
-        count = prod(shape)
-        size = count * dt.size_bytes
-        if (max_elements is not None and count > max_elements) or (
-            max_bytes is not None and size > max_bytes
-        ):
+        taken = _pending_input(spec, limits, value, position)
+        if taken is None:
             return None
-        if len(shape) == 1 or not data or not isinstance(data[0], list):
-            if len(data) != count:
-                return None
-            flat = data
-        else:
-            try:
-                flat, _ = tensors.flat_json(spec.datatype, shape, data, "")
-            except WorkerError:
-                return None
-        pending.append(PendingInput(spec.name, spec.datatype, tuple(shape), flat))
+        tensor, size = taken
+        if position is not None:
+            position += size
+        pending.append(tensor)
         total_bytes += size
+    if position is not None and position != len(value):
+        return None
     return tuple(pending), total_bytes
+
+
+def _framing_only(parameters: dict[str, Any] | None) -> bool:
+    return not parameters or parameters.keys() <= FRAMING_PARAMETERS
+
+
+def _pending_input(
+    spec: RequestInput, limits: tensors.TensorLimits, value: bytes, position: int | None
+) -> tuple[PendingInput, int] | None:
+    """One input of a plain request (see ``_deferred``), pending, and its tensor's bytes;
+    they start at ``position`` of ``value`` with the binary extension (None: its elements
+    are JSON)."""
+    dt = tensors.DATATYPES.get(spec.datatype)
+    shape, data, parameters = spec.shape, spec.data, spec.parameters or {}
+    if dt is None or dt.dtype is None or not shape or min(shape) < 0:
+        return None
+    if not _framing_only(parameters):
+        return None
+    count = prod(shape)
+    size = count * dt.size_bytes
+    max_elements, max_bytes = limits.max_elements, limits.max_bytes
+    if (max_elements is not None and count > max_elements) or (
+        max_bytes is not None and size > max_bytes
+    ):
+        return None
+    flat: list[Any] | memoryview
+    if position is not None:
+        declared = parameters.get(BINARY_DATA_SIZE)
+        if data is not None or type(declared) is not int or declared != size:
+            return None
+        if position + size > len(value):
+            return None
+        flat = memoryview(value)[position : position + size]
+    elif data is None or BINARY_DATA_SIZE in parameters:
+        return None
+    elif len(shape) == 1 or not data or not isinstance(data[0], list):
+        if len(data) != count:
+            return None
+        flat = data
+    else:
+        try:
+            flat, _ = tensors.flat_json(spec.datatype, shape, data, "")
+        except WorkerError:
+            return None
+    return PendingInput(spec.name, spec.datatype, tuple(shape), flat), size
 
 
 class _Names(msgspec.Struct):

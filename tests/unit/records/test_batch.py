@@ -438,11 +438,11 @@ async def test_a_keys_records_after_its_failed_one_follow_it_the_other_keys_go_o
 
 
 async def test_an_ordered_units_results_are_published_in_offset_order() -> None:
-    """ordering=partition, JSON and binary requests alternating in one partition: two
-    micro-batches (one per encoding), one hand-over in offset order (the micro-batches'
-    order would put 0, 2, 4 before 1, 3)."""
+    """ordering=partition, JSON and protobuf requests alternating in one partition: two
+    micro-batches (pending tensors, and built requests), one hand-over in offset order
+    (the micro-batches' order would put 0, 2, 4 before 1, 3)."""
     h = Harness()
-    encodings: list[Encoding] = ["json", "binary", "json", "binary", "json"]
+    encodings: list[Encoding] = ["json", "protobuf", "json", "protobuf", "json"]
     candidates = h.take([record(i, encoding=e) for i, e in enumerate(encodings)])
     for candidate in candidates:
         candidate.unit = TP
