@@ -10,12 +10,12 @@ batching model gets a batch dimension of 1) and which encodes the result event.
 from __future__ import annotations
 
 import codecs
+from dataclasses import replace
 from typing import Any, Final
 
 import msgspec
 import numpy as np
 import orjson
-from tritonclient.grpc import service_pb2
 
 from worker.errors import DecodeError, InferenceError, InvalidRequest, TooLarge
 from worker.events.cloudevents import CloudEvent, cloud_event_of, is_structured
@@ -27,7 +27,7 @@ from worker.registry.results import ResultWriter
 from worker.wire import tensors
 from worker.wire.bytes_tensor import serialize_bytes_tensor
 from worker.wire.headers import CONTENT_TYPE, X_REQUEST_ID, Headers, Source, header_text
-from worker.wire.requests import DecodedRequest, DecodeLimits
+from worker.wire.requests import DecodedRequest, DecodeLimits, PendingInput
 from worker.wire.validation import ModelSpec
 
 __all__ = ["MappedEvent", "decode_event"]
@@ -64,12 +64,17 @@ class MappedEvent:
         #: The inputs were given a batch dimension (the model batches).
         self.batched = False
 
-    def fit(self, spec: ModelSpec, infer_request: Any) -> None:
+    def fit(self, spec: ModelSpec, request: DecodedRequest) -> None:
         """Shape the request for ``spec``: a batching model's inputs get a batch of 1."""
         if spec.max_batch_size > 0 and not self.batched:
             self.batched = True
-            for tensor in infer_request.inputs:
-                tensor.shape.insert(0, 1)
+            if request.pending is not None:
+                request.pending = tuple(
+                    replace(tensor, shape=(1, *tensor.shape)) for tensor in request.pending
+                )
+            if request.infer_request is not None:
+                for tensor in request.infer_request.inputs:
+                    tensor.shape.insert(0, 1)
 
     def encode(self, pairs: list[tuple[Any, bytes]]) -> tuple[bytes, list[tuple[str, bytes]]]:
         """The result event of the response's (output, raw bytes) pairs, and its headers
@@ -194,11 +199,14 @@ def decode_event(
     source: Source,
     limits: DecodeLimits,
     registry: Registry | None = None,
+    *,
+    defer: bool = False,
 ) -> DecodedRequest:
     """The event's request for the mapping's model; a WorkerError naming what is wrong.
 
     ``registry``: where a registry-format topic's records find their schemas (they
-    raise ``SchemaPending`` while theirs is not fetched yet)."""
+    raise ``SchemaPending`` while theirs is not fetched yet). ``defer``: the tensors are
+    left pending (their bytes made, no request message), for a group to build at once."""
     if value is None:
         raise DecodeError(
             f"record value is null (a tombstone); topic {mapping.topic!r} expects an event"
@@ -213,29 +221,13 @@ def decode_event(
         event, cloud = _registry_event_of(mapping, value, headers, registry)
     else:
         event, cloud = _event_of(mapping, value, headers)
-    request = service_pb2.ModelInferRequest(model_name=mapping.model, model_version=mapping.version)
-    element_limits = tensors.TensorLimits(limits.max_tensor_elements, limits.max_tensor_bytes)
-    total = 0
-    for spec in mapping.inputs:
-        shape, raw = _tensor(spec, event, mapping)
-        element_limits.check(spec.datatype, shape, f"input {spec.name}", len(raw))
-        tensor = request.inputs.add()
-        tensor.name, tensor.datatype = spec.name, spec.datatype
-        tensor.shape.extend(shape)
-        request.raw_input_contents.append(raw)
-        total += len(raw)
-    if total > limits.max_request_bytes:
-        raise TooLarge(
-            f"decoded tensors are {total} bytes, over the {limits.max_request_bytes}-byte limit"
-        )
-    for name in mapping.outputs():
-        request.outputs.add().name = name
-    return DecodedRequest(
+    inputs = _inputs(mapping, event, limits)
+    decoded = DecodedRequest(
         request_id=_request_id(mapping, event, headers, source, cloud),
         model_name=mapping.model,
         model_version=mapping.version,
         encoding="json",
-        infer_request=request,
+        infer_request=None,
         binary_outputs=False,
         payload_bytes=len(value),
         event=MappedEvent(
@@ -245,7 +237,12 @@ def decode_event(
             cloud,
             registry.result(mapping.topic) if registry and mapping.registry_format else None,
         ),
+        pending=inputs,
+        output_names=tuple(mapping.outputs()),
     )
+    if not defer:
+        decoded.packed()
+    return decoded
 
 
 def _event_of(
@@ -309,6 +306,24 @@ def _request_id(
     return (
         header_text(headers, X_REQUEST_ID) or f"{source.topic}-{source.partition}-{source.offset}"
     )
+
+
+def _inputs(
+    mapping: TopicMapping, event: dict[str, Any], limits: DecodeLimits
+) -> tuple[PendingInput, ...]:
+    """The request's inputs read from the event, within the limits (their bytes made)."""
+    pending: list[PendingInput] = []
+    total = 0
+    for spec in mapping.inputs:
+        shape, raw = _tensor(spec, event, mapping)
+        limits.tensor.check(spec.datatype, shape, f"input {spec.name}", len(raw))
+        pending.append(PendingInput(spec.name, spec.datatype, tuple(shape), memoryview(raw)))
+        total += len(raw)
+    if total > limits.max_request_bytes:
+        raise TooLarge(
+            f"decoded tensors are {total} bytes, over the {limits.max_request_bytes}-byte limit"
+        )
+    return tuple(pending)
 
 
 def _tensor(

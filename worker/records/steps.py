@@ -114,7 +114,9 @@ class Steps:
         wire.check_header_keys(headers)
         mapping = rules.mappings.get(source.topic) if rules.mappings else None
         if mapping is not None:
-            return decode_event(mapping, value, headers, source, rules.limits, rules.registry)
+            return decode_event(
+                mapping, value, headers, source, rules.limits, rules.registry, defer=defer
+            )
         return wire.decode_request(
             value, headers, source, rules.limits, rules.default_model, defer=defer
         )
@@ -132,7 +134,7 @@ class Steps:
         """Shape a mapped event's request for its model (a batch dimension when it batches);
         an inference request is left as it is."""
         if request.event is not None:
-            request.event.fit(spec, request.infer_request)
+            request.event.fit(spec, request)
 
     def serving(self, name: str, version: str) -> bool:
         """False while the model is held (being reloaded) or failing (its breaker open)."""

@@ -14,7 +14,9 @@ from tritonclient.grpc import service_pb2
 from worker.errors import DecodeError, InferenceError, InvalidRequest, TooLarge
 from worker.events import TopicMapping, decode_event, load_mappings
 from worker.events.mapping import ResultForm
+from worker.triton.merging import merge
 from worker.wire import DecodeLimits, Source, encode_result
+from worker.wire.requests import pack_group
 from worker.wire.validation import ModelSpec, TensorSpec, check_request
 
 MAPPING = """
@@ -91,8 +93,8 @@ def test_scalar_fields_are_gathered_into_one_vector(mappings: dict[str, TopicMap
     assert (request.request_id, request.model_name, request.encoding) == ("p-1", "mlp", "json")
     with pytest.raises(InvalidRequest, match="expects"):  # shaped per event until fitted
         check_request(MLP, request)
-    request.event.fit(MLP, request.infer_request)
-    request.event.fit(MLP, request.infer_request)  # once only
+    request.event.fit(MLP, request)
+    request.event.fit(MLP, request)  # once only
     assert list(request.infer_request.inputs[0].shape) == [1, 3]
     check_request(MLP, request)
 
@@ -226,7 +228,7 @@ def test_a_byte_order_mark_is_read_past(mappings: dict[str, TopicMapping]) -> No
 def test_the_result_is_the_event_enriched(mappings: dict[str, TopicMapping]) -> None:
     event = {"payment_id": "p-1", "amount": 1, "customer": {"age": 2}, "hour": 3, "note": "é"}
     request = decode(mappings["payments"], event)
-    request.event.fit(MLP, request.infer_request)
+    request.event.fit(MLP, request)
     value, headers = encode_result(request, response(PROBS=np.array([[0.25, 0.75]])))
     assert orjson.loads(value) == {**event, "prediction": {"PROBS": [0.25, 0.75]}}
     assert headers == [("content-type", b"application/json")]
@@ -299,3 +301,29 @@ def test_numbers_keep_their_datatype_s_shortest_form_and_text_outputs_are_text(
     value, _ = encode_result(request, message)
     assert b'"PROBS":[0.1,0.2,0.7]' in value
     assert orjson.loads(value)["out"]["TEXT"] == [["a", "é"]]
+
+
+def test_events_decoded_for_a_group_build_what_each_would_have_built_merged(
+    mappings: dict[str, TopicMapping],
+) -> None:
+    """Decoded for a group, mapped events keep their tensors pending (their bytes made, no
+    request message each); fitted, they get their batch dimension, and packed together
+    they equal the events' own requests merged, byte for byte."""
+    events = [
+        {"payment_id": f"p-{i}", "amount": 1.5 * i, "customer": {"age": 30 + i}, "hour": i}
+        for i in range(4)
+    ]
+    mapping = mappings["payments"]
+    raws = [orjson.dumps(event) for event in events]
+    deferred = [decode_event(mapping, raw, [], SOURCE, LIMITS, defer=True) for raw in raws]
+    assert all(r.pending is not None and r.infer_request is None for r in deferred)
+    eager = [decode_event(mapping, raw, [], SOURCE, LIMITS) for raw in raws]
+    for request in [*deferred, *eager]:
+        request.event.fit(MLP, request)
+    assert {r.pending[0].shape for r in deferred} == {(1, 3)}
+    packed, bad = pack_group(deferred)
+    assert bad == []
+    merged = merge([r.infer_request for r in eager])
+    assert packed.SerializeToString(deterministic=True) == merged.SerializeToString(
+        deterministic=True
+    )
