@@ -87,8 +87,9 @@ class DecodeLimits:
 @dataclass(frozen=True, slots=True)
 class PendingInput:
     """An input of a request whose tensor is not built yet: its elements as parsed, one flat
-    row-major list (checked against its shape, not converted); or, from the binary
-    extension, its bytes (checked against its shape), a view of the record's value."""
+    row-major list (checked against its shape, not converted); or its bytes, checked
+    against its shape (the binary extension's, a view of the record's value; a mapped
+    event's, made from the event)."""
 
     name: str
     datatype: str
@@ -172,7 +173,7 @@ def pack_group(requests: list[DecodedRequest]) -> tuple[Any, list[int]]:
 
 def _joined(datatype: str, flats: list[list[Any] | memoryview]) -> bytes | None:
     """The raw bytes of several pending tensors of one input, joined in order; None when a
-    JSON element does not convert. Binary tensors are copied in as they are."""
+    JSON element does not convert. Tensors given as bytes are copied in as they are."""
     if all(isinstance(flat, memoryview) for flat in flats):
         return b"".join(flats)  # type: ignore[arg-type]
     if not any(isinstance(flat, memoryview) for flat in flats):
