@@ -317,7 +317,7 @@ def _inputs(
     for spec in mapping.inputs:
         shape, raw = _tensor(spec, event, mapping)
         limits.tensor.check(spec.datatype, shape, f"input {spec.name}", len(raw))
-        pending.append(PendingInput(spec.name, spec.datatype, tuple(shape), memoryview(raw)))
+        pending.append(PendingInput(spec.name, spec.datatype, tuple(shape), raw))
         total += len(raw)
     if total > limits.max_request_bytes:
         raise TooLarge(

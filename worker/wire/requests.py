@@ -94,7 +94,7 @@ class PendingInput:
     name: str
     datatype: str
     shape: tuple[int, ...]
-    flat: list[Any] | memoryview
+    flat: list[Any] | bytes | memoryview
 
 
 @dataclass(slots=True)
@@ -130,8 +130,8 @@ class DecodedRequest:
             for i, tensor in enumerate(self.pending):
                 flat = tensor.flat
                 raw = (
-                    flat.tobytes()
-                    if isinstance(flat, memoryview)
+                    bytes(flat)  # the same object when it is bytes already
+                    if isinstance(flat, _RAW)
                     else tensors.json_to_raw(tensor.datatype, tensor.shape, flat, f"inputs[{i}]")
                 )
                 request.inputs.add(name=tensor.name, datatype=tensor.datatype, shape=tensor.shape)
@@ -171,16 +171,18 @@ def pack_group(requests: list[DecodedRequest]) -> tuple[Any, list[int]]:
     return merged, []
 
 
-def _joined(datatype: str, flats: list[list[Any] | memoryview]) -> bytes | None:
+#: A pending tensor given as its bytes (see ``PendingInput``), not as JSON elements.
+_RAW: Final = (bytes, memoryview)
+
+
+def _joined(datatype: str, flats: list[list[Any] | bytes | memoryview]) -> bytes | None:
     """The raw bytes of several pending tensors of one input, joined in order; None when a
     JSON element does not convert. Tensors given as bytes are copied in as they are."""
-    if all(isinstance(flat, memoryview) for flat in flats):
-        return b"".join(flats)  # type: ignore[arg-type]
-    if not any(isinstance(flat, memoryview) for flat in flats):
+    if not any(isinstance(flat, _RAW) for flat in flats):
         return tensors.json_to_raw_many(datatype, flats)  # type: ignore[arg-type]
-    parts = []  # JSON and binary requests in one micro-batch: each converted alone
+    parts = []  # JSON elements among them (JSON and binary requests): each converted alone
     for flat in flats:
-        raw = flat if isinstance(flat, memoryview) else tensors.json_to_raw_many(datatype, [flat])
+        raw = flat if isinstance(flat, _RAW) else tensors.json_to_raw_many(datatype, [flat])
         if raw is None:
             return None
         parts.append(raw)
@@ -539,7 +541,7 @@ def _pending_input(
         max_bytes is not None and size > max_bytes
     ):
         return None
-    flat: list[Any] | memoryview
+    flat: list[Any] | bytes | memoryview
     if position is not None:
         declared = parameters.get(BINARY_DATA_SIZE)
         if data is not None or type(declared) is not int or declared != size:
