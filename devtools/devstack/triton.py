@@ -225,12 +225,17 @@ def triton_env(install: TritonInstall, base_env: Mapping[str, str]) -> dict[str,
     - ``nvidia_pytriton.libs`` follows, for the libraries the binaries link.
     - ``TRITON_MODEL_SITE_PACKAGES`` names the site directory with numpy<2: the
       stub ignores ``PYTHONPATH``, so the models put it on ``sys.path`` themselves.
+    - The models' numpy runs one BLAS thread (``OPENBLAS_NUM_THREADS``, unless given):
+      OpenBLAS starts a thread per core that spins on ``sched_yield`` between calls, and
+      the rows of a micro-batch are far too few to share. On two cores the ``mlp`` stub
+      took 70-80 µs of CPU per row that way, more than the worker beside it; 4-5 µs so.
     """
     env = dict(base_env)
     libdir = str(install.python_libdir)
     existing = [part for part in env.get("LD_LIBRARY_PATH", "").split(os.pathsep) if part]
     env["LD_LIBRARY_PATH"] = os.pathsep.join([libdir, str(install.libs_dir), *existing])
     env[SITE_PACKAGES_ENV] = str(install.site_dir)
+    env.setdefault("OPENBLAS_NUM_THREADS", "1")
     return env
 
 

@@ -44,6 +44,12 @@ def test_wheel_libs_are_on_library_path() -> None:
     assert _library_path(env)[:2] == [LIBDIR, str(INSTALL.libs_dir)]
 
 
+def test_the_models_numpy_runs_one_blas_thread_unless_told_otherwise() -> None:
+    """OpenBLAS's thread per core spins between a model's calls: one thread by default."""
+    assert triton_env(INSTALL, {})["OPENBLAS_NUM_THREADS"] == "1"
+    assert triton_env(INSTALL, {"OPENBLAS_NUM_THREADS": "4"})["OPENBLAS_NUM_THREADS"] == "4"
+
+
 def test_the_models_run_on_a_python_with_a_numpy_below_2() -> None:
     """This interpreter when numpy<2 exists for it (3.11, 3.12), else one found beside it."""
     python = model_python()

@@ -6,6 +6,7 @@ import asyncio
 import itertools
 import logging
 import time
+from collections.abc import Callable
 
 import confluent_kafka
 from aiokafka.structs import ConsumerRecord, TopicPartition
@@ -30,7 +31,9 @@ _VALUE = b"x" * 1024
 _MAX_PAUSE_S = 0.25
 
 
-def _intake(settings: Settings, topics: list[str], window: Window) -> RdIntake:
+def _intake(
+    settings: Settings, topics: list[str], window: Window, metrics: Metrics | None = None
+) -> RdIntake:
     """The worker's librdkafka intake on ``topics``, alone: no delivery behind it."""
     return RdIntake(
         rdkafka_config.consumer_config(settings.kafka, settings.kafka_auth),
@@ -38,7 +41,7 @@ def _intake(settings: Settings, topics: list[str], window: Window) -> RdIntake:
         max_poll_records=settings.kafka.max_poll_records,
         window=window,
         breaker=CircuitBreaker(5),
-        metrics=Metrics(),
+        metrics=metrics or Metrics(),
     )
 
 
@@ -57,11 +60,8 @@ class _NoListener:
         return None
 
 
-async def test_a_backlog_drains_without_waiting_out_the_prefetch_backoff(
-    kafka: KafkaUnderTest, triton: TritonUnderTest, unique: str
-) -> None:
-    """8,000 records wait on one partition, each done as it is dispatched: the intake never
-    goes 250 ms without handing records over (librdkafka's 1 s prefetch backoff stalled it)."""
+async def _backlog(kafka: KafkaUnderTest, unique: str) -> Topics:
+    """Fresh topics, ``_BACKLOG`` records waiting on the input's one partition."""
     topics = Topics.fresh(unique)
     await create(kafka, topics)
     producer = confluent_kafka.Producer({"bootstrap.servers": kafka.bootstrap_servers})
@@ -70,21 +70,29 @@ async def test_a_backlog_drains_without_waiting_out_the_prefetch_backoff(
         if i % 1000 == 999:
             producer.poll(0)
     assert await asyncio.to_thread(producer.flush, 30) == 0
-    settings = settings_for(kafka, triton, topics, kafka_client="confluent")
-    # Room for more than a poll: the intake never pauses the partition, so only librdkafka's
-    # prefetch sets the pace.
-    window = Window(1000, 1000)
-    handed: list[tuple[float, int]] = []
+    return topics
+
+
+async def _drain(
+    intake: RdIntake,
+    done: Callable[[list[ConsumerRecord[bytes, bytes]]], object],
+    seen: Callable[[], None] = lambda: None,
+) -> list[float]:
+    """Run ``intake`` until it has handed the whole backlog over, each dispatch passed to
+    ``done`` (which releases its slots) and followed by ``seen()``; when each was handed."""
+    handed: list[float] = []
+    count = 0
     drained = asyncio.Event()
 
     def dispatch(records: list[ConsumerRecord[bytes, bytes]]) -> None:
-        handed.append((time.monotonic(), len(records)))
-        for record in records:  # done at once: only the intake sets the pace
-            window.release(TopicPartition(record.topic, record.partition))
-        if sum(count for _, count in handed) >= _BACKLOG:
+        nonlocal count
+        handed.append(time.monotonic())
+        count += len(records)
+        done(records)
+        seen()
+        if count >= _BACKLOG:
             drained.set()
 
-    intake = _intake(settings, [topics.input], window)
     await intake.start(_NoListener())
     running = asyncio.create_task(intake.run(dispatch, _admit_all))
     try:
@@ -93,9 +101,65 @@ async def test_a_backlog_drains_without_waiting_out_the_prefetch_backoff(
         intake.request_stop()
         await running
         await intake.stop()
-    times = [at for at, _ in handed]
-    longest_s = max(later - earlier for earlier, later in itertools.pairwise(times))
-    print(f"\n{_BACKLOG} records in {times[-1] - times[0]:.2f} s, longest pause {longest_s:.3f} s")
+    assert count == _BACKLOG
+    return handed
+
+
+def _longest_pause_s(handed: list[float]) -> float:
+    longest_s = max(later - earlier for earlier, later in itertools.pairwise(handed))
+    took_s = handed[-1] - handed[0]
+    print(f"\n{_BACKLOG} records in {took_s:.2f} s, longest pause {longest_s:.3f} s")
+    return longest_s
+
+
+async def test_a_backlog_drains_without_waiting_out_the_prefetch_backoff(
+    kafka: KafkaUnderTest, triton: TritonUnderTest, unique: str
+) -> None:
+    """8,000 records wait on one partition, each done as it is dispatched: the intake never
+    goes 250 ms without handing records over (librdkafka's 1 s prefetch backoff stalled it)."""
+    topics = await _backlog(kafka, unique)
+    settings = settings_for(kafka, triton, topics, kafka_client="confluent")
+    # Room for more than a poll: the intake never pauses the partition, so only librdkafka's
+    # prefetch sets the pace.
+    window = Window(1000, 1000)
+
+    def done(records: list[ConsumerRecord[bytes, bytes]]) -> None:
+        for record in records:  # done at once: only the intake sets the pace
+            window.release(TopicPartition(record.topic, record.partition))
+
+    handed = await _drain(_intake(settings, [topics.input], window), done)
+    longest_s = _longest_pause_s(handed)
+    assert longest_s < _MAX_PAUSE_S, f"the intake stood still for {longest_s:.2f} s"
+
+
+async def test_a_window_smaller_than_a_poll_keeps_the_backlog_within_a_poll_unpaused(
+    kafka: KafkaUnderTest, triton: TritonUnderTest, unique: str
+) -> None:
+    """8,000 records wait on one partition; the window (64) is far below a poll (500) and
+    each record is done on the loop's next turn, so the window is full at every fetch: the
+    intake takes only what keeps its backlog within a poll, the partition is never paused,
+    and the intake never goes 250 ms without handing records over. (It took a whole poll
+    at every fetch: the backlog passed the pause bound, librdkafka dropped the partition's
+    prefetch and fetched again only about 0.5 s after the resume, in every cycle.)"""
+    topics = await _backlog(kafka, unique)
+    settings = settings_for(kafka, triton, topics, kafka_client="confluent")
+    assert settings.kafka.max_poll_records == 500
+    window = Window(64, 64)
+    loop = asyncio.get_running_loop()
+    metrics = Metrics()
+    intake = _intake(settings, [topics.input], window, metrics)
+    paused: list[float] = []
+
+    def release(records: list[ConsumerRecord[bytes, bytes]]) -> None:
+        for record in records:
+            window.release(TopicPartition(record.topic, record.partition))
+
+    def seen() -> None:
+        paused.append(metrics.registry.get_sample_value("worker_paused_partitions") or 0)
+
+    handed = await _drain(intake, lambda records: loop.call_soon(release, records), seen)
+    longest_s = _longest_pause_s(handed)
+    assert max(paused) == 0, "a partition was paused while the window was full"
     assert longest_s < _MAX_PAUSE_S, f"the intake stood still for {longest_s:.2f} s"
 
 

@@ -139,7 +139,7 @@ class RdIntake(Feed):
                     timeout_s = quiet_s  # nothing to do but wait for records
                 else:
                     timeout_s = _POLL_TIMEOUT_S
-                fetching = fetch(self.consumer, self._max_poll_records, timeout_s)
+                fetching = fetch(self.consumer, self._fetch_budget(), timeout_s)
                 if (messages := await unless_stopped(self._stopping, fetching, _STUCK_S)) is None:
                     break  # stopping while librdkafka is stuck (a broker down): left behind
                 quiet_s = _POLL_TIMEOUT_S if messages else min(2 * quiet_s, _IDLE_POLL_TIMEOUT_S)
@@ -150,6 +150,19 @@ class RdIntake(Feed):
             self._looping = False
             await self._serve_requests()
             self._backlog.clear()
+
+    def _fetch_budget(self) -> int:
+        """How many records the next fetch may take: what keeps the backlog within one
+        poll, and at least one (each fetch also keeps the membership and runs the
+        rebalance callbacks).
+
+        Taking a whole poll whatever the backlog held grew it past the pause bound while
+        the window was full: librdkafka drops a paused partition's prefetch and fetches
+        again only about 0.5 s after its resume, so a worker draining a backlog stood
+        still for 0.4 s of every second (7,600 records/s with the machine 30 % busy).
+        """
+        held = sum(len(queue) for queue in self._backlog.values())
+        return max(1, self._max_poll_records - held)
 
     def _take(self, messages: list[Any]) -> None:
         counts: dict[TopicPartition, int] = {}
