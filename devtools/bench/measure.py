@@ -32,12 +32,35 @@ from devtools.samples import SampleRequest
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
+def tree_cpu_s(pid: int | None) -> float:
+    """CPU seconds of ``pid`` and of its child processes alive now: Triton runs each
+    Python-backend model instance in a stub process of its own, whose CPU is the model's."""
+    if pid is None:
+        return 0.0
+    return cpu_s(pid) + sum(cpu_s(child) for child in _children(pid))
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (read from each one's ``/proc`` stat)."""
+    children = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+            children.append(int(entry))
+    return children
+
+
 def cpu_s(pid: int | None) -> float:
     """User + system CPU seconds of ``pid`` so far (0 when unknown or gone)."""
     if pid is None:
         return 0.0
     try:
-        stat = open(f"/proc/{pid}/stat").read()
+        stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return 0.0
     # Fields after the command name, which may contain spaces, closed by ')'.

@@ -314,7 +314,8 @@ def markdown(
         "",
         "Latency: end to end (produce → result on the broker), measured at half the "
         "variant's own peak rate (column 'at /s').",
-        "CPU: of the variant's process (the Triton client for ceiling 1), per 1,000 records.",
+        "CPU: of the variant's process (the Triton client for ceiling 1), per 1,000 records; "
+        "Triton's counts its models' backend stubs.",
         *_key_note(results, meta),
         "",
         "| variant | records/s | at /s | p50 ms | p95 ms | p99 ms | CPU s / 1k records "

@@ -24,6 +24,7 @@ from devtools.bench.measure import (
     percentiles_ms,
     spawn,
     stop,
+    tree_cpu_s,
 )
 from devtools.bench.report import LoadPoint, VariantResult
 
@@ -57,7 +58,7 @@ class Servers:
     registry_url: str | None = None
 
     def server_cpu_s(self) -> tuple[float, float]:
-        return cpu_s(self.triton_pid), sum(cpu_s(pid) for pid in self.kafka_pids)
+        return tree_cpu_s(self.triton_pid), sum(cpu_s(pid) for pid in self.kafka_pids)
 
 
 class Runner:
