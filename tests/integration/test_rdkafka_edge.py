@@ -163,6 +163,57 @@ async def test_a_window_smaller_than_a_poll_keeps_the_backlog_within_a_poll_unpa
     assert longest_s < _MAX_PAUSE_S, f"the intake stood still for {longest_s:.2f} s"
 
 
+async def test_a_partition_stuck_in_the_window_leaves_the_others_a_whole_poll(
+    kafka: KafkaUnderTest, triton: TritonUnderTest, unique: str
+) -> None:
+    """Two partitions of 4,000 records; the first one's records are never done (its 32
+    slots stay taken), the second's are done on the loop's next turn: the first is paused
+    once its backlog holds a poll, and the second's records come many to a hand-over (up
+    to its 32 slots). A fetch budget that counted the paused partition's
+    backlog left the others a record or two a fetch (about 2,000 hand-overs)."""
+    topics = Topics.fresh(unique)
+    await create(kafka, topics, partitions=2)
+    producer = confluent_kafka.Producer({"bootstrap.servers": kafka.bootstrap_servers})
+    for i in range(_BACKLOG):
+        producer.produce(topics.input, _VALUE, key=str(i).encode(), partition=i % 2)
+        if i % 1000 == 999:
+            producer.poll(0)
+    assert await asyncio.to_thread(producer.flush, 30) == 0
+    settings = settings_for(kafka, triton, topics, kafka_client="confluent")
+    window = Window(64, 32)
+    loop = asyncio.get_running_loop()
+    intake = _intake(settings, [topics.input], window)
+    handed: list[float] = []
+    drained = asyncio.Event()
+    flowing = 0
+
+    def release(records: list[ConsumerRecord[bytes, bytes]]) -> None:
+        for record in records:
+            window.release(TopicPartition(record.topic, record.partition))
+
+    def dispatch(records: list[ConsumerRecord[bytes, bytes]]) -> None:
+        nonlocal flowing
+        moving = [r for r in records if r.partition == 1]
+        if moving:
+            handed.append(time.monotonic())
+            flowing += len(moving)
+            loop.call_soon(release, moving)
+        if flowing >= _BACKLOG // 2:
+            drained.set()
+
+    await intake.start(_NoListener())
+    running = asyncio.create_task(intake.run(dispatch, _admit_all))
+    try:
+        await asyncio.wait_for(drained.wait(), 60)
+    finally:
+        intake.request_stop()
+        await running
+        await intake.stop()
+    per_hand_over = flowing / len(handed)
+    print(f"\n{flowing} records of the flowing partition in {len(handed)} hand-overs")
+    assert per_hand_over >= 8, f"{per_hand_over:.1f} records a hand-over: starved of fetches"
+
+
 async def test_a_broker_that_cannot_be_reached_is_reported_and_the_intake_goes_on(
     kafka: KafkaUnderTest, triton: TritonUnderTest, unique: str
 ) -> None:

@@ -152,16 +152,19 @@ class RdIntake(Feed):
             self._backlog.clear()
 
     def _fetch_budget(self) -> int:
-        """How many records the next fetch may take: what keeps the backlog within one
-        poll, and at least one (each fetch also keeps the membership and runs the
-        rebalance callbacks).
+        """How many records the next fetch may take: what keeps the backlog of the
+        partitions still fetching within one poll, and at least one (each fetch also
+        keeps the membership and runs the rebalance callbacks).
 
         Taking a whole poll whatever the backlog held grew it past the pause bound while
         the window was full: librdkafka drops a paused partition's prefetch and fetches
         again only about 0.5 s after its resume, so a worker draining a backlog stood
         still for 0.4 s of every second (7,600 records/s with the machine 30 % busy).
+        A paused partition's backlog (bounded by the pause) is left out: counted, a
+        partition stuck in the window would leave the others one record a fetch.
         """
-        held = sum(len(queue) for queue in self._backlog.values())
+        paused = self._paused
+        held = sum(len(queue) for tp, queue in self._backlog.items() if tp not in paused)
         return max(1, self._max_poll_records - held)
 
     def _take(self, messages: list[Any]) -> None:
