@@ -60,17 +60,43 @@ class _NoListener:
         return None
 
 
-async def _backlog(kafka: KafkaUnderTest, unique: str) -> Topics:
-    """Fresh topics, ``_BACKLOG`` records waiting on the input's one partition."""
+async def _backlog(kafka: KafkaUnderTest, unique: str, partitions: int = 1) -> Topics:
+    """Fresh topics, ``_BACKLOG`` records waiting on the input's partitions, in turn."""
     topics = Topics.fresh(unique)
-    await create(kafka, topics)
+    await create(kafka, topics, partitions=partitions)
     producer = confluent_kafka.Producer({"bootstrap.servers": kafka.bootstrap_servers})
     for i in range(_BACKLOG):
-        producer.produce(topics.input, _VALUE, key=str(i).encode())
+        producer.produce(topics.input, _VALUE, key=str(i).encode(), partition=i % partitions)
         if i % 1000 == 999:
             producer.poll(0)
     assert await asyncio.to_thread(producer.flush, 30) == 0
     return topics
+
+
+def _releaser(window: Window) -> Callable[[list[ConsumerRecord[bytes, bytes]]], None]:
+    """Gives the records' slots back: they are done."""
+
+    def release(records: list[ConsumerRecord[bytes, bytes]]) -> None:
+        for record in records:
+            window.release(TopicPartition(record.topic, record.partition))
+
+    return release
+
+
+async def _run(
+    intake: RdIntake,
+    dispatch: Callable[[list[ConsumerRecord[bytes, bytes]]], None],
+    until: asyncio.Event,
+) -> None:
+    """Start ``intake`` and run it, dispatching to ``dispatch``, until ``until`` is set."""
+    await intake.start(_NoListener())
+    running = asyncio.create_task(intake.run(dispatch, _admit_all))
+    try:
+        await asyncio.wait_for(until.wait(), 60)
+    finally:
+        intake.request_stop()
+        await running
+        await intake.stop()
 
 
 async def _drain(
@@ -93,14 +119,7 @@ async def _drain(
         if count >= _BACKLOG:
             drained.set()
 
-    await intake.start(_NoListener())
-    running = asyncio.create_task(intake.run(dispatch, _admit_all))
-    try:
-        await asyncio.wait_for(drained.wait(), 60)
-    finally:
-        intake.request_stop()
-        await running
-        await intake.stop()
+    await _run(intake, dispatch, drained)
     assert count == _BACKLOG
     return handed
 
@@ -122,12 +141,8 @@ async def test_a_backlog_drains_without_waiting_out_the_prefetch_backoff(
     # Room for more than a poll: the intake never pauses the partition, so only librdkafka's
     # prefetch sets the pace.
     window = Window(1000, 1000)
-
-    def done(records: list[ConsumerRecord[bytes, bytes]]) -> None:
-        for record in records:  # done at once: only the intake sets the pace
-            window.release(TopicPartition(record.topic, record.partition))
-
-    handed = await _drain(_intake(settings, [topics.input], window), done)
+    # Each record done at once: only the intake sets the pace.
+    handed = await _drain(_intake(settings, [topics.input], window), _releaser(window))
     longest_s = _longest_pause_s(handed)
     assert longest_s < _MAX_PAUSE_S, f"the intake stood still for {longest_s:.2f} s"
 
@@ -149,10 +164,7 @@ async def test_a_window_smaller_than_a_poll_keeps_the_backlog_within_a_poll_unpa
     metrics = Metrics()
     intake = _intake(settings, [topics.input], window, metrics)
     paused: list[float] = []
-
-    def release(records: list[ConsumerRecord[bytes, bytes]]) -> None:
-        for record in records:
-            window.release(TopicPartition(record.topic, record.partition))
+    release = _releaser(window)
 
     def seen() -> None:
         paused.append(metrics.registry.get_sample_value("worker_paused_partitions") or 0)
@@ -171,14 +183,7 @@ async def test_a_partition_stuck_in_the_window_leaves_the_others_a_whole_poll(
     once its backlog holds a poll, and the second's records come many to a hand-over (up
     to its 32 slots). A fetch budget that counted the paused partition's
     backlog left the others a record or two a fetch (about 2,000 hand-overs)."""
-    topics = Topics.fresh(unique)
-    await create(kafka, topics, partitions=2)
-    producer = confluent_kafka.Producer({"bootstrap.servers": kafka.bootstrap_servers})
-    for i in range(_BACKLOG):
-        producer.produce(topics.input, _VALUE, key=str(i).encode(), partition=i % 2)
-        if i % 1000 == 999:
-            producer.poll(0)
-    assert await asyncio.to_thread(producer.flush, 30) == 0
+    topics = await _backlog(kafka, unique, partitions=2)
     settings = settings_for(kafka, triton, topics, kafka_client="confluent")
     window = Window(64, 32)
     loop = asyncio.get_running_loop()
@@ -186,10 +191,7 @@ async def test_a_partition_stuck_in_the_window_leaves_the_others_a_whole_poll(
     handed: list[float] = []
     drained = asyncio.Event()
     flowing = 0
-
-    def release(records: list[ConsumerRecord[bytes, bytes]]) -> None:
-        for record in records:
-            window.release(TopicPartition(record.topic, record.partition))
+    release = _releaser(window)
 
     def dispatch(records: list[ConsumerRecord[bytes, bytes]]) -> None:
         nonlocal flowing
@@ -201,14 +203,7 @@ async def test_a_partition_stuck_in_the_window_leaves_the_others_a_whole_poll(
         if flowing >= _BACKLOG // 2:
             drained.set()
 
-    await intake.start(_NoListener())
-    running = asyncio.create_task(intake.run(dispatch, _admit_all))
-    try:
-        await asyncio.wait_for(drained.wait(), 60)
-    finally:
-        intake.request_stop()
-        await running
-        await intake.stop()
+    await _run(intake, dispatch, drained)
     per_hand_over = flowing / len(handed)
     print(f"\n{flowing} records of the flowing partition in {len(handed)} hand-overs")
     assert per_hand_over >= 8, f"{per_hand_over:.1f} records a hand-over: starved of fetches"
