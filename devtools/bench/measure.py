@@ -44,27 +44,26 @@ def _children(pid: int) -> list[int]:
     """The processes whose parent is ``pid`` (read from each one's ``/proc`` stat)."""
     children = []
     for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+        if entry.isdigit() and (fields := _stat_fields(int(entry))) and int(fields[1]) == pid:
             children.append(int(entry))
     return children
 
 
-def cpu_s(pid: int | None) -> float:
-    """User + system CPU seconds of ``pid`` so far (0 when unknown or gone)."""
-    if pid is None:
-        return 0.0
+def _stat_fields(pid: int) -> list[str] | None:
+    """The fields of ``/proc/<pid>/stat`` after the command name (which may contain
+    spaces, closed by ')'), from the state on; None when the process is gone."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()
+
+
+def cpu_s(pid: int | None) -> float:
+    """User + system CPU seconds of ``pid`` so far (0 when unknown or gone)."""
+    fields = None if pid is None else _stat_fields(pid)
+    if not fields:
         return 0.0
-    # Fields after the command name, which may contain spaces, closed by ')'.
-    fields = stat.rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
 
 
