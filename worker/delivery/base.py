@@ -132,7 +132,9 @@ class Delivery(Protocol):
         wait for that). A ``PartitionRevoked`` error: the record's partition moved away.
         ``then`` is awaited with the indexes of the results the broker has (acknowledged,
         or committed) before the mode's bookkeeping ends with them (at_least_once marks
-        them done after it). Returns once every result is settled.
+        them done after it). Returns once every result is settled; exactly_once without
+        ``then`` may return once every result is staged (see its ``complete_many``), and
+        tell of a refusal after that.
         """
         ...
 

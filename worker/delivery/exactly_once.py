@@ -6,8 +6,13 @@ in one transaction per transactional producer. Which producer carries a partitio
 the client's (``worker.kafka.transactions.Transactions``): one per input partition,
 fenced by its transactional id (aiokafka), or one for every partition, fenced by the
 group generation (librdkafka). A record's ``deliver`` returns once its transaction
-commits, so it holds its window slot until then (staged outcomes are bounded by the
-window), while ordering turns pass on as soon as it is staged.
+commits, so it holds its window slot until then, while ordering turns pass on as soon as
+it is staged. A group's results (``complete_many``) give their slots back as soon as they
+are staged, while no more outcomes are staged than the window holds; past that, the
+group waits for a commit to make room (or for its own to end). The window then bounds
+the records being inferred, and the same count the outcomes waiting for their
+transaction: a transaction carries up to half of both, and inference goes on while it
+commits.
 
 A partition is ours to commit only while it is held here and assigned to the consumer:
 that is checked again after every wait (a producer's start, which may retry for a
@@ -104,6 +109,18 @@ def _tp(record: ConsumerRecord[bytes, bytes]) -> TopicPartition:
     return TopicPartition(record.topic, record.partition)
 
 
+def _told_if_refused(index: int, on_refused: Refused) -> Callable[[asyncio.Future[None]], None]:
+    """A done callback: ``on_refused(index, error)`` when the staged result's transaction
+    did not take it (refused for size, or its partition went)."""
+
+    def told(future: asyncio.Future[None]) -> None:
+        error = None if future.cancelled() else future.exception()
+        if error is not None:
+            on_refused(index, error)
+
+    return told
+
+
 class ExactlyOnce(TrackingDelivery):
     """The exactly_once mode: stage outcomes per partition, commit them with their offsets."""
 
@@ -130,6 +147,12 @@ class ExactlyOnce(TrackingDelivery):
         #: window half full of staged outcomes waiting for the interval would idle the rest.
         self._staged_count = 0
         self._commit_at = max(1, settings.flow.max_in_flight // 2)
+        #: A group's results give their window slots back once staged while no more than
+        #: this many outcomes are staged (``complete_many``): the window then bounds the
+        #: records being inferred, and this the outcomes waiting for their transaction.
+        self._staged_limit = max(1, settings.flow.max_in_flight)
+        #: Settled when staged outcomes fall to the limit (callers of complete_many wait).
+        self._room: asyncio.Future[None] | None = None
         self._partitions: dict[TopicPartition, _Partition] = {}
         #: Every producer not stopped yet (a shared one outlives its partitions).
         self._producers: dict[int, TransactionalProducer] = {}
@@ -192,8 +215,10 @@ class ExactlyOnce(TrackingDelivery):
         """Stage every result in its partition's next transaction (each partition's in the
         order given) and mark them done; ``on_safe`` once all are staged; a result refused
         (for its size: its dead letter must follow at once) or whose partition went is told
-        to ``on_refused`` as soon as it is known; return once the others have committed
-        (``then`` awaited first)."""
+        to ``on_refused`` as soon as it is known. Return once the staged outcomes are within
+        the bound (the window's size), or once the results have committed, whichever comes
+        first; with ``then``, once they have committed (``then`` awaited first). A refusal
+        after the return is told all the same."""
         parts: dict[TopicPartition, _Partition | None] = {}
         for tp, ticket in {(_tp(r), t) for (r, _, _), t in zip(results, tickets, strict=True)}:
             try:
@@ -215,9 +240,20 @@ class ExactlyOnce(TrackingDelivery):
         on_safe()
         committed: list[int] = []
         while pending:
-            finished, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_EXCEPTION)
+            if then is None and self._staged_count <= self._staged_limit:
+                # Staged within the bound: the records' slots go back now, and a result
+                # refused at its commit is told to ``on_refused`` then.
+                for future, i in pending.items():
+                    future.add_done_callback(_told_if_refused(i, on_refused))
+                return
+            waits: list[asyncio.Future[None]] = [*pending]
+            if then is None:
+                waits.append(self._room_future())
+            finished, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
             for future in finished:
-                i = pending.pop(future)
+                i = pending.pop(future, -1)
+                if i < 0:
+                    continue  # room made
                 error = future.exception()
                 if error is None:
                     committed.append(i)
@@ -225,6 +261,21 @@ class ExactlyOnce(TrackingDelivery):
                     on_refused(i, error)
         if then is not None and committed:
             await then(sorted(committed))
+
+    def _room_future(self) -> asyncio.Future[None]:
+        room = self._room
+        if room is None or room.done():
+            room = self._room = asyncio.get_running_loop().create_future()
+        return room
+
+    def _unstaged(self, count: int) -> None:
+        """``count`` outcomes left the staging (committed, replaced, dropped)."""
+        self._staged_count -= count
+        room = self._room
+        if room is not None and self._staged_count <= self._staged_limit:
+            self._room = None
+            if not room.done():
+                room.set_result(None)
 
     async def _partition_of(self, tp: TopicPartition, ticket: int) -> _Partition:
         """The record's partition state; PartitionRevoked once the record's assignment ended.
@@ -338,7 +389,7 @@ class ExactlyOnce(TrackingDelivery):
             for ready in batch:
                 if self._dropped(ready):
                     continue  # lost while the commit was under way: _drop settled them
-                self._staged_count -= len(ready.offsets)
+                self._unstaged(len(ready.offsets))
                 for offset in ready.offsets:
                     staged = ready.part.staged.pop(offset)
                     if not staged.committed.done():
@@ -446,7 +497,7 @@ class ExactlyOnce(TrackingDelivery):
             staged = part.staged[offset]
             if staged.is_result:
                 del part.staged[offset]
-                self._staged_count -= 1
+                self._unstaged(1)
                 part.replacing.add(offset)
                 staged.committed.set_exception(
                     OutputTooLarge(f"result of {staged.record.topic}@{offset} is larger than "
@@ -593,7 +644,7 @@ class ExactlyOnce(TrackingDelivery):
         for staged in part.staged.values():
             if not staged.committed.done():
                 staged.committed.set_exception(PartitionRevoked(f"{tp}: {why}"))
-        self._staged_count -= len(part.staged)
+        self._unstaged(len(part.staged))
         part.staged.clear()
         self._notify()
         log.info("exactly_once_partition_released", partition=str(tp), reason=why)

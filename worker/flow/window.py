@@ -9,7 +9,8 @@ Invariants, true whenever no method of the window is running:
 
 - ``in_flight == sum(count per key)``; a key with no slot has no count entry;
 - every key's count <= per_partition_limit, and in_flight <= limit unless the
-  limit was lowered while slots were held (held slots are never revoked);
+  limit was lowered while slots were held (held slots are never revoked) or ``take``
+  went over it;
 - no live waiter could be granted: for every key with a waiter, the key is
   full or the window is globally full. ``_grant`` restores this after every
   change that frees room, so a waiter never waits while a slot is free.
@@ -99,6 +100,13 @@ class Window:
             return False
         self._take(key)
         return True
+
+    def take(self, key: Hashable) -> None:
+        """Take a slot for ``key`` now, over the limits if need be: for a record whose slot
+        went back before its outcome turned out to need more work (a result its transaction
+        refused, under exactly_once), which must not wait behind the records its partition's
+        commit is holding back."""
+        self._take(key)
 
     async def acquire(self, key: Hashable) -> None:
         """Wait for a slot for ``key`` and take it.

@@ -23,7 +23,9 @@ every record of a micro-batch that failed (any error: a batch try is not
 counted as an attempt, so a poison pill costs one extra Triton call), a result
 that fails to encode, a result whose send failed (written again alone, with its
 retries and size handling). The slot in the window and the in-flight entry pass
-with the record.
+with the record. Under exactly_once a group gives its slots and entries back once its
+results are staged (within the staged bound); a result its transaction refuses after
+that takes a slot (over the limit if need be) and an entry again.
 """
 
 from __future__ import annotations
@@ -71,6 +73,7 @@ class Candidate:
     entry: InFlight
     started: float
     settled: bool = False  # done, or handed to the per-record path
+    released: bool = False  # its slot and entry given back
     #: Its ordering unit (its partition, or its partition and key; see ``dispatch._Groups``):
     #: its group publishes the unit's records in offset order, once the unit's turn comes.
     unit: Hashable | None = None
@@ -287,6 +290,8 @@ class BatchPath:
             if isinstance(error, errors.PartitionRevoked):
                 item.candidate.settled = True  # its next owner redoes it
                 return
+            if item.candidate.released:
+                self._retake(item.candidate)
             handed = [_Failed(item.candidate, "publish", item.outcome())]
             self._hand_over(group, handed, hand_over, passed, turns=False)
 
@@ -464,10 +469,22 @@ class BatchPath:
             passed.add(unit)
             chain.ticket(unit).then(group.turns[unit].done)
 
+    def _retake(self, candidate: Candidate) -> None:
+        """A slot and an entry again, for a record refused after its group gave them back
+        (exactly_once gives them back once a result is staged): the per-record path takes
+        it on with both."""
+        self._window.take(candidate.tp)
+        candidate.entry = self._inflight.add(candidate.record)
+        candidate.entry.request_id = candidate.request.request_id
+        candidate.entry.model = candidate.request.model_name
+        candidate.entry.state = "publishing"
+        candidate.released = False
+
     def _release(self, candidates: list[Candidate]) -> None:
         """Give back the slots and entries of records done here (or abandoned)."""
         per_partition: dict[TopicPartition, int] = {}
         for candidate in candidates:
+            candidate.released = True
             record = candidate.record
             tp = TopicPartition(record.topic, record.partition)
             per_partition[tp] = per_partition.get(tp, 0) + 1

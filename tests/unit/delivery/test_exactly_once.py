@@ -267,10 +267,10 @@ async def test_a_group_of_results_is_staged_at_once_and_returns_once_committed()
 
 
 async def test_a_result_of_a_group_refused_for_size_is_returned_and_replaced_alone() -> None:
-    """The transaction refuses the second result of a group for its size: it is told at
-    once as OutputTooLarge, while the others wait (their partition commits below it); its
-    record (done already) completes alone with its dead letter, and the next transaction
-    carries all three in offset order."""
+    """The group returns once staged (within the bound); the transaction then refuses its
+    second result for its size: it is told as OutputTooLarge, and its partition commits
+    below it; its record (done already) completes alone with its dead letter, and the
+    next transaction carries all three in offset order."""
     factory = Factory(
         "kafka-triton-worker-group-in-0",
         lambda n, p: setattr(p, "refuse", {1} if n == 0 else set()),
@@ -294,11 +294,13 @@ async def test_a_result_of_a_group_refused_for_size_is_returned_and_replaced_alo
         )
     )
     await staged.wait()
+    await completing  # staged within the bound: the group's slots may go
+    assert not refused
     await delivery.commit()  # refused: the transaction is abandoned
-    await told.wait()  # at once: the group's other results wait for its dead letter
+    await told.wait()
     [(index, error)] = refused
     assert index == 1 and isinstance(error, errors.OutputTooLarge)
-    assert not completing.done()
+    assert not [o for p in factory.made for o in p.offsets]  # abandoned: nothing committed
 
     async def deliver() -> None:
         await delivery.publish_dead_letter(records[1], [("x-error-code", b"OUTPUT_TOO_LARGE")])
@@ -306,7 +308,7 @@ async def test_a_result_of_a_group_refused_for_size_is_returned_and_replaced_alo
     alone = asyncio.create_task(delivery.complete(records[1], tickets[1], deliver, lambda: None))
     await asyncio.sleep(0)  # the record's own path stages its dead letter
     await delivery.commit()
-    await asyncio.gather(completing, alone)
+    await alone
     assert delivery.offsets.commit_point(TP) == 3
     committed = [m for p in factory.made for m in p.committed]
     assert [(t, v) for t, v, _, _ in committed] == [
@@ -315,6 +317,89 @@ async def test_a_result_of_a_group_refused_for_size_is_returned_and_replaced_alo
         ("out", b"in-2"),
     ]
     assert [o for p in factory.made for o in p.offsets][-1] == {TP: OffsetAndMetadata(3, "")}
+    await delivery.close()
+
+
+def _small_window(n: int, shared: bool = False) -> tuple[ExactlyOnce, Factory]:
+    """exactly_once with a window of ``n`` slots (so ``n`` outcomes staged at most before a
+    group waits), over aiokafka's transactions (or one producer shared by every partition,
+    librdkafka's); its partitions assigned by the caller."""
+    settings = load_settings(
+        {
+            "WORKER_INPUT_TOPICS": "in",
+            "WORKER_OUTPUT_TOPIC": "out",
+            "WORKER_DLQ_TOPIC": "dlq",
+            "WORKER_GROUP_ID": "group",
+            "WORKER_DELIVERY": "exactly_once",
+            "WORKER_MAX_IN_FLIGHT": str(n),
+            "WORKER_MAX_IN_FLIGHT_PER_PARTITION": str(n),
+            "WORKER_COMMIT_INTERVAL_MS": "600000",
+        }
+    )
+    factory = Factory("kafka-triton-worker-group-in-0")
+    delivery = ExactlyOnce(
+        settings,
+        OffsetTracker(),
+        Edge({TP0, TP1}, transactions_only=True),
+        Metrics(version="test"),
+        transactions=Shared(None) if shared else per_partition(factory),
+    )
+    return delivery, factory
+
+
+async def test_a_group_over_the_staged_bound_waits_for_room_then_returns() -> None:
+    """More outcomes staged than the window holds: the group that passed the bound keeps
+    its slots until a commit makes room (or its own results commit); within the bound a
+    group returns at once, before its transaction."""
+    delivery, factory = _small_window(4)
+    await delivery.assigned({TP})
+    records = [record(o) for o in range(6)]
+    tickets = [delivery.track(r) for r in records]
+
+    def group(start: int, end: int) -> asyncio.Task[None]:
+        return asyncio.create_task(
+            delivery.complete_many(
+                [(r, b"in-%d" % r.offset, []) for r in records[start:end]], tickets[start:end]
+            )
+        )
+
+    await group(0, 3)  # 3 staged of 4: returns before its commit
+    assert delivery.offsets.commit_point(TP) == 3
+    over = group(3, 6)  # 6 staged: over the bound, waits
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert not over.done()
+    await delivery.commit()
+    await over  # room made (its own results committed too)
+    committed = [v for p in factory.made for v in _values(p.committed)]
+    assert committed == [b"in-%d" % o for o in range(6)]
+    await delivery.close()
+
+
+async def test_a_group_over_the_bound_returns_once_its_own_results_commit() -> None:
+    """A partition stuck below its staged outcomes (a record of it not done) keeps the
+    staging over the bound: a group of another partition still returns once its own
+    results commit, as a record holding its slot until its transaction would."""
+    delivery, _ = _small_window(2, shared=True)
+    await delivery.assigned({TP0, TP1})
+    stuck = [record(o, TP0) for o in range(4)]
+    stuck_tickets = [delivery.track(r) for r in stuck]
+    # Offset 0 is never done: offsets 1-3 stay staged, over the bound of 2.
+    blocked = asyncio.create_task(
+        delivery.complete_many([(r, b"a", []) for r in stuck[1:]], stuck_tickets[1:])
+    )
+    other = record(0, TP1)
+    other_ticket = delivery.track(other)
+    moving = asyncio.create_task(delivery.complete_many([(other, b"b", [])], [other_ticket]))
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert not blocked.done() and not moving.done()
+    await delivery.commit()
+    await moving  # its own result committed
+    assert not blocked.done()  # still over the bound, its own not committed
+    blocked.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await blocked
     await delivery.close()
 
 

@@ -465,6 +465,34 @@ async def test_a_refused_send_goes_to_the_per_record_delivery_with_its_result() 
     assert h.sample("worker_fast_path_fallbacks_total", reason="publish") == 1
 
 
+async def test_a_result_refused_after_its_group_returned_takes_a_slot_and_entry_again() -> None:
+    """exactly_once returns once a group's results are staged (their slots go back) and
+    tells of a refusal at the commit: the record takes a slot and an in-flight entry again
+    and goes to the per-record path with its result."""
+    h = Harness()
+    told: list[Callable[[int, BaseException], None]] = []
+
+    async def staged(
+        results: Any, tickets: Any, *, on_safe: Any, on_refused: Any, **_: Any
+    ) -> None:
+        for (rec, _, _), ticket in zip(results, tickets, strict=True):
+            h.offsets.done(TP, rec.offset, ticket)
+        on_safe()
+        told.append(on_refused)
+
+    h.delivery.complete_many = staged  # type: ignore[method-assign,assignment]
+    await h.run(h.take([record(i) for i in range(3)]))
+    assert h.window.in_flight == 0 and len(h.inflight) == 0 and not h.handed
+    [refused] = told
+    refused(1, errors.OutputTooLarge("refused at the commit"))
+    [handed] = h.handed
+    assert handed.record.offset == 1 and handed.outcome is not None
+    assert h.window.in_flight_for(TP) == 1
+    assert len(h.inflight) == 1 and handed.entry.request_id == "r" and handed.entry.model == "m"
+    refused(2, errors.PartitionRevoked("moved"))  # its next owner redoes it
+    assert len(h.handed) == 1 and h.window.in_flight == 1
+
+
 async def test_a_partition_revoked_during_the_group_is_not_marked_done() -> None:
     """Revoked and re-assigned while the acks wait: the old generation's offsets are dropped."""
     h = Harness()
