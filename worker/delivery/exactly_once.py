@@ -228,6 +228,7 @@ class ExactlyOnce(TrackingDelivery):
                 part = None
             parts[tp] = part if self._partitions.get(tp) is part else None
         output = self._topics.output_topic
+        loop = asyncio.get_running_loop()  # once (on Python 3.11 each call is a system call)
         pending: dict[asyncio.Future[None], int] = {}
         for i, ((record, value, headers), ticket) in enumerate(zip(results, tickets, strict=True)):
             tp = _tp(record)
@@ -236,7 +237,7 @@ class ExactlyOnce(TrackingDelivery):
                 on_refused(i, PartitionRevoked(str(tp)))
                 continue
             messages: list[Message] = [(output, value, record.key, headers)]
-            pending[self._put(part, record, messages, is_result=True)] = i
+            pending[self._put(part, record, messages, loop, is_result=True)] = i
         on_safe()
         committed: list[int] = []
         while pending:
@@ -326,7 +327,8 @@ class ExactlyOnce(TrackingDelivery):
         part = self._partitions.get(tp)
         if part is None:
             raise PartitionRevoked(str(tp))
-        committed = self._put(part, record, messages, is_result=is_result)
+        loop = asyncio.get_running_loop()
+        committed = self._put(part, record, messages, loop, is_result=is_result)
         on_staged = self._on_staged.pop((tp, record.offset), None)
         if on_staged is not None:
             on_staged()
@@ -337,6 +339,7 @@ class ExactlyOnce(TrackingDelivery):
         part: _Partition,
         record: ConsumerRecord[bytes, bytes],
         messages: list[Message],
+        loop: asyncio.AbstractEventLoop,
         *,
         is_result: bool,
     ) -> asyncio.Future[None]:
@@ -344,7 +347,7 @@ class ExactlyOnce(TrackingDelivery):
         settled when that transaction has committed (or the record's outcome must change)."""
         assert record.offset not in part.staged, f"{_tp(record)}@{record.offset} staged twice"
         part.replacing.discard(record.offset)
-        staged = _Staged(record, messages, asyncio.get_running_loop().create_future(), is_result)
+        staged = _Staged(record, messages, loop.create_future(), is_result)
         part.staged[record.offset] = staged
         self._staged_count += 1
         if self._staged_count >= self._commit_at:

@@ -268,12 +268,13 @@ async def test_a_group_of_results_is_staged_at_once_and_returns_once_committed()
 
 async def test_a_result_of_a_group_refused_for_size_is_returned_and_replaced_alone() -> None:
     """The group returns once staged (within the bound); the transaction then refuses its
-    second result for its size: it is told as OutputTooLarge, and its partition commits
-    below it; its record (done already) completes alone with its dead letter, and the
-    next transaction carries all three in offset order."""
+    batch for the second result's size: the next one sends the results one by one and
+    finds it; it is told as OutputTooLarge, and its partition commits below it; its record
+    (done already) completes alone with its dead letter, and the next transaction carries
+    all three."""
     factory = Factory(
         "kafka-triton-worker-group-in-0",
-        lambda n, p: setattr(p, "refuse", {1} if n == 0 else set()),
+        lambda n, p: setattr(p, "refuse", {1} if n < 2 else set()),
     )
     delivery = await _started(factory)
     records = [record(o) for o in range(3)]
@@ -295,8 +296,9 @@ async def test_a_result_of_a_group_refused_for_size_is_returned_and_replaced_alo
     )
     await staged.wait()
     await completing  # staged within the bound: the group's slots may go
-    assert not refused
-    await delivery.commit()  # refused: the transaction is abandoned
+    await delivery.commit()  # the batch refused: not knowing which, the transaction ends
+    assert factory.made[0].batches == [[0, 1, 2]] and not refused
+    await delivery.commit()  # one by one: the second is refused
     await told.wait()
     [(index, error)] = refused
     assert index == 1 and isinstance(error, errors.OutputTooLarge)
@@ -311,9 +313,9 @@ async def test_a_result_of_a_group_refused_for_size_is_returned_and_replaced_alo
     await alone
     assert delivery.offsets.commit_point(TP) == 3
     committed = [m for p in factory.made for m in p.committed]
-    assert [(t, v) for t, v, _, _ in committed] == [
-        ("out", b"in-0"),
+    assert sorted((t, v) for t, v, _, _ in committed) == [
         ("dlq", b"v"),
+        ("out", b"in-0"),
         ("out", b"in-2"),
     ]
     assert [o for p in factory.made for o in p.offsets][-1] == {TP: OffsetAndMetadata(3, "")}

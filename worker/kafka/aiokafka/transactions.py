@@ -28,6 +28,7 @@ from aiokafka.errors import (
     ProducerFenced,
     TransactionalIdAuthorizationFailed,
 )
+from aiokafka.partitioner import DefaultPartitioner
 from aiokafka.structs import OffsetAndMetadata, TopicPartition
 
 from worker.kafka.aiokafka import clients
@@ -56,6 +57,8 @@ ProducerFactory = Callable[[str], AIOKafkaProducer]
 #: aiokafka's failures inside a transaction (AssertionError: its transaction state machine
 #: after a fatal error).
 _FAILURES = (KafkaError, AssertionError, OSError)
+#: How ``send`` chooses a message's partition (murmur2 of the key, as the Java client does).
+_PARTITIONER = DefaultPartitioner()
 
 
 class PartitionProducer:
@@ -185,16 +188,42 @@ class PartitionProducer:
 
 
 async def _all(producer: AIOKafkaProducer, messages: Sequence[Message]) -> list[Any]:
-    """Each message's acknowledgement or error, every one sent before any is awaited."""
-    sent: list[asyncio.Future[Any] | BaseException] = []
-    for topic, value, key, headers in messages:
-        try:
-            sent.append(await producer.send(topic, value=value, key=key, headers=list(headers)))
-        except MessageSizeTooLargeError as exc:
-            sent.append(exc)
-    pending = [s for s in sent if not isinstance(s, BaseException)]
-    acks = iter(await asyncio.gather(*pending, return_exceptions=True))
-    return [s if isinstance(s, BaseException) else next(acks) for s in sent]
+    """Each message's acknowledgement or error: the messages appended to one batch per
+    partition (another when one fills), every batch handed over, then their
+    acknowledgements awaited, one per batch and none per message. A message over the
+    producer's own limit fits no batch, even alone: refused like one the broker refused."""
+    outcomes: list[Any] = [None] * len(messages)
+    batches: list[tuple[str, int, Any]] = []
+    landed = [-1] * len(messages)  # each message's batch
+    newest: dict[tuple[str, int], int] = {}
+    known: dict[str, list[int]] = {}
+    for i, (topic, value, key, headers) in enumerate(messages):
+        partitions = known.get(topic)
+        if partitions is None:
+            partitions = known[topic] = sorted(await producer.partitions_for(topic))
+        partition = _PARTITIONER(key, partitions, partitions)
+        at = newest.get((topic, partition))
+        if (
+            at is None
+            or batches[at][2].append(key=key, value=value, timestamp=None, headers=list(headers))
+            is None
+        ):
+            builder = producer.create_batch()
+            if builder.append(key=key, value=value, timestamp=None, headers=list(headers)) is None:
+                outcomes[i] = MessageSizeTooLargeError("larger than the producer's limit")
+                continue
+            at = newest[(topic, partition)] = len(batches)
+            batches.append((topic, partition, builder))
+        landed[i] = at
+    acks = []
+    for topic, partition, builder in batches:
+        builder.close()
+        acks.append(await producer.send_batch(builder, topic, partition=partition))
+    settled = await asyncio.gather(*acks, return_exceptions=True)
+    for i, at in enumerate(landed):
+        if at >= 0:
+            outcomes[i] = settled[at]
+    return outcomes
 
 
 async def _each_alone(producer: AIOKafkaProducer, messages: Sequence[Message]) -> list[Any]:

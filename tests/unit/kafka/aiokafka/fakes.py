@@ -26,8 +26,32 @@ class _TxnManager:
         return self.open
 
 
+class _Builder:
+    """A batch being filled (``create_batch``): its messages and their indexes."""
+
+    def __init__(self, producer: FakeProducer) -> None:
+        self._producer = producer
+        self.messages: list[tuple[int, bytes | None, bytes | None, list[Any]]] = []
+        self.closed = False
+
+    def append(
+        self, *, key: bytes | None, value: bytes | None, timestamp: None, headers: list[Any]
+    ) -> object | None:
+        """None when full: a message over the producer's own limit is, even alone."""
+        index = self._producer.next_index()
+        if index in self._producer.refuse_at_send:
+            return None
+        self.messages.append((index, value, key, headers))
+        return object()
+
+    def close(self) -> None:
+        self.closed = True
+
+
 class FakeProducer:
-    """What PartitionProducer uses of AIOKafkaProducer, recording every call."""
+    """What PartitionProducer uses of AIOKafkaProducer, recording every call. Messages are
+    numbered in the order they are handed over (``send``, or appended to a batch): the
+    indexes ``refuse`` and ``refuse_at_send`` name."""
 
     def __init__(self) -> None:
         self._txn_manager = _TxnManager()
@@ -42,6 +66,9 @@ class FakeProducer:
         self.offsets_error: BaseException | None = None
         self.commit_error: BaseException | None = None
         self.sent: list[Message] = []
+        #: Batches handed over (``send_batch``): each one's message indexes.
+        self.batches: list[list[int]] = []
+        self._handed = 0
         self.offsets: list[dict[TopicPartition, OffsetAndMetadata]] = []
         #: Messages of the transactions that committed.
         self.committed: list[Message] = []
@@ -61,20 +88,48 @@ class FakeProducer:
         self._txn_manager.open = True
         self._pending = []
 
+    def next_index(self) -> int:
+        index, self._handed = self._handed, self._handed + 1
+        return index
+
     async def send(
         self, topic: str, value: bytes | None, key: bytes | None, headers: list[Any]
     ) -> asyncio.Future[None]:
         self.on_send()
-        if len(self.sent) in self.refuse_at_send:
+        index = self.next_index()
+        if index in self.refuse_at_send:
             self.sent.append((topic, value, key, headers))
             raise MessageSizeTooLargeError("over max_request_size")
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        if len(self.sent) in self.refuse:
+        if index in self.refuse:
             future.set_exception(MessageSizeTooLargeError())
         else:
             future.set_result(None)
         self.sent.append((topic, value, key, headers))
         self._pending.append((topic, value, key, headers))
+        return future
+
+    async def partitions_for(self, topic: str) -> set[int]:
+        return {0}
+
+    def create_batch(self) -> _Builder:
+        return _Builder(self)
+
+    async def send_batch(
+        self, batch: _Builder, topic: str, *, partition: int
+    ) -> asyncio.Future[None]:
+        """The batch's acknowledgement: refused (for size) when any of its messages is."""
+        assert batch.closed and partition == 0
+        self.on_send()
+        self.batches.append([index for index, *_ in batch.messages])
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        if any(index in self.refuse for index, *_ in batch.messages):
+            future.set_exception(MessageSizeTooLargeError())
+        else:
+            future.set_result(None)
+        for _, value, key, headers in batch.messages:
+            self.sent.append((topic, value, key, headers))
+            self._pending.append((topic, value, key, headers))
         return future
 
     async def send_offsets_to_transaction(

@@ -135,15 +135,17 @@ async def test_state_machine_assertion_fails_the_transaction_not_fenced() -> Non
     assert factory.made[1].committed == MESSAGES
 
 
-async def test_message_refused_for_size_is_named() -> None:
-    """One message refused by the broker for its size: send names it (the transaction is
-    then abandoned: aborted, and the producer replaced, as aiokafka keeps the refused
-    batch's sequence numbers)."""
+async def test_message_refused_for_size_is_named_with_its_batch() -> None:
+    """One message refused by the broker for its size: send names every message of its
+    batch (one per topic and partition here), not the others (the transaction is then
+    abandoned: aborted, and the producer replaced, as aiokafka keeps the refused batch's
+    sequence numbers)."""
     factory = Factory(TXN_ID, lambda n, p: setattr(p, "refuse", {1} if n == 0 else set()))
     producer = _partition_producer(factory)
     await producer.start()
     await producer.begin()
-    assert await producer.send(MESSAGES, one_by_one=False) == (1,)
+    assert await producer.send(MESSAGES, one_by_one=False) == (0, 1)
+    assert factory.made[0].batches == [[0, 1], [2]]  # "out", then "dlq"
     await producer.abandon("refused for size")
     first = factory.made[0]
     assert first.calls == ["start", "begin", "abort", "stop"]
@@ -163,7 +165,7 @@ async def test_message_over_the_producers_own_limit_is_named_like_a_broker_refus
     await producer.start()
     await producer.begin()
     assert await producer.send(MESSAGES, one_by_one=False) == (0,)
-    assert factory.made[0].sent == MESSAGES
+    assert factory.made[0].sent == MESSAGES[1:]
 
 
 async def test_a_start_stops_trying_once_the_partition_is_no_longer_ours() -> None:
