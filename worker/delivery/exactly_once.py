@@ -64,12 +64,50 @@ __all__ = ["ExactlyOnce"]
 log = structlog.get_logger(__name__)
 
 
-@dataclass
+class _Waiter:
+    """Who waits for staged outcomes to commit: one record's own path, or a group of
+    results (one future for them all; each one refused or gone told to ``on_refused`` at
+    once, the others' indexes kept for its audit)."""
+
+    __slots__ = ("committed", "future", "on_refused", "remaining")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, on_refused: Refused | None) -> None:
+        #: Set once every outcome is settled; a record's own fails with its refusal.
+        self.future: asyncio.Future[None] = loop.create_future()
+        self.on_refused = on_refused
+        self.remaining = 0
+        self.committed: list[int] = []
+
+    def settle(self, index: int, error: BaseException | None) -> None:
+        self.remaining -= 1
+        if error is None:
+            self.committed.append(index)
+        elif self.on_refused is None:
+            if not self.future.done():
+                self.future.set_exception(error)
+        else:
+            try:
+                self.on_refused(index, error)
+            except Exception:  # a bug of the caller's: it must not stop the commits
+                log.exception("refusal_not_told", index=index)
+        if self.remaining <= 0 and not self.future.done():
+            self.future.set_result(None)
+
+
+@dataclass(slots=True)
 class _Staged:
     record: ConsumerRecord[bytes, bytes]
     messages: list[Message]
-    committed: asyncio.Future[None]
+    waiter: _Waiter
+    index: int  # in its waiter's group
     is_result: bool  # a refusal for size turns it into a dead letter
+    settled: bool = False
+
+    def settle(self, error: BaseException | None = None) -> None:
+        """Committed (no error), or its outcome must change (refused, partition gone)."""
+        if not self.settled:
+            self.settled = True
+            self.waiter.settle(self.index, error)
 
 
 @dataclass
@@ -107,18 +145,6 @@ class _Lost(Exception):
 
 def _tp(record: ConsumerRecord[bytes, bytes]) -> TopicPartition:
     return TopicPartition(record.topic, record.partition)
-
-
-def _told_if_refused(index: int, on_refused: Refused) -> Callable[[asyncio.Future[None]], None]:
-    """A done callback: ``on_refused(index, error)`` when the staged result's transaction
-    did not take it (refused for size, or its partition went)."""
-
-    def told(future: asyncio.Future[None]) -> None:
-        error = None if future.cancelled() else future.exception()
-        if error is not None:
-            on_refused(index, error)
-
-    return told
 
 
 class ExactlyOnce(TrackingDelivery):
@@ -228,8 +254,7 @@ class ExactlyOnce(TrackingDelivery):
                 part = None
             parts[tp] = part if self._partitions.get(tp) is part else None
         output = self._topics.output_topic
-        loop = asyncio.get_running_loop()  # once (on Python 3.11 each call is a system call)
-        pending: dict[asyncio.Future[None], int] = {}
+        waiter = _Waiter(asyncio.get_running_loop(), on_refused)
         for i, ((record, value, headers), ticket) in enumerate(zip(results, tickets, strict=True)):
             tp = _tp(record)
             part = parts[tp]
@@ -237,31 +262,17 @@ class ExactlyOnce(TrackingDelivery):
                 on_refused(i, PartitionRevoked(str(tp)))
                 continue
             messages: list[Message] = [(output, value, record.key, headers)]
-            pending[self._put(part, record, messages, loop, is_result=True)] = i
+            self._put(part, record, messages, waiter, i, is_result=True)
         on_safe()
-        committed: list[int] = []
-        while pending:
+        while waiter.remaining > 0:
             if then is None and self._staged_count <= self._staged_limit:
-                # Staged within the bound: the records' slots go back now, and a result
-                # refused at its commit is told to ``on_refused`` then.
-                for future, i in pending.items():
-                    future.add_done_callback(_told_if_refused(i, on_refused))
+                # Staged within the bound: the records' slots go back now; a result refused
+                # at its commit is told to ``on_refused`` then.
                 return
-            waits: list[asyncio.Future[None]] = [*pending]
-            if then is None:
-                waits.append(self._room_future())
-            finished, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-            for future in finished:
-                i = pending.pop(future, -1)
-                if i < 0:
-                    continue  # room made
-                error = future.exception()
-                if error is None:
-                    committed.append(i)
-                else:
-                    on_refused(i, error)
-        if then is not None and committed:
-            await then(sorted(committed))
+            waits = [waiter.future] if then is not None else [waiter.future, self._room_future()]
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        if then is not None and waiter.committed:
+            await then(sorted(waiter.committed))
 
     def _room_future(self) -> asyncio.Future[None]:
         room = self._room
@@ -327,32 +338,32 @@ class ExactlyOnce(TrackingDelivery):
         part = self._partitions.get(tp)
         if part is None:
             raise PartitionRevoked(str(tp))
-        loop = asyncio.get_running_loop()
-        committed = self._put(part, record, messages, loop, is_result=is_result)
+        waiter = _Waiter(asyncio.get_running_loop(), None)
+        self._put(part, record, messages, waiter, 0, is_result=is_result)
         on_staged = self._on_staged.pop((tp, record.offset), None)
         if on_staged is not None:
             on_staged()
-        await committed
+        await waiter.future
 
     def _put(
         self,
         part: _Partition,
         record: ConsumerRecord[bytes, bytes],
         messages: list[Message],
-        loop: asyncio.AbstractEventLoop,
+        waiter: _Waiter,
+        index: int,
         *,
         is_result: bool,
-    ) -> asyncio.Future[None]:
-        """Stage the record's messages for its partition's next transaction; the future is
-        settled when that transaction has committed (or the record's outcome must change)."""
+    ) -> None:
+        """Stage the record's messages for its partition's next transaction; ``waiter`` is
+        told when that transaction has committed (or the record's outcome must change)."""
         assert record.offset not in part.staged, f"{_tp(record)}@{record.offset} staged twice"
         part.replacing.discard(record.offset)
-        staged = _Staged(record, messages, loop.create_future(), is_result)
-        part.staged[record.offset] = staged
+        part.staged[record.offset] = _Staged(record, messages, waiter, index, is_result)
+        waiter.remaining += 1
         self._staged_count += 1
         if self._staged_count >= self._commit_at:
             self.commit_soon()
-        return staged.committed
 
     # -- commits ---------------------------------------------------------------------
 
@@ -393,10 +404,9 @@ class ExactlyOnce(TrackingDelivery):
                 if self._dropped(ready):
                     continue  # lost while the commit was under way: _drop settled them
                 self._unstaged(len(ready.offsets))
+                staged = ready.part.staged
                 for offset in ready.offsets:
-                    staged = ready.part.staged.pop(offset)
-                    if not staged.committed.done():
-                        staged.committed.set_result(None)
+                    staged.pop(offset).settle()
                 self.offsets.mark_committed({ready.tp: ready.point})
         self._metrics.transactions_total.inc()
         self._metrics.commits_total.inc()
@@ -502,7 +512,7 @@ class ExactlyOnce(TrackingDelivery):
                 del part.staged[offset]
                 self._unstaged(1)
                 part.replacing.add(offset)
-                staged.committed.set_exception(
+                staged.settle(
                     OutputTooLarge(f"result of {staged.record.topic}@{offset} is larger than "
                                    f"{self._topics.output_topic!r} accepts")
                 )  # fmt: skip
@@ -518,7 +528,7 @@ class ExactlyOnce(TrackingDelivery):
                 f"{topic!r} refuses the dead letter of {wire.Source.of(staged.record)} even "
                 "without its value and key; raise the topic's max.message.bytes"
             )
-            staged.committed.set_exception(error)
+            staged.settle(error)
             self.fail(error)
             return message
         if not omitted:
@@ -644,11 +654,11 @@ class ExactlyOnce(TrackingDelivery):
             if generation is not None:
                 self._released[tp] = (generation, why)
         part.ready.set()
-        for staged in part.staged.values():
-            if not staged.committed.done():
-                staged.committed.set_exception(PartitionRevoked(f"{tp}: {why}"))
-        self._unstaged(len(part.staged))
+        gone = list(part.staged.values())
+        self._unstaged(len(gone))
         part.staged.clear()
+        for staged in gone:
+            staged.settle(PartitionRevoked(f"{tp}: {why}"))
         self._notify()
         log.info("exactly_once_partition_released", partition=str(tp), reason=why)
 
