@@ -239,6 +239,15 @@ def triton_env(install: TritonInstall, base_env: Mapping[str, str]) -> dict[str,
     return env
 
 
+#: Starts tried on freshly picked ports when a picked one was taken meanwhile.
+PORT_TRIES = 3
+
+
+def _port_taken(error: StartupError) -> bool:
+    """The server exited because a port it was given is in use."""
+    return "already in use" in str(error)
+
+
 @dataclass(frozen=True)
 class TritonPorts:
     """The three ports one server listens on, all on 127.0.0.1."""
@@ -312,11 +321,13 @@ class TritonServer:
         self.workdir = Path(workdir)
         self.models = tuple(models) if models is not None else None
         self.extra_args = tuple(extra_args)
+        #: Ports picked here are picked again if one is taken by the time the server starts
+        #: (servers prepared together pick theirs before any of them listens).
+        self._picked_ports = ports is None
         self.ports = ports if ports is not None else TritonPorts.pick()
-        argv = server_argv(install, self.model_repository, self.ports, self.models, extra_args)
         self._proc = ManagedProcess(
             name="tritonserver",
-            argv=argv,
+            argv=self._argv(),
             log_path=self.log_path,
             env=dict(env) if env is not None else triton_env(install, os.environ),
             cwd=self.workdir,
@@ -357,22 +368,35 @@ class TritonServer:
         with urllib.request.urlopen(url, timeout=2.0) as response:
             return bool(response.status == 200)
 
+    def _argv(self) -> list[str]:
+        return server_argv(
+            self.install, self.model_repository, self.ports, self.models, self.extra_args
+        )
+
     def start(self, timeout_s: float = 120.0) -> float:
         """Start the server and wait until it and its models are ready; return seconds taken.
 
-        On failure the process is stopped and StartupError carries the log tail.
+        A port picked here and taken meanwhile (the server exits: "already in use") is
+        picked again, up to ``PORT_TRIES`` times. On failure the process is stopped and
+        StartupError carries the log tail.
         """
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self._exit_note = None
-        self._expected_up = True
-        self._proc.start()
-        try:
-            seconds = self._proc.wait_ready(self._ready, timeout_s, interval_s=0.1)
-        except StartupError:
-            self.stop(timeout_s=5.0)
-            raise
-        self._shm_regions.update(_stub_shm_regions(self.pid))
-        return seconds
+        for attempt in range(1, PORT_TRIES + 1):
+            self._exit_note = None
+            self._expected_up = True
+            self._proc.start()
+            try:
+                seconds = self._proc.wait_ready(self._ready, timeout_s, interval_s=0.1)
+            except StartupError as exc:
+                self.stop(timeout_s=5.0)
+                if not (self._picked_ports and attempt < PORT_TRIES and _port_taken(exc)):
+                    raise
+                self.ports = TritonPorts.pick()
+                self._proc.argv = self._argv()
+                continue
+            self._shm_regions.update(_stub_shm_regions(self.pid))
+            return seconds
+        raise AssertionError("unreachable")  # pragma: no cover
 
     def stop(self, timeout_s: float = 15.0) -> None:
         """SIGTERM the server and its stubs, SIGKILL after ``timeout_s``. Idempotent."""

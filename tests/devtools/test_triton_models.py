@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import threading
 import time
 import urllib.request
@@ -21,6 +22,7 @@ from devtools.devstack.process import StartupError
 from devtools.devstack.triton import (
     SITE_PACKAGES_ENV,
     TritonInstall,
+    TritonPorts,
     TritonServer,
     ensure_triton,
     triton_env,
@@ -251,6 +253,37 @@ def test_a_server_found_from_its_state_can_be_stopped(
         assert not original.running()
     finally:
         original.stop()
+
+
+def test_a_picked_port_taken_before_the_start_is_picked_again(
+    install: TritonInstall, tmp_path: Path
+) -> None:
+    """Servers prepared together pick their ports before any of them listens: a port
+    taken by the time one starts (here by a socket listening on its gRPC port) makes it
+    exit at once; it starts again on fresh ports. Ports given by the caller are not
+    changed: the same start fails."""
+    server = TritonServer(install, models_dir(), tmp_path / "picked", models=["double"])
+    taken = server.ports.grpc
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", taken))
+        holder.listen()
+        server.start(timeout_s=60)
+        try:
+            assert server.ports.grpc != taken
+            with grpcclient.InferenceServerClient(server.grpc_address) as client:
+                assert client.is_model_ready("double")
+        finally:
+            server.stop()
+        given = TritonServer(
+            install,
+            models_dir(),
+            tmp_path / "given",
+            models=["double"],
+            ports=TritonPorts(grpc=taken, http=server.ports.http, metrics=server.ports.metrics),
+        )
+        with pytest.raises(StartupError, match="already in use"):
+            given.start(timeout_s=60)
+        assert given.ports.grpc == taken and not given.running()
 
 
 def test_models_fail_without_the_numpy_site_fix(install: TritonInstall, tmp_path: Path) -> None:
