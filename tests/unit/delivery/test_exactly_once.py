@@ -30,20 +30,28 @@ from worker.kafka.aiokafka import transactions as aio_transactions
 from worker.kafka.aiokafka.transactions import PerPartitionTransactions, ProducerFactory
 from worker.kafka.transactions import Message
 from worker.observability import Metrics
-from worker.settings import load_settings
+from worker.settings import Settings, load_settings
 from worker.wire.headers import X_ORIGINAL_VALUE_BYTES, X_ORIGINAL_VALUE_SHA256
 
 pytestmark = pytest.mark.timeout(10)
 
-SETTINGS = load_settings(
-    {
-        "WORKER_INPUT_TOPICS": "in",
-        "WORKER_OUTPUT_TOPIC": "out",
-        "WORKER_DLQ_TOPIC": "dlq",
-        "WORKER_GROUP_ID": "group",
-        "WORKER_DELIVERY": "exactly_once",
-    }
-)
+
+def _settings(**extra: str) -> Settings:
+    """exactly_once over topics in, out and dlq, for group ``group``; ``extra``: more
+    settings, named without their WORKER_ prefix."""
+    return load_settings(
+        {
+            "WORKER_INPUT_TOPICS": "in",
+            "WORKER_OUTPUT_TOPIC": "out",
+            "WORKER_DLQ_TOPIC": "dlq",
+            "WORKER_GROUP_ID": "group",
+            "WORKER_DELIVERY": "exactly_once",
+            **{f"WORKER_{name}": value for name, value in extra.items()},
+        }
+    )
+
+
+SETTINGS = _settings()
 TP0, TP1 = TP, TopicPartition("in", 1)
 
 
@@ -326,17 +334,8 @@ def _small_window(n: int, shared: bool = False) -> tuple[ExactlyOnce, Factory]:
     """exactly_once with a window of ``n`` slots (so ``n`` outcomes staged at most before a
     group waits), over aiokafka's transactions (or one producer shared by every partition,
     librdkafka's); its partitions assigned by the caller."""
-    settings = load_settings(
-        {
-            "WORKER_INPUT_TOPICS": "in",
-            "WORKER_OUTPUT_TOPIC": "out",
-            "WORKER_DLQ_TOPIC": "dlq",
-            "WORKER_GROUP_ID": "group",
-            "WORKER_DELIVERY": "exactly_once",
-            "WORKER_MAX_IN_FLIGHT": str(n),
-            "WORKER_MAX_IN_FLIGHT_PER_PARTITION": str(n),
-            "WORKER_COMMIT_INTERVAL_MS": "600000",
-        }
+    settings = _settings(
+        MAX_IN_FLIGHT=str(n), MAX_IN_FLIGHT_PER_PARTITION=str(n), COMMIT_INTERVAL_MS="600000"
     )
     factory = Factory("kafka-triton-worker-group-in-0")
     delivery = ExactlyOnce(
@@ -697,17 +696,8 @@ async def test_a_window_half_full_of_staged_outcomes_commits_before_the_interval
     """A record holds its window slot until its transaction commits: once half the window
     (WORKER_MAX_IN_FLIGHT 4: two outcomes) is staged, the commit loop commits at once
     rather than at the end of its 60 s interval."""
-    settings = load_settings(
-        {
-            "WORKER_INPUT_TOPICS": "in",
-            "WORKER_OUTPUT_TOPIC": "out",
-            "WORKER_DLQ_TOPIC": "dlq",
-            "WORKER_GROUP_ID": "group",
-            "WORKER_DELIVERY": "exactly_once",
-            "WORKER_MAX_IN_FLIGHT": "4",
-            "WORKER_MAX_IN_FLIGHT_PER_PARTITION": "2",
-            "WORKER_COMMIT_INTERVAL_MS": "60000",
-        }
+    settings = _settings(
+        MAX_IN_FLIGHT="4", MAX_IN_FLIGHT_PER_PARTITION="2", COMMIT_INTERVAL_MS="60000"
     )
     transactions = Shared()
     delivery = ExactlyOnce(
