@@ -68,7 +68,7 @@ class _Outbox:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     def append(
-        self, producer: AIOKafkaProducer, key: bytes | None, value: bytes, headers: Headers
+        self, producer: AIOKafkaProducer, key: bytes | None, value: bytes | None, headers: Headers
     ) -> _Batch | None:
         """The batch the record went to (a new one when the newest is full or handed
         over), or None when it is over the producer's limit alone."""

@@ -28,11 +28,11 @@ from aiokafka.errors import (
     ProducerFenced,
     TransactionalIdAuthorizationFailed,
 )
-from aiokafka.partitioner import DefaultPartitioner
 from aiokafka.structs import OffsetAndMetadata, TopicPartition
 
 from worker.kafka.aiokafka import clients
 from worker.kafka.aiokafka._compat import in_transaction
+from worker.kafka.aiokafka.producer import _PARTITIONER, _Batch, _Outbox
 from worker.kafka.transactions import (
     START_ATTEMPTS,
     START_BACKOFF,
@@ -57,8 +57,6 @@ ProducerFactory = Callable[[str], AIOKafkaProducer]
 #: aiokafka's failures inside a transaction (AssertionError: its transaction state machine
 #: after a fatal error).
 _FAILURES = (KafkaError, AssertionError, OSError)
-#: How ``send`` chooses a message's partition (murmur2 of the key, as the Java client does).
-_PARTITIONER = DefaultPartitioner()
 
 
 class PartitionProducer:
@@ -189,40 +187,40 @@ class PartitionProducer:
 
 async def _all(producer: AIOKafkaProducer, messages: Sequence[Message]) -> list[Any]:
     """Each message's acknowledgement or error: the messages appended to one batch per
-    partition (another when one fills), every batch handed over, then their
-    acknowledgements awaited, one per batch and none per message. A message over the
-    producer's own limit fits no batch, even alone: refused like one the broker refused."""
+    partition (another when one fills; the idempotent producer's outboxes, with one writer
+    here), every batch handed over, then their acknowledgements awaited, one per batch and
+    none per message. A message over the producer's own limit fits no batch, even alone:
+    refused like one the broker refused."""
     outcomes: list[Any] = [None] * len(messages)
-    batches: list[tuple[str, int, Any]] = []
-    landed = [-1] * len(messages)  # each message's batch
-    newest: dict[tuple[str, int], int] = {}
+    landed: list[_Batch | None] = [None] * len(messages)
+    boxes: dict[tuple[str, int], _Outbox] = {}
     known: dict[str, list[int]] = {}
     for i, (topic, value, key, headers) in enumerate(messages):
         partitions = known.get(topic)
         if partitions is None:
             partitions = known[topic] = sorted(await producer.partitions_for(topic))
         partition = _PARTITIONER(key, partitions, partitions)
-        at = newest.get((topic, partition))
-        if (
-            at is None
-            or batches[at][2].append(key=key, value=value, timestamp=None, headers=list(headers))
-            is None
-        ):
-            builder = producer.create_batch()
-            if builder.append(key=key, value=value, timestamp=None, headers=list(headers)) is None:
-                outcomes[i] = MessageSizeTooLargeError("larger than the producer's limit")
-                continue
-            at = newest[(topic, partition)] = len(batches)
-            batches.append((topic, partition, builder))
-        landed[i] = at
+        box = boxes.get((topic, partition))
+        if box is None:
+            box = boxes[(topic, partition)] = _Outbox(topic, partition)
+        landed[i] = box.append(producer, key, value, headers)
+        if landed[i] is None:
+            outcomes[i] = MessageSizeTooLargeError("larger than the producer's limit")
+    batches = [(box, batch) for box in boxes.values() for batch in box.batches]
     acks = []
-    for topic, partition, builder in batches:
-        builder.close()
-        acks.append(await producer.send_batch(builder, topic, partition=partition))
-    settled = await asyncio.gather(*acks, return_exceptions=True)
-    for i, at in enumerate(landed):
-        if at >= 0:
-            outcomes[i] = settled[at]
+    for box, batch in batches:
+        batch.builder.close()
+        acks.append(await producer.send_batch(batch.builder, box.topic, partition=box.partition))
+    outcome_of = dict(
+        zip(
+            (batch for _, batch in batches),
+            await asyncio.gather(*acks, return_exceptions=True),
+            strict=True,
+        )
+    )
+    for i, went in enumerate(landed):
+        if went is not None:
+            outcomes[i] = outcome_of[went]
     return outcomes
 
 
