@@ -44,6 +44,7 @@ from worker.flow.ordering import Ticket, Turns, wait_all
 from worker.flow.window import Window
 from worker.kafka.types import ConsumerRecord, TopicPartition
 from worker.observability import InFlight, InFlightRegistry
+from worker.observability.inflight import State
 from worker.observability.trace_context import GroupSpan
 from worker.observability.tracing import Tracing
 from worker.records.admission import Admissions
@@ -187,8 +188,7 @@ class BatchPath:
                 return None
         except Exception:
             return None
-        entry = self._inflight.add(record)
-        entry.request_id, entry.model, entry.state = request.request_id, name, "waiting_batch"
+        entry = self._entry(record, request, "waiting_batch")
         if request.pending is not None:
             rows = request.pending[0].shape[0]
         else:
@@ -474,11 +474,16 @@ class BatchPath:
         (exactly_once gives them back once a result is staged): the per-record path takes
         it on with both."""
         self._window.take(candidate.tp)
-        candidate.entry = self._inflight.add(candidate.record)
-        candidate.entry.request_id = candidate.request.request_id
-        candidate.entry.model = candidate.request.model_name
-        candidate.entry.state = "publishing"
+        candidate.entry = self._entry(candidate.record, candidate.request, "publishing")
         candidate.released = False
+
+    def _entry(
+        self, record: ConsumerRecord[bytes, bytes], request: wire.DecodedRequest, state: State
+    ) -> InFlight:
+        """The record's in-flight entry, named by its request."""
+        entry = self._inflight.add(record)
+        entry.request_id, entry.model, entry.state = request.request_id, request.model_name, state
+        return entry
 
     def _release(self, candidates: list[Candidate]) -> None:
         """Give back the slots and entries of records done here (or abandoned)."""
